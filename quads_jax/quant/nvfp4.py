@@ -1,0 +1,313 @@
+"""NVFP4: the one implementation of the 4-bit format that every part of quads-jax calls.
+
+Format (QUADS_SPEC section 2, NVIDIA Transformer Engine convention):
+
+* element: E2M1, values {0, .5, 1, 1.5, 2, 3, 4, 6} with a sign bit; code bit 3 is the sign;
+* block: 16 consecutive elements along the last (reduction, K) axis share one E4M3 decode scale;
+* above the blocks, one float32 *decode* scale ``g`` per tensor ("tensor"), per row ("row") or
+  per 2-D matrix of a stacked weight ("expert": one per expert of ``[E, N, K]``, one per
+  (layer, expert) of ``[L, E, N, K]``).
+
+Arithmetic, written out once here and copied operation for operation by the Pallas kernels::
+
+    g      = amax / 2688                  (g = 1 when amax == 0; 2688 = 6 * 448)
+    enc    = 1 / g                        the encode scale S_enc, always recomputed from g
+    s_b    = e4m3(clamp(amax_b * enc * (1/6), 0, 448))
+    r_b    = 1 / (s_b * g)                (0 where s_b == 0)   explicit float32 reciprocal
+    code   = rne_e2m1(x * r_b)            round half to even, saturating at +-6
+    x_hat  = (e2m1(code) * s_b) * g
+
+Everything depends on ``g`` only, so ``quantize(x, global_scale=q.global_scale)`` reproduces
+``q`` exactly. The reciprocal is explicit because XLA rewrites ``x / broadcast(s)`` into
+``x * broadcast(1 / s)``, and a different operation order flips E2M1 rounding ties.
+
+Non-finite inputs: a 16-element block that holds a NaN or an Inf gets a NaN block scale, so all
+16 of its outputs dequantize to NaN (a NaN never silently becomes a finite value); the global
+scale is computed from the finite values only, so other blocks are unaffected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+BLOCK_SIZE = 16
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+GLOBAL_AMAX_TARGET = E2M1_MAX * E4M3_MAX  # 2688
+SCALE_MODES = ("tensor", "row", "expert")
+ScaleMode = Literal["tensor", "row", "expert"]
+FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+# Magnitudes of the 8 non-negative E2M1 codes; codes 8..15 are their negatives.
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
+E2M1_TABLE = np.concatenate([E2M1_VALUES, -E2M1_VALUES]).astype(np.float32)
+# Round-half-to-even decision points in the scaled domain: a magnitude moves up one code when it
+# is above a "strict" point (tie goes down to the even code) or at/above an "inclusive" one.
+_UP_STRICT = (0.25, 1.25, 2.5, 5.0)
+_UP_INCLUSIVE = (0.75, 1.75, 3.5)
+_ONE_SIXTH = np.float32(1.0 / 6.0)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NVFP4Tensor:
+    """A quantized tensor of logical shape ``[..., K]``.
+
+    Attributes:
+      packed: uint8 ``[..., K // 2]``; element ``2i`` in the low nibble, ``2i + 1`` in the high.
+      scales: float8_e4m3fn ``[..., K // 16]``; per-block decode scales.
+      global_scale: float32 decode scale ``g``: ``[]`` ("tensor"), ``[..., 1]`` ("row") or
+        ``[..., 1, 1]`` ("expert": one per matrix of a stacked ``[..., N, K]``).
+      dtype: the logical dtype that ``dequantize`` returns by default (static).
+    """
+
+    packed: jax.Array
+    scales: jax.Array
+    global_scale: jax.Array
+    dtype: jnp.dtype = dataclasses.field(default=jnp.dtype(jnp.bfloat16), metadata={"static": True})
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The logical shape ``[..., K]`` (derived, so it stays right under vmap)."""
+        return tuple(self.packed.shape[:-1]) + (self.packed.shape[-1] * 2,)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the quantized tensor occupies (codes + block scales + global scales)."""
+        return int(self.packed.size + self.scales.size + 4 * np.prod(self.global_scale.shape))
+
+
+def _check_input(x: jax.Array, name: str = "x") -> None:
+    if not hasattr(x, "dtype") or jnp.dtype(x.dtype) not in FLOAT_DTYPES:
+        raise ValueError(
+            f"{name}: dtype {getattr(x, 'dtype', type(x))} is not supported; "
+            "NVFP4 quantization accepts bfloat16, float16 or float32 arrays"
+        )
+    if x.ndim == 0:
+        raise ValueError(f"{name}: a scalar cannot be quantized; need shape [..., K] with K % 16 == 0")
+    if x.size == 0:
+        raise ValueError(f"{name}: shape {tuple(x.shape)} is empty; need at least one block of 16")
+    if x.shape[-1] % BLOCK_SIZE:
+        raise ValueError(
+            f"{name}: last axis K={x.shape[-1]} (shape {tuple(x.shape)}) is not a multiple of "
+            f"{BLOCK_SIZE}; NVFP4 blocks are 16 elements along the last axis"
+        )
+
+
+def _check_mode(scale_mode: str, ndim: int) -> None:
+    if scale_mode not in SCALE_MODES:
+        raise ValueError(f"scale_mode={scale_mode!r} is not one of {SCALE_MODES}")
+    if scale_mode == "expert" and ndim < 2:
+        raise ValueError(f"scale_mode='expert' needs matrices [..., N, K]; got ndim={ndim}")
+
+
+def global_scale_shape(shape: tuple[int, ...], scale_mode: ScaleMode) -> tuple[int, ...]:
+    """Shape of the float32 global decode scale for a tensor of ``shape``."""
+    _check_mode(scale_mode, len(shape))
+    if scale_mode == "tensor":
+        return ()
+    if scale_mode == "row":
+        return tuple(shape[:-1]) + (1,)
+    return tuple(shape[:-2]) + (1, 1)
+
+
+def _finite_amax(x: jax.Array, scale_mode: ScaleMode) -> jax.Array:
+    a = jnp.abs(x.astype(jnp.float32))
+    a = jnp.where(jnp.isfinite(a), a, 0.0)
+    if scale_mode == "tensor":
+        return jnp.max(a)
+    if scale_mode == "row":
+        return jnp.max(a, axis=-1, keepdims=True)
+    return jnp.max(a, axis=(-2, -1), keepdims=True)
+
+
+def decode_scale_from_amax(amax: jax.Array) -> jax.Array:
+    """``g = amax / 2688``, and 1 where amax is 0. float32, same shape as ``amax``.
+
+    One correctly rounded division (TE writes ``1 / (2688 / amax)``, which can differ by an ulp):
+    with a single rounding, re-quantizing ``qdq(x)`` recovers the same ``g``, so ``qdq`` is
+    idempotent bit for bit.
+    """
+    amax = amax.astype(jnp.float32)
+    # The barrier hides the constant from XLA, which would otherwise rewrite `amax / 2688` into
+    # `amax * (1/2688)`: that rounds twice and breaks idempotence for ~5% of amax values.
+    divisor = jax.lax.optimization_barrier(jnp.full(amax.shape, GLOBAL_AMAX_TARGET, jnp.float32))
+    return jnp.where(amax > 0, amax / divisor, jnp.float32(1.0))
+
+
+def compute_global_scale(x: jax.Array, scale_mode: ScaleMode = "tensor") -> jax.Array:
+    """The float32 global decode scale that ``quantize(x, scale_mode=...)`` would use."""
+    _check_input(x)
+    _check_mode(scale_mode, x.ndim)
+    return decode_scale_from_amax(_finite_amax(x, scale_mode))
+
+
+def shared_global_scale(*xs: jax.Array, scale_mode: ScaleMode = "tensor") -> jax.Array:
+    """One global decode scale for several tensors (fused gate and up projections of one expert).
+
+    The tensors must have equal leading shapes for "row" and "expert" modes.
+    """
+    if not xs:
+        raise ValueError("shared_global_scale needs at least one array")
+    amaxes = []
+    for i, x in enumerate(xs):
+        _check_input(x, f"xs[{i}]")
+        _check_mode(scale_mode, x.ndim)
+        amaxes.append(_finite_amax(x, scale_mode))
+    shapes = {a.shape for a in amaxes}
+    if len(shapes) != 1:
+        raise ValueError(f"shared_global_scale: per-{scale_mode} amax shapes differ: {sorted(shapes)}")
+    return decode_scale_from_amax(jnp.max(jnp.stack(amaxes), axis=0))
+
+
+def round_to_e2m1_code(y: jax.Array) -> jax.Array:
+    """Round float32 ``y`` (already in the scaled domain) to E2M1 codes, uint8 in [0, 16).
+
+    Round half to even, saturating at +-6. Negative values that round to zero get code 0 (+0,
+    one canonical zero, so re-quantizing a dequantized tensor reproduces its codes); NaN maps to
+    code 0 (callers mark NaN blocks by their scale).
+    """
+    mag = jnp.abs(y)
+    idx = jnp.zeros(y.shape, jnp.uint8)
+    for t in _UP_STRICT:
+        idx = idx + (mag > t).astype(jnp.uint8)
+    for t in _UP_INCLUSIVE:
+        idx = idx + (mag >= t).astype(jnp.uint8)
+    return idx | jnp.where((y < 0) & (idx > 0), jnp.uint8(8), jnp.uint8(0))
+
+
+def e2m1_code_to_float(codes: jax.Array) -> jax.Array:
+    """Decode uint8 E2M1 codes in [0, 16) to float32 values."""
+    return jnp.asarray(E2M1_TABLE)[codes.astype(jnp.int32)]
+
+
+def pack_codes(codes: jax.Array) -> jax.Array:
+    """uint8 codes ``[..., K]`` -> packed bytes ``[..., K // 2]`` (element 2i in the low nibble)."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_codes(packed: jax.Array) -> jax.Array:
+    """Packed bytes ``[..., K // 2]`` -> uint8 codes ``[..., K]``."""
+    lo = packed & jnp.uint8(0xF)
+    hi = packed >> 4
+    return jnp.stack([lo, hi], axis=-1).reshape(packed.shape[:-1] + (packed.shape[-1] * 2,))
+
+
+def block_scales_and_reciprocals(
+    x_blocks: jax.Array, g: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """E4M3 block scales and the float32 code reciprocals for ``x_blocks [..., K/16, 16]``.
+
+    ``g`` is the float32 decode scale broadcastable to ``[..., K/16, 1]``. Returns ``(s_b,
+    r_b)`` with ``s_b`` float8_e4m3fn ``[..., K/16]`` and ``r_b`` float32 ``[..., K/16, 1]``.
+    """
+    xf = x_blocks.astype(jnp.float32)
+    absx = jnp.abs(xf)
+    finite = jnp.all(jnp.isfinite(xf), axis=-1, keepdims=True)
+    amax_b = jnp.max(jnp.where(jnp.isfinite(absx), absx, 0.0), axis=-1, keepdims=True)
+    enc = jnp.float32(1.0) / g
+    s = jnp.clip(amax_b * enc * _ONE_SIXTH, 0.0, E4M3_MAX)
+    s = jnp.where(finite, s, jnp.nan)
+    s_e4m3 = s.astype(jnp.float8_e4m3fn)
+    s_f32 = s_e4m3.astype(jnp.float32)
+    denom = s_f32 * g
+    # `denom > 0` is False for NaN scales too, so non-finite blocks get r_b = 0.
+    r = jnp.where(denom > 0, jnp.float32(1.0) / jnp.where(denom > 0, denom, 1.0), 0.0)
+    return s_e4m3[..., 0], r
+
+
+def quantize(
+    x: jax.Array,
+    *,
+    global_scale: jax.Array | None = None,
+    scale_mode: ScaleMode = "tensor",
+) -> NVFP4Tensor:
+    """Quantize ``x [..., K]`` (bf16, f16 or f32; K % 16 == 0) to NVFP4.
+
+    Args:
+      x: the array; blocks of 16 along the last axis.
+      global_scale: optional float32 decode scale ``g`` of ``global_scale_shape(x.shape,
+        scale_mode)`` (e.g. from ``shared_global_scale``); computed from ``x`` when None.
+      scale_mode: "tensor" (one scale), "row" (one per ``[..., :]`` row) or "expert" (one per
+        2-D matrix of a stacked ``[..., N, K]``, e.g. per expert of ``[E, N, K]``).
+    """
+    x = jnp.asarray(x) if not isinstance(x, jax.Array) else x
+    _check_input(x)
+    _check_mode(scale_mode, x.ndim)
+    want = global_scale_shape(x.shape, scale_mode)
+    if global_scale is None:
+        g = compute_global_scale(x, scale_mode)
+    else:
+        g = jnp.asarray(global_scale)
+        if g.shape != want and not (scale_mode == "tensor" and g.size == 1):
+            raise ValueError(
+                f"global_scale: shape {tuple(g.shape)} does not fit x of shape {tuple(x.shape)} "
+                f"with scale_mode={scale_mode!r}; expected {want}"
+            )
+        if not jnp.issubdtype(g.dtype, jnp.floating):
+            raise ValueError(f"global_scale: dtype {g.dtype} is not floating; pass float32")
+        g = g.astype(jnp.float32).reshape(want)
+    k = x.shape[-1]
+    blocks = x.reshape(x.shape[:-1] + (k // BLOCK_SIZE, BLOCK_SIZE))
+    g_b = g[..., None]  # broadcast against [..., K/16, 1]
+    s_e4m3, r = block_scales_and_reciprocals(blocks, g_b)
+    codes = round_to_e2m1_code(blocks.astype(jnp.float32) * r).reshape(x.shape)
+    return NVFP4Tensor(
+        packed=pack_codes(codes), scales=s_e4m3, global_scale=g, dtype=jnp.dtype(x.dtype)
+    )
+
+
+def dequantize(q: NVFP4Tensor, dtype: jnp.dtype | None = jnp.float32) -> jax.Array:
+    """``(e2m1(code) * s_b) * g`` in float32, cast to ``dtype`` (None: the logical dtype)."""
+    if not isinstance(q, NVFP4Tensor):
+        raise ValueError(f"dequantize expects an NVFP4Tensor, got {type(q).__name__}")
+    vals = e2m1_code_to_float(unpack_codes(q.packed))
+    k = vals.shape[-1]
+    vals = vals.reshape(vals.shape[:-1] + (k // BLOCK_SIZE, BLOCK_SIZE))
+    out = (vals * q.scales.astype(jnp.float32)[..., None]) * q.global_scale[..., None]
+    return out.reshape(q.shape).astype(q.dtype if dtype is None else dtype)
+
+
+def qdq(x: jax.Array, *, global_scale=None, scale_mode: ScaleMode = "tensor") -> jax.Array:
+    """Quantize then dequantize, returned in ``x.dtype``."""
+    q = quantize(x, global_scale=global_scale, scale_mode=scale_mode)
+    return dequantize(q, x.dtype)
+
+
+@jax.custom_vjp
+def _ste(x, y):
+    return y
+
+
+def _ste_fwd(x, y):
+    return y, None
+
+
+def _ste_bwd(_, g):
+    return g, None
+
+
+_ste.defvjp(_ste_fwd, _ste_bwd)
+
+
+def fake_quant(x: jax.Array, *, global_scale=None, scale_mode: ScaleMode = "tensor") -> jax.Array:
+    """``qdq(x)`` in the forward pass, identity (straight-through) gradient to ``x``.
+
+    The forward value is exactly ``qdq(x)`` (not ``x + (qdq(x) - x)``, which can round).
+    """
+    y = jax.lax.stop_gradient(qdq(x, global_scale=global_scale, scale_mode=scale_mode))
+    return _ste(x, y)
+
+
+def residual(x: jax.Array, q: NVFP4Tensor) -> jax.Array:
+    """``x - dequantize(q)`` in float32: the activation residual that RAC compensates."""
+    return x.astype(jnp.float32) - dequantize(q, jnp.float32)
