@@ -35,6 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from quads_jax.quant.ste import straight_through
+
 BLOCK_SIZE = 16
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
@@ -93,7 +95,9 @@ def _check_input(x: jax.Array, name: str = "x") -> None:
             "NVFP4 quantization accepts bfloat16, float16 or float32 arrays"
         )
     if x.ndim == 0:
-        raise ValueError(f"{name}: a scalar cannot be quantized; need shape [..., K] with K % 16 == 0")
+        raise ValueError(
+            f"{name}: a scalar cannot be quantized; need shape [..., K] with K % 16 == 0"
+        )
     if x.size == 0:
         raise ValueError(f"{name}: shape {tuple(x.shape)} is empty; need at least one block of 16")
     if x.shape[-1] % BLOCK_SIZE:
@@ -165,7 +169,9 @@ def shared_global_scale(*xs: jax.Array, scale_mode: ScaleMode = "tensor") -> jax
         amaxes.append(_finite_amax(x, scale_mode))
     shapes = {a.shape for a in amaxes}
     if len(shapes) != 1:
-        raise ValueError(f"shared_global_scale: per-{scale_mode} amax shapes differ: {sorted(shapes)}")
+        raise ValueError(
+            f"shared_global_scale: per-{scale_mode} amax shapes differ: {sorted(shapes)}"
+        )
     return decode_scale_from_amax(jnp.max(jnp.stack(amaxes), axis=0))
 
 
@@ -202,9 +208,7 @@ def unpack_codes(packed: jax.Array) -> jax.Array:
     return jnp.stack([lo, hi], axis=-1).reshape(packed.shape[:-1] + (packed.shape[-1] * 2,))
 
 
-def block_scales_and_reciprocals(
-    x_blocks: jax.Array, g: jax.Array
-) -> tuple[jax.Array, jax.Array]:
+def block_scales_and_reciprocals(x_blocks: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
     """E4M3 block scales and the float32 code reciprocals for ``x_blocks [..., K/16, 16]``.
 
     ``g`` is the float32 decode scale broadcastable to ``[..., K/16, 1]``. Returns ``(s_b,
@@ -283,29 +287,13 @@ def qdq(x: jax.Array, *, global_scale=None, scale_mode: ScaleMode = "tensor") ->
     return dequantize(q, x.dtype)
 
 
-@jax.custom_vjp
-def _ste(x, y):
-    return y
-
-
-def _ste_fwd(x, y):
-    return y, None
-
-
-def _ste_bwd(_, g):
-    return g, None
-
-
-_ste.defvjp(_ste_fwd, _ste_bwd)
-
-
 def fake_quant(x: jax.Array, *, global_scale=None, scale_mode: ScaleMode = "tensor") -> jax.Array:
     """``qdq(x)`` in the forward pass, identity (straight-through) gradient to ``x``.
 
     The forward value is exactly ``qdq(x)`` (not ``x + (qdq(x) - x)``, which can round).
     """
     y = jax.lax.stop_gradient(qdq(x, global_scale=global_scale, scale_mode=scale_mode))
-    return _ste(x, y)
+    return straight_through(x, y)
 
 
 def residual(x: jax.Array, q: NVFP4Tensor) -> jax.Array:
