@@ -1,0 +1,1 @@
+"""RL: tasks, rewards, the GRPO objective with rollout correction, diagnostics."""
