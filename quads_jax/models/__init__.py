@@ -1,0 +1,23 @@
+"""The Qwen3-MoE model family: config, parameters, the functional forward, KV cache, HF I/O."""
+
+from quads_jax.models.config import ModelConfig
+from quads_jax.models.kv_cache import KVCache
+from quads_jax.models.transformer import (
+    ForwardOutput,
+    forward,
+    init_params,
+    layer_matmul_sites,
+    param_sites,
+    split_layer_groups,
+)
+
+__all__ = [
+    "ForwardOutput",
+    "KVCache",
+    "ModelConfig",
+    "forward",
+    "init_params",
+    "layer_matmul_sites",
+    "param_sites",
+    "split_layer_groups",
+]

@@ -1,0 +1,58 @@
+"""KVCache: the dense key/value cache that ``forward`` reads and writes.
+
+Layout ``[num_layers, B, S_max, num_kv_heads, head_dim]`` so that a paged cache can later
+replace the slot axis ``S`` by pages. All rows share ``length`` (slots written so far); which
+slots hold real tokens is ``mask`` (left-padded prompts leave pad slots False).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from quads_jax.models.config import ModelConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Attributes:
+    k, v: ``[L, B, S_max, KVH, D]`` cache dtype (default bf16).
+    mask: bool ``[B, S_max]``, slot holds a real token.
+    length: int32 ``[]``, slots ``[0, length)`` are written (same for every row).
+    """
+
+    k: jax.Array
+    v: jax.Array
+    mask: jax.Array
+    length: jax.Array
+
+    @classmethod
+    def init(
+        cls, config: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16
+    ) -> KVCache:
+        """An empty cache for ``batch`` rows of up to ``max_len`` tokens."""
+        if batch < 1 or max_len < 1:
+            raise ValueError(f"KVCache.init: batch={batch}, max_len={max_len}; both must be >= 1")
+        shape = (config.num_hidden_layers, batch, max_len, config.num_key_value_heads,
+                 config.head_dim)
+        return cls(
+            k=jnp.zeros(shape, dtype),
+            v=jnp.zeros(shape, dtype),
+            mask=jnp.zeros((batch, max_len), bool),
+            length=jnp.zeros((), jnp.int32),
+        )
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[0]

@@ -1,0 +1,338 @@
+"""The Qwen3-MoE decoder as pure functions over one parameter pytree.
+
+Parameter tree (weights like HF, ``[out, in]``, ``y = x @ W.T``)::
+
+    {"embed": [V, H],
+     "layers": [group, ...],          # runs of consecutive layers of one kind, stacked on axis 0
+     "final_norm": [H],
+     "lm_head": [V, H]}               # absent when tie_word_embeddings
+
+    group = {"input_norm": [n, H], "post_attn_norm": [n, H],
+             "attn": {"q_proj": [n, Hq*D, H], "k_proj": [n, KVH*D, H], "v_proj": [n, KVH*D, H],
+                      "o_proj": [n, H, Hq*D], "q_norm": [n, D], "k_norm": [n, D]},
+             "mlp": {"router": [n, E, H],                                   # MoE group
+                     "experts": {"gate_up": [n, E, 2I, H], "down": [n, E, H, I]}}
+                  | {"gate_up": [n, 2I_dense, H], "down": [n, H, I_dense]}}  # dense group
+
+Each group runs as one ``jax.lax.scan``. A recipe that gives different modes to layers of one
+group (keep-first/last-n BF16) splits it at trace time into sub-scans (static slices), so the
+same master tree serves every recipe; ``split_layer_groups`` does the same split on the tree
+itself (for a weight sync that stores different leaf types per layer).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from quads_jax.models import layers as L
+from quads_jax.models.config import ModelConfig
+from quads_jax.models.kv_cache import KVCache
+from quads_jax.models.moe import RouterStats, dense_mlp, moe_block, router_stats
+from quads_jax.quant import ops
+from quads_jax.quant.recipe import QuantRecipe
+
+_BF16 = QuantRecipe(name="bf16")
+
+
+class ForwardOutput(NamedTuple):
+    """logits: ``[B, T, V]`` f32. cache: the updated KVCache or None.
+    expert_ids: int32 ``[num_moe_layers, B, T, top_k]`` (return_router=True) or None.
+    aux_loss: f32 scalar, the Switch load-balancing loss over the MoE layers (HF's
+    ``aux_loss``, not yet multiplied by ``router_aux_loss_coef``) plus
+    ``router_z_loss_coef * z_loss``; 0 without MoE layers."""
+
+    logits: jax.Array
+    cache: KVCache | None
+    expert_ids: jax.Array | None
+    aux_loss: jax.Array
+
+
+# ---------------------------------------------------------------------------- sites
+def layer_matmul_sites(config: ModelConfig, i: int) -> tuple[str, ...]:
+    """The matmul sites of layer ``i`` (what a recipe can give a mode)."""
+    attn = tuple(f"layers.{i}.attn.{n}" for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    if config.is_moe_layer(i):
+        mlp = (f"layers.{i}.mlp.router", f"layers.{i}.mlp.experts.gate_up",
+               f"layers.{i}.mlp.experts.down")
+    else:
+        mlp = (f"layers.{i}.mlp.gate_up", f"layers.{i}.mlp.down")
+    return attn + mlp
+
+
+def _leaf_site(path: tuple[str, ...], i: int) -> str:
+    """Site of a group leaf at key path ``path`` for layer ``i``."""
+    name = ".".join(path)
+    return f"layers.{i}.{name}"
+
+
+def param_sites(config: ModelConfig, params: dict) -> dict:
+    """A tree like ``params`` whose leaves are site names: a str for ``embed``, ``lm_head``,
+    ``final_norm``; for stacked layer leaves a tuple with one site per stacked layer, e.g.
+    ``("layers.2.mlp.experts.gate_up", "layers.3.mlp.experts.gate_up")``."""
+    out = {k: k for k in params if k != "layers"}
+    groups = []
+    for _, start, stop, group in _param_groups(config, params):
+        def name(path, _leaf, start=start, stop=stop):
+            keys = tuple(getattr(p, "key", getattr(p, "name", str(p))) for p in path)
+            return tuple(_leaf_site(keys, i) for i in range(start, stop))
+
+        groups.append(jax.tree_util.tree_map_with_path(name, group, is_leaf=_is_weight_leaf))
+    out["layers"] = groups
+    return out
+
+
+def _is_weight_leaf(x) -> bool:
+    """Packed weights (NVFP4Tensor, FP8Tensor, CalibratedWeight) count as one leaf."""
+    return hasattr(x, "shape") and not isinstance(x, dict | list | tuple)
+
+
+# ---------------------------------------------------------------------------- init
+def init_params(config: ModelConfig, rng: jax.Array) -> dict:
+    """Random master weights (normal, std ``initializer_range``; norms 1) in ``param_dtype``."""
+    c = config
+    d, pd, std = c.head_dim, c.param_dtype, c.initializer_range
+    keys = iter(jax.random.split(rng, 4 + 8 * len(c.layer_groups)))
+
+    def normal(shape):
+        return (jax.random.normal(next(keys), shape, jnp.float32) * std).astype(pd)
+
+    def ones(shape):
+        return jnp.ones(shape, pd)
+
+    groups = []
+    for kind, start, stop in c.layer_groups:
+        n = stop - start
+        attn = {
+            "q_proj": normal((n, c.num_attention_heads * d, c.hidden_size)),
+            "k_proj": normal((n, c.num_key_value_heads * d, c.hidden_size)),
+            "v_proj": normal((n, c.num_key_value_heads * d, c.hidden_size)),
+            "o_proj": normal((n, c.hidden_size, c.num_attention_heads * d)),
+            "q_norm": ones((n, d)),
+            "k_norm": ones((n, d)),
+        }
+        if kind == "moe":
+            e, i = c.num_experts, c.moe_intermediate_size
+            mlp = {
+                "router": normal((n, e, c.hidden_size)),
+                "experts": {
+                    "gate_up": normal((n, e, 2 * i, c.hidden_size)),
+                    "down": normal((n, e, c.hidden_size, i)),
+                },
+            }
+        else:
+            i = c.intermediate_size
+            mlp = {"gate_up": normal((n, 2 * i, c.hidden_size)), "down": normal((n, c.hidden_size, i))}
+        groups.append({
+            "input_norm": ones((n, c.hidden_size)),
+            "post_attn_norm": ones((n, c.hidden_size)),
+            "attn": attn,
+            "mlp": mlp,
+        })
+    params = {"embed": normal((c.vocab_size, c.hidden_size)), "layers": groups,
+              "final_norm": ones((c.hidden_size,))}
+    if not c.tie_word_embeddings:
+        params["lm_head"] = normal((c.vocab_size, c.hidden_size))
+    return params
+
+
+# ---------------------------------------------------------------------------- grouping
+def _param_groups(config: ModelConfig, params: dict):
+    """Yield ``(kind, start, stop, group)`` for the stacked groups of ``params``, checked
+    against the config (static shapes only, so this works under jit)."""
+    if not isinstance(params, dict) or "layers" not in params or "embed" not in params:
+        raise ValueError("params: expected the dict tree of init_params/load_hf with "
+                         "'embed', 'layers', 'final_norm'")
+    start = 0
+    for gi, group in enumerate(params["layers"]):
+        n = group["input_norm"].shape[0]
+        kind = "moe" if "router" in group["mlp"] else "dense"
+        want = config.layer_kinds[start:start + n]
+        if len(want) != n or any(k != kind for k in want):
+            raise ValueError(
+                f"params['layers'][{gi}]: a {kind} group of {n} layers starting at layer {start} "
+                f"does not match the config's layer kinds {config.layer_kinds}"
+            )
+        yield kind, start, start + n, group
+        start += n
+    if start != config.num_hidden_layers:
+        raise ValueError(f"params['layers'] hold {start} layers; config.num_hidden_layers="
+                         f"{config.num_hidden_layers}")
+
+
+def _segments(config: ModelConfig, params: dict, recipe: QuantRecipe):
+    """Yield ``(kind, start, stop, group_slice)``: param groups split where the recipe's modes
+    change between consecutive layers (one scan per segment, modes static inside)."""
+    def sig(i):
+        return tuple(recipe.mode_for(s) for s in layer_matmul_sites(config, i))
+
+    for kind, start, stop, group in _param_groups(config, params):
+        a = start
+        for i in range(start + 1, stop + 1):
+            if i == stop or sig(i) != sig(a):
+                if (a, i) == (start, stop):
+                    yield kind, a, i, group
+                else:
+                    lo, hi = a - start, i - start
+                    yield kind, a, i, jax.tree.map(lambda x, lo=lo, hi=hi: x[lo:hi], group)
+                a = i
+
+
+def split_layer_groups(config: ModelConfig, params: dict, recipe: QuantRecipe) -> dict:
+    """``params`` with ``layers`` re-split so each group has one mode per site (see module doc)."""
+    out = dict(params)
+    out["layers"] = [g for _, _, _, g in _segments(config, params, recipe)]
+    return out
+
+
+# ---------------------------------------------------------------------------- forward
+def _check_inputs(config, tokens, attention_mask, positions, cache):
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens: shape {tuple(tokens.shape)} dtype {tokens.dtype}; expected "
+                         "integer [B, T]")
+    for name, a in (("attention_mask", attention_mask), ("positions", positions)):
+        if a is not None and tuple(a.shape) != tuple(tokens.shape):
+            raise ValueError(f"{name}: shape {tuple(a.shape)} must equal tokens' shape "
+                             f"{tuple(tokens.shape)}")
+    if cache is not None:
+        if not isinstance(cache, KVCache):
+            raise ValueError(f"cache: expected a KVCache, got {type(cache).__name__}")
+        want = (config.num_hidden_layers, tokens.shape[0])
+        if (cache.num_layers, cache.batch) != want:
+            raise ValueError(f"cache: (layers, batch)=({cache.num_layers}, {cache.batch}) must be "
+                             f"{want}")
+        if tokens.shape[1] > cache.max_len:
+            raise ValueError(f"tokens: T={tokens.shape[1]} exceeds cache.max_len={cache.max_len}")
+        if not isinstance(cache.length, jax.core.Tracer):
+            if int(cache.length) + tokens.shape[1] > cache.max_len:
+                raise ValueError(f"cache: length {int(cache.length)} + T={tokens.shape[1]} "
+                                 f"exceeds max_len={cache.max_len}")
+
+
+def _attention(config, p, x, rope, allowed, kv, layer, site, recipe):
+    """Self-attention of ``x [B, T, H]``; ``kv`` = (k_all, v_all, length) or None."""
+    b, t, _ = x.shape
+    d = config.head_dim
+    q = ops.linear(x, p["q_proj"], f"{site}.q_proj", recipe).reshape(b, t, -1, d)
+    k = ops.linear(x, p["k_proj"], f"{site}.k_proj", recipe).reshape(b, t, -1, d)
+    v = ops.linear(x, p["v_proj"], f"{site}.v_proj", recipe).reshape(b, t, -1, d)
+    cos, sin = rope
+    q = L.apply_rope(L.rms_norm(q, p["q_norm"], config.rms_norm_eps), cos, sin)
+    k = L.apply_rope(L.rms_norm(k, p["k_norm"], config.rms_norm_eps), cos, sin)
+    if kv is not None:
+        k_all, v_all, length = kv
+        start = (layer, jnp.int32(0), length, jnp.int32(0), jnp.int32(0))
+        k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), start)
+        v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), start)
+        k = jax.lax.dynamic_index_in_dim(k_all, layer, 0, keepdims=False)
+        v = jax.lax.dynamic_index_in_dim(v_all, layer, 0, keepdims=False)
+        kv = (k_all, v_all, length)
+    out = L.attend(q, k, v, allowed)
+    return ops.linear(out, p["o_proj"], f"{site}.o_proj", recipe), kv
+
+
+def _run_segment(config, kind, start, stop, group, h, rope, allowed, kv, token_mask, recipe):
+    """One scan over layers ``[start, stop)``; returns (h, kv, per-layer router outputs)."""
+    b, t, hidden = h.shape
+
+    def body(carry, xs):
+        h, kv = carry
+        p, layer = xs
+        x = L.rms_norm(h, p["input_norm"], config.rms_norm_eps)
+        attn_out, kv = _attention(config, p["attn"], x, rope, allowed, kv, layer,
+                                  f"layers.{start}.attn", recipe)
+        h = h + attn_out
+        x = L.rms_norm(h, p["post_attn_norm"], config.rms_norm_eps).reshape(b * t, hidden)
+        if kind == "moe":
+            y, routing = moe_block(config, p["mlp"], x, f"layers.{start}.mlp", recipe)
+            ys = (routing.expert_ids.reshape(b, t, -1), router_stats(routing, token_mask))
+        else:
+            y, ys = dense_mlp(p["mlp"], x, f"layers.{start}.mlp", recipe), None
+        return (h + y.reshape(b, t, hidden), kv), ys
+
+    layer_ids = jnp.arange(start, stop, dtype=jnp.int32)
+    (h, kv), ys = jax.lax.scan(body, (h, kv), (group, layer_ids))
+    return h, kv, ys
+
+
+def forward(
+    config: ModelConfig,
+    params: dict,
+    tokens: jax.Array,
+    *,
+    attention_mask: jax.Array | None = None,
+    positions: jax.Array | None = None,
+    recipe: QuantRecipe | None = None,
+    cache: KVCache | None = None,
+    return_router: bool = False,
+) -> ForwardOutput:
+    """Logits of ``tokens`` (see ``ForwardOutput``).
+
+    Args:
+      tokens: int32 ``[B, T]``.
+      attention_mask: bool/int ``[B, T]``, 1 = real token (left or right padding); None = all.
+      positions: int32 ``[B, T]``; default ``cumsum(mask) - 1`` clipped at 0, offset by the
+        real tokens already in ``cache``.
+      recipe: the QuantRecipe (None: bf16 everywhere).
+      cache: a KVCache: the T new tokens go to slots ``[length, length + T)`` and attend to
+        every earlier real slot; the returned cache has ``length + T``. Callers must keep
+        ``length + T <= max_len`` (checked when ``length`` is concrete).
+      return_router: also return the routed expert ids of every MoE layer.
+    """
+    recipe = recipe or _BF16
+    _check_inputs(config, tokens, attention_mask, positions, cache)
+    b, t = tokens.shape
+    mask = jnp.ones((b, t), bool) if attention_mask is None else attention_mask.astype(bool)
+    if positions is None:
+        positions = jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1
+        if cache is not None:
+            positions = positions + jnp.sum(cache.mask, axis=1, dtype=jnp.int32)[:, None]
+        positions = jnp.maximum(positions, 0)
+    rope = L.rope_tables(positions, config.head_dim, config.rope_theta)
+
+    q_slot = jnp.arange(t, dtype=jnp.int32)
+    if cache is None:
+        key_mask, key_slot, kv = mask, q_slot, None
+    else:
+        q_slot = q_slot + cache.length
+        key_mask = jax.lax.dynamic_update_slice(cache.mask, mask, (jnp.int32(0), cache.length))
+        key_slot = jnp.arange(cache.max_len, dtype=jnp.int32)
+        kv = (cache.k, cache.v, cache.length)
+    allowed = key_mask[:, None, :] & (key_slot[None, None, :] <= q_slot[None, :, None])
+
+    h = params["embed"].astype(config.dtype)[tokens]
+    token_mask = mask.reshape(-1)
+    expert_ids, stats = [], []
+    for kind, start, stop, group in _segments(config, params, recipe):
+        h, kv, ys = _run_segment(config, kind, start, stop, group, h, rope, allowed, kv,
+                                 token_mask, recipe)
+        if ys is not None:
+            expert_ids.append(ys[0])
+            stats.append(ys[1])
+
+    h = L.rms_norm(h, params["final_norm"], config.rms_norm_eps)
+    head = params["embed"] if config.tie_word_embeddings else params["lm_head"]
+    logits = ops.linear(h, head, "lm_head", recipe, out_dtype=jnp.float32)
+
+    new_cache = None
+    if cache is not None:
+        new_cache = KVCache(k=kv[0], v=kv[1], mask=key_mask, length=cache.length + t)
+    ids = jnp.concatenate(expert_ids, axis=0) if (return_router and expert_ids) else None
+    if return_router and not expert_ids:
+        ids = jnp.zeros((0, b, t, config.num_experts_per_tok), jnp.int32)
+    return ForwardOutput(logits, new_cache, ids, _aux_loss(config, stats))
+
+
+def _aux_loss(config: ModelConfig, stats: list[RouterStats]) -> jax.Array:
+    """HF's Switch load-balancing loss ``E * sum_e f_e P_e`` over all MoE layers' real tokens
+    (``f_e``: top-k slots per token routed to e), plus ``router_z_loss_coef * z_loss``."""
+    if not stats:
+        return jnp.zeros((), jnp.float32)
+    counts = sum(jnp.sum(s.slot_counts, axis=0) for s in stats)
+    probs = sum(jnp.sum(s.prob_sums, axis=0) for s in stats)
+    rows = jnp.maximum(sum(jnp.sum(s.tokens) for s in stats), 1.0)
+    balance = config.num_experts * jnp.sum((counts / rows) * (probs / rows))
+    z = sum(jnp.sum(s.z_sum) for s in stats) / rows
+    return balance + config.router_z_loss_coef * z

@@ -1,0 +1,323 @@
+"""The one matmul dispatch: every projection and expert matmul of the model calls ``linear`` or
+``grouped_linear``; the recipe's mode for the site decides what runs.
+
+Weights are stored like HF, ``w: [N, K]`` (experts ``[E, N, K]``), and ``y = x @ w.T``. A weight
+leaf may be a master array (quantized here on the fly), a packed ``NVFP4Tensor`` / ``FP8Tensor``
+from the weight sync, or a ``rac.CalibratedWeight`` wrapping one of those.
+
+The jnp code of each mode below is the ground truth for the Pallas kernels. Exact arithmetic:
+
+* NVFP4 weights carry one global decode scale per 2-D matrix (``quantize_weight``; for stacked
+  experts one per expert, shared by the fused gate and up rows).
+* W4A4: both operands as ``e2m1(code) * s_b`` (exact in bf16, QUADS_SPEC section 2), a bf16
+  product with f32 accumulation, then ``acc * (g_x * g_w)`` (row's activation scale times the
+  matrix's weight scale, multiplied first). Grouped: ``jax.lax.ragged_dot`` on the same operands.
+* RAC adds the same product for the re-quantized masked residual (``rac.py``), ``y0 + y1`` in f32.
+* W8A8 FP8: e4m3 operands as bf16 (exact), f32 accumulation, ``acc * x_scale * w_scale``.
+* Results are returned in ``x.dtype``.
+
+Kernel hook: ``register_kernel(mode, "dense"|"grouped", fn)``. With ``recipe.backend == "auto"``
+on a GPU, or ``"interpret"`` anywhere, a registered kernel replaces the jnp path; it is called as
+``fn(x, w, *, recipe, site, interpret)`` / ``fn(x, w, group_sizes, *, recipe, site, interpret)``
+with ``x`` 2-D ``[M, K]``. ``quads_jax.quant.kernel_backend`` (the kernels' module) is imported
+lazily the first time a kernel could run.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from quads_jax.quant import fp8, nvfp4, rac
+from quads_jax.quant.rac import CalibratedWeight
+from quads_jax.quant.recipe import FP8_WEIGHT_MODES, MODES, NVFP4_WEIGHT_MODES, QuantRecipe
+
+KERNEL_KINDS = ("dense", "grouped")
+_KERNELS: dict[tuple[str, str], Callable] = {}
+_KERNEL_MODULE = "quads_jax.quant.kernel_backend"
+_kernel_module_loaded = False
+_BF16_RECIPE = QuantRecipe(name="bf16")
+
+
+# ------------------------------------------------------------------------------ kernel registry
+def register_kernel(mode: str, kind: str, fn: Callable) -> None:
+    """Register a kernel for ``mode`` (one of recipe.MODES) and ``kind`` (dense | grouped)."""
+    if mode not in MODES:
+        raise ValueError(f"register_kernel: mode={mode!r} must be one of {MODES}")
+    if kind not in KERNEL_KINDS:
+        raise ValueError(f"register_kernel: kind={kind!r} must be one of {KERNEL_KINDS}")
+    _KERNELS[(mode, kind)] = fn
+
+
+def registered_kernels() -> tuple[tuple[str, str], ...]:
+    return tuple(_KERNELS)
+
+
+def _load_kernel_module() -> None:
+    global _kernel_module_loaded
+    if _kernel_module_loaded:
+        return
+    _kernel_module_loaded = True
+    try:
+        importlib.import_module(_KERNEL_MODULE)
+    except ModuleNotFoundError as e:
+        if e.name != _KERNEL_MODULE:  # a missing dependency *inside* the module is a real error
+            raise
+
+
+def _kernel_for(mode: str, kind: str, recipe: QuantRecipe) -> Callable | None:
+    if recipe.backend == "reference":
+        return None
+    if recipe.backend == "auto" and jax.default_backend() != "gpu":
+        return None
+    _load_kernel_module()
+    return _KERNELS.get((mode, kind))
+
+
+# ------------------------------------------------------------------------------ weights
+def _unwrap(w) -> tuple[object, CalibratedWeight | None]:
+    return (w.weight, w) if isinstance(w, CalibratedWeight) else (w, None)
+
+
+def quantize_weight(w: jax.Array, mode: str, recipe: QuantRecipe | None = None):
+    """The packed leaf the weight sync stores for a site of ``mode``: an ``NVFP4Tensor`` (one
+    global scale per 2-D matrix, scale_mode "expert"), an ``FP8Tensor``, or ``w`` unchanged for
+    bf16. Bit-identical to what the fake-quant modes compute from the same master ``w``."""
+    recipe = recipe or _BF16_RECIPE
+    if mode in NVFP4_WEIGHT_MODES:
+        return nvfp4.quantize(w, scale_mode="expert")
+    if mode in FP8_WEIGHT_MODES:
+        return fp8.quantize(w, granularity=recipe.fp8_weight_granularity)
+    return w
+
+
+def _nvfp4_weight(w, site: str) -> nvfp4.NVFP4Tensor:
+    if isinstance(w, nvfp4.NVFP4Tensor):
+        return w
+    if isinstance(w, fp8.FP8Tensor):
+        raise ValueError(f"site {site!r}: an FP8Tensor weight cannot run an NVFP4 mode")
+    return nvfp4.quantize(w, scale_mode="expert")
+
+
+def _fp8_weight(w, site: str, recipe: QuantRecipe) -> fp8.FP8Tensor:
+    if isinstance(w, fp8.FP8Tensor):
+        return w
+    if isinstance(w, nvfp4.NVFP4Tensor):
+        raise ValueError(f"site {site!r}: an NVFP4Tensor weight cannot run an FP8 mode")
+    return fp8.quantize(w, granularity=recipe.fp8_weight_granularity)
+
+
+def _fake_quant_weight(w, mode: str, site: str, recipe: QuantRecipe) -> jax.Array:
+    """Forward ``qdq(W)``, straight-through gradient for master weights."""
+    if isinstance(w, nvfp4.NVFP4Tensor):
+        return nvfp4.dequantize(w, jnp.float32)
+    if isinstance(w, fp8.FP8Tensor):
+        return fp8.dequantize(w, jnp.float32)
+    if mode in FP8_WEIGHT_MODES:
+        return fp8.fake_quant(w, granularity=recipe.fp8_weight_granularity)
+    return nvfp4.fake_quant(w, scale_mode="expert")
+
+
+def nvfp4_unscaled(q: nvfp4.NVFP4Tensor) -> jax.Array:
+    """``e2m1(code) * s_b`` without the global scale, bf16 (exact) ``[..., K]``."""
+    vals = rac.block_view(nvfp4.e2m1_code_to_float(nvfp4.unpack_codes(q.packed)))
+    out = vals * q.scales.astype(jnp.float32)[..., None]
+    return out.reshape(q.shape).astype(jnp.bfloat16)
+
+
+# ------------------------------------------------------------------------------ matmul cores
+def expert_of_rows(group_sizes: jax.Array, num_rows: int) -> jax.Array:
+    """int32 ``[M]``: the group of each row of a grouped (ragged) operand; rows past the last
+    group are given the last group."""
+    ends = jnp.cumsum(group_sizes)
+    idx = jnp.searchsorted(ends, jnp.arange(num_rows), side="right")
+    return jnp.minimum(idx, group_sizes.shape[0] - 1).astype(jnp.int32)
+
+
+def _matmul(a: jax.Array, b: jax.Array, group_sizes: jax.Array | None) -> jax.Array:
+    """``a [M, K] @ b.T`` with f32 accumulation; ``b [N, K]`` or grouped ``[E, N, K]``."""
+    if group_sizes is None:
+        return jax.lax.dot_general(
+            a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )
+    return jax.lax.ragged_dot(
+        a, jnp.swapaxes(b, -1, -2), group_sizes, preferred_element_type=jnp.float32
+    )
+
+
+def _per_row(scale: jax.Array, row_expert: jax.Array | None) -> jax.Array:
+    """A weight's global scale as a per-row factor: scalar (dense) or ``[M, 1]`` (grouped)."""
+    if row_expert is None:
+        return scale.reshape(())
+    return scale.reshape(-1)[row_expert][:, None]
+
+
+def _nvfp4_product(qa, qw, group_sizes, row_expert) -> jax.Array:
+    acc = _matmul(nvfp4_unscaled(qa), nvfp4_unscaled(qw), group_sizes)
+    return acc * (qa.global_scale * _per_row(qw.global_scale, row_expert))
+
+
+def act_quantize(
+    x: jax.Array,
+    recipe: QuantRecipe,
+    *,
+    static_scale: jax.Array | None = None,
+    row_expert: jax.Array | None = None,
+) -> nvfp4.NVFP4Tensor:
+    """NVFP4 activations ``[M, K]`` with the recipe's global scale mode (QUADS_SPEC section 5):
+    per_token (``g [M, 1]``), per_batch (``g []``) or static (calibrated ``[]`` / ``[E]``)."""
+    mode = recipe.act_scale_mode
+    if mode == "per_token":
+        return nvfp4.quantize(x, scale_mode="row")
+    if mode == "per_batch":
+        return nvfp4.quantize(x, scale_mode="tensor")
+    if static_scale is None:
+        raise ValueError(
+            "act_scale_mode='static' needs a calibrated scale: pass the weight as a "
+            "rac.CalibratedWeight with act_global_scale (see rac.calibrate_act_scale)"
+        )
+    g = _per_row(static_scale, row_expert) if static_scale.ndim else static_scale
+    g = jnp.broadcast_to(jnp.asarray(g, jnp.float32).reshape(-1, 1), (x.shape[0], 1))
+    return nvfp4.quantize(x, global_scale=g, scale_mode="row")
+
+
+def _rac_residual_product(x, qx, qw, recipe, group_sizes, row_expert, calib) -> jax.Array:
+    r = nvfp4.residual(x, qx)
+    mask = rac.block_mask(
+        x,
+        r,
+        recipe,
+        row_expert=row_expert,
+        num_experts=None if row_expert is None else qw.shape[0],
+        static_blocks=None if calib is None else calib.rac_blocks,
+    )
+    r_s = rac.masked_residual(r, mask)
+    if recipe.rac_residual_format == "bf16":
+        acc = _matmul(r_s.astype(jnp.bfloat16), nvfp4_unscaled(qw), group_sizes)
+        return acc * _per_row(qw.global_scale, row_expert)
+    if recipe.rac_residual_scale == "shared":
+        scale_mode = "row" if qx.global_scale.ndim else "tensor"
+        q_r = nvfp4.quantize(r_s, global_scale=qx.global_scale, scale_mode=scale_mode)
+    else:
+        q_r = nvfp4.quantize(
+            r_s, scale_mode="tensor" if recipe.act_scale_mode == "per_batch" else "row"
+        )
+    return _nvfp4_product(q_r, qw, group_sizes, row_expert)
+
+
+def _reference(x, w, mode, site, recipe, group_sizes) -> jax.Array:
+    """The jnp implementation of every mode; ``x [M, K]``, returns f32 ``[M, N]``."""
+    w, calib = _unwrap(w)
+    row_expert = None if group_sizes is None else expert_of_rows(group_sizes, x.shape[0])
+    if mode == "bf16":
+        if isinstance(w, nvfp4.NVFP4Tensor | fp8.FP8Tensor):
+            raise ValueError(
+                f"site {site!r}: the recipe says bf16 but the weight is a packed "
+                f"{type(w).__name__}; sync the weights with the same recipe"
+            )
+        return _matmul(x, w.astype(x.dtype), group_sizes)
+    if mode in ("w_fakequant_nvfp4", "w_fakequant_fp8", "w4a16_nvfp4"):
+        w_hat = _fake_quant_weight(w, mode, site, recipe)
+        return _matmul(x, w_hat.astype(x.dtype), group_sizes)
+    if mode == "a_fakequant_nvfp4_w_fakequant_nvfp4":
+        w_hat = _fake_quant_weight(w, mode, site, recipe)
+        x_hat = nvfp4.fake_quant(x, scale_mode="row")
+        return _matmul(x_hat, w_hat.astype(x.dtype), group_sizes)
+    if mode in ("w4a4_nvfp4", "w4a4_nvfp4_rac"):
+        qw = _nvfp4_weight(w, site)
+        static = None if calib is None else calib.act_global_scale
+        qx = act_quantize(x, recipe, static_scale=static, row_expert=row_expert)
+        y = _nvfp4_product(qx, qw, group_sizes, row_expert)
+        if mode == "w4a4_nvfp4_rac":
+            y = y + _rac_residual_product(x, qx, qw, recipe, group_sizes, row_expert, calib)
+        return y
+    if mode == "w8a8_fp8":
+        qw = _fp8_weight(w, site, recipe)
+        qx = fp8.quantize(x, granularity=recipe.fp8_act_granularity)
+        acc = _matmul(qx.data.astype(jnp.bfloat16), qw.data.astype(jnp.bfloat16), group_sizes)
+        if qw.scale.ndim == 0:  # "tensor": one scale for the whole (stacked) weight
+            w_rows = qw.scale
+        elif group_sizes is None:
+            w_rows = qw.scale.reshape(1, -1)  # "channel" [N, 1] -> [1, N]
+        else:
+            w_rows = qw.scale.reshape(qw.shape[0], -1)[row_expert]  # [E, N, 1] -> [M, N]
+        return acc * qx.scale * w_rows
+    raise ValueError(f"site {site!r}: mode={mode!r} must be one of {MODES}")
+
+
+def _check(x, w, site: str, grouped: bool) -> None:
+    want = 3 if grouped else 2
+    wshape = tuple(w.shape)
+    if len(wshape) != want:
+        raise ValueError(
+            f"site {site!r}: weight shape {wshape} must be {'[E, N, K]' if grouped else '[N, K]'}"
+        )
+    if x.shape[-1] != wshape[-1]:
+        raise ValueError(
+            f"site {site!r}: x last axis K={x.shape[-1]} does not match weight K={wshape[-1]} "
+            f"(weight shape {wshape})"
+        )
+
+
+def linear(
+    x: jax.Array, w, site: str, recipe: QuantRecipe | None = None, *, out_dtype=None
+) -> jax.Array:
+    """``y = x @ W^T`` per the recipe's mode for ``site``.
+
+    Args:
+      x: ``[..., K]`` activations (compute dtype).
+      w: ``[N, K]`` master array, ``NVFP4Tensor``, ``FP8Tensor`` or ``CalibratedWeight``.
+      out_dtype: dtype of the result (None: ``x.dtype``); the f32 accumulator is cast to it
+        (``lm_head`` asks for f32 logits from bf16 activations).
+    Returns ``[..., N]``.
+    """
+    recipe = recipe or _BF16_RECIPE
+    _check(x, w, site, grouped=False)
+    mode = recipe.mode_for(site)
+    x2 = x.reshape(-1, x.shape[-1])
+    kernel = _kernel_for(mode, "dense", recipe)
+    if kernel is not None:
+        y = kernel(x2, w, recipe=recipe, site=site, interpret=recipe.backend == "interpret")
+    else:
+        y = _reference(x2, w, mode, site, recipe, None)
+    y = y.astype(x.dtype if out_dtype is None else out_dtype)
+    return y.reshape(x.shape[:-1] + (y.shape[-1],))
+
+
+def grouped_linear(
+    x_sorted: jax.Array,
+    w,
+    group_sizes: jax.Array,
+    site: str,
+    recipe: QuantRecipe | None = None,
+) -> jax.Array:
+    """Grouped ``y[m] = x[m] @ W[e(m)]^T`` for rows sorted by expert.
+
+    Args:
+      x_sorted: ``[M, K]``, rows of expert 0 first, then expert 1, ...
+      w: ``[E, N, K]`` master array / ``NVFP4Tensor`` / ``FP8Tensor`` / ``CalibratedWeight``.
+      group_sizes: int32 ``[E]``, rows per expert (zeros allowed; sum <= M, rows past the sum
+        get zeros).
+    Returns ``[M, N]`` in ``x_sorted.dtype``.
+    """
+    recipe = recipe or _BF16_RECIPE
+    _check(x_sorted, w, site, grouped=True)
+    if group_sizes.shape != (w.shape[0],):
+        raise ValueError(
+            f"site {site!r}: group_sizes shape {tuple(group_sizes.shape)} must be "
+            f"({w.shape[0]},), one per expert of the weight"
+        )
+    mode = recipe.mode_for(site)
+    group_sizes = group_sizes.astype(jnp.int32)
+    kernel = _kernel_for(mode, "grouped", recipe)
+    if kernel is not None:
+        y = kernel(
+            x_sorted, w, group_sizes, recipe=recipe, site=site,
+            interpret=recipe.backend == "interpret",
+        )
+    else:
+        y = _reference(x_sorted, w, mode, site, recipe, group_sizes)
+    return y.astype(x_sorted.dtype)

@@ -1,0 +1,55 @@
+"""Shared test helpers: a toy MoE config and the char tokenizer every test uses."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from quads_jax.models.config import ModelConfig
+from quads_jax.tokenizers import CharTokenizer
+
+
+def char_tokenizer() -> CharTokenizer:
+    return CharTokenizer()
+
+
+def tiny_config(**overrides: Any) -> ModelConfig:
+    """4 layers (0, 2, 3 sparse MoE; 1 dense), hidden 64, GQA 4/2 of head_dim 16, 8 experts,
+    top-2, vocab of the CharTokenizer. Every matmul K is a multiple of 16 (NVFP4 blocks)."""
+    tok = CharTokenizer()
+    kwargs: dict[str, Any] = dict(
+        vocab_size=tok.vocab_size,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        mlp_only_layers=(1,),
+        max_position_embeddings=512,
+        initializer_range=0.1,
+        bos_token_id=tok.bos_id,
+        eos_token_id=tok.eos_id,
+        pad_token_id=tok.pad_id,
+    )
+    kwargs.update(overrides)
+    return ModelConfig(**kwargs)
+
+
+def padded_batch(
+    rows: list[list[int]], pad_id: int = 0, *, left: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
+    """tokens int32 ``[B, T]`` and mask bool ``[B, T]`` of ragged ``rows``, left or right padded."""
+    t = max(len(r) for r in rows)
+    tokens = np.full((len(rows), t), pad_id, np.int32)
+    mask = np.zeros((len(rows), t), bool)
+    for i, r in enumerate(rows):
+        sl = slice(t - len(r), t) if left else slice(0, len(r))
+        tokens[i, sl] = r
+        mask[i, sl] = True
+    return tokens, mask
