@@ -1,0 +1,159 @@
+"""NVFP4Tensor -> the Mosaic GPU kernels' private weight layout (done once, at weight sync).
+
+Kernel layout of a weight ``[..., N, K]`` (``...`` = nothing for dense, ``E`` for experts):
+
+* ``codes`` uint16 ``[E, Np, Kp // 4]``, "split-nibble": within each group of 64 K-columns,
+  word ``j`` (0..15) of a row holds the E2M1 codes of ``k = 16 * i + j`` in nibble ``i``. One
+  nibble extraction over 16 consecutive words then yields one whole 16-element scale block, and
+  the 16-bit container keeps Mosaic GPU away from 8-bit shifts (which it rejects).
+* ``scales`` ``[E, Kp // 16, Np]`` in the MMA dtype, scale axis before N so that one SMEM row is
+  the scales of 128 consecutive weight rows. float16 holds the E4M3 value ``s`` itself (the kernel
+  decodes codes to ``e2m1 * 2^-14`` and multiplies, giving ``e2m1 * s * 2^-14`` exactly, see
+  ``MMA_CODE_FACTOR``); bfloat16 holds ``s * 2^14`` (the kernel converts the f16 code to bf16
+  first), which is exact too.
+* ``global_scale`` float32 ``[E]``: the NVFP4 decode scale ``g`` of each matrix.
+
+``Np`` and ``Kp`` are N and K padded with zero codes and zero scales to the kernel tiles
+(``N_TILE`` rows, ``K_TILE`` columns), so the padding contributes exact zeros.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from quads_jax.quant import nvfp4
+
+K_TILE = 256  # K columns per pipeline step: 64 uint16 words = one 128-byte swizzle row.
+N_TILE = 128  # weight rows per CTA tile: two compute warpgroups x 64 wgmma rows.
+MMA_DTYPES = ("float16", "bfloat16")
+# The f16 bit pattern ((c & 8) << 12) | ((c & 7) << 9) is e2m1(c) * 2^-14 (code 1 = 0.5 lands on
+# an f16 subnormal): the kernel's A operand is that times the stored scale.
+CODE_EXPONENT = -14
+
+
+def code_factor(mma_dtype: str) -> float:
+    """What the kernel's MMA result must be multiplied by to give ``sum(e2m1*s_w * x_hat)``."""
+    return float(2.0 ** -CODE_EXPONENT) if mma_dtype == "float16" else 1.0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class W4A4Weights:
+    """NVFP4 weights in the kernel layout (module docstring).
+
+    Attributes:
+      codes: uint16 ``[E, Np, Kp // 4]``.
+      scales: ``[E, Kp // 16, Np]`` float16 (``s``) or bfloat16 (``s * 2^14``).
+      global_scale: float32 ``[E]``.
+      n: logical N (static); k: logical K (static); stacked: False for a dense ``[N, K]`` weight.
+    """
+
+    codes: jax.Array
+    scales: jax.Array
+    global_scale: jax.Array
+    n: int = dataclasses.field(metadata={"static": True})
+    k: int = dataclasses.field(metadata={"static": True})
+    stacked: bool = dataclasses.field(metadata={"static": True})
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Logical weight shape ``[N, K]`` or ``[E, N, K]`` (what ``ops`` checks against x)."""
+        return ((self.num_experts,) if self.stacked else ()) + (self.n, self.k)
+
+    @property
+    def mma_dtype(self) -> str:
+        return jnp.dtype(self.scales.dtype).name
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.codes.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the kernel streams for all experts (codes + scales; padding included)."""
+        return int(self.codes.size * 2 + self.scales.size * self.scales.dtype.itemsize)
+
+
+def _round_up(v: int, m: int) -> int:
+    return -(-v // m) * m
+
+
+def _check_mma_dtype(mma_dtype: str) -> None:
+    if mma_dtype not in MMA_DTYPES:
+        raise ValueError(f"mma_dtype={mma_dtype!r} is not one of {MMA_DTYPES}")
+
+
+def split_nibble_pack(codes: jax.Array) -> jax.Array:
+    """uint8 E2M1 codes ``[..., K]`` (K % 64 == 0) -> uint16 split-nibble words ``[..., K // 4]``."""
+    k = codes.shape[-1]
+    c = codes.astype(jnp.uint16).reshape(codes.shape[:-1] + (k // 64, 4, 16))
+    words = c[..., 0, :] | (c[..., 1, :] << 4) | (c[..., 2, :] << 8) | (c[..., 3, :] << 12)
+    return words.reshape(codes.shape[:-1] + (k // 4,))
+
+
+def split_nibble_unpack(words: jax.Array) -> jax.Array:
+    """Inverse of ``split_nibble_pack``: uint16 ``[..., K // 4]`` -> uint8 codes ``[..., K]``."""
+    kw = words.shape[-1]
+    w = words.reshape(words.shape[:-1] + (kw // 16, 1, 16))
+    shifts = jnp.arange(4, dtype=jnp.uint16).reshape(1, 4, 1) * 4
+    c = (w >> shifts) & jnp.uint16(0xF)
+    return c.astype(jnp.uint8).reshape(words.shape[:-1] + (kw * 4,))
+
+
+def prepare_w4a4_weights(w_q: nvfp4.NVFP4Tensor, *, mma_dtype: str = "float16") -> W4A4Weights:
+    """Convert an ``NVFP4Tensor`` weight ``[N, K]`` or ``[E, N, K]`` to the kernel layout.
+
+    The global scale must be per tensor (dense) or per matrix ("expert" mode, or one scalar for
+    all experts). Call this once at weight sync; inside a jitted forward it costs a full pass
+    over the weight.
+    """
+    _check_mma_dtype(mma_dtype)
+    if not isinstance(w_q, nvfp4.NVFP4Tensor):
+        raise ValueError(f"w_q: expected an NVFP4Tensor, got {type(w_q).__name__}")
+    if w_q.ndim not in (2, 3):
+        raise ValueError(f"w_q: shape {w_q.shape} must be [N, K] or [E, N, K]")
+    stacked = w_q.ndim == 3
+    packed = w_q.packed if stacked else w_q.packed[None]
+    scales = w_q.scales if stacked else w_q.scales[None]
+    e, n, k = packed.shape[0], packed.shape[1], packed.shape[2] * 2
+    g = jnp.asarray(w_q.global_scale, jnp.float32)
+    if g.size == 1:
+        g = jnp.broadcast_to(g.reshape(()), (e,))
+    elif g.size == e and stacked and g.shape in ((e, 1, 1), (e,)):
+        g = g.reshape(e)
+    else:
+        raise ValueError(
+            f"w_q.global_scale: shape {tuple(g.shape)} is not supported for weight {w_q.shape}; "
+            "the kernels take one decode scale per matrix ([] or [E, 1, 1]), not per row"
+        )
+    n_pad, k_pad = _round_up(n, N_TILE), _round_up(k, K_TILE)
+    codes = nvfp4.unpack_codes(packed)
+    codes = jnp.pad(codes, ((0, 0), (0, n_pad - n), (0, k_pad - k)))
+    s = scales.astype(jnp.float32)
+    if mma_dtype == "bfloat16":
+        s = s * np.float32(2.0 ** -CODE_EXPONENT)
+    s = jnp.pad(s, ((0, 0), (0, n_pad - n), (0, (k_pad - k) // nvfp4.BLOCK_SIZE)))
+    return W4A4Weights(
+        codes=split_nibble_pack(codes),
+        scales=jnp.swapaxes(s, 1, 2).astype(mma_dtype),
+        global_scale=g,
+        n=n,
+        k=k,
+        stacked=stacked,
+    )
+
+
+def dequantize_w4a4_weights(w: W4A4Weights) -> jax.Array:
+    """float32 ``[E, N, K]`` values ``e2m1 * s`` (no global scale): the layout's jnp reference."""
+    codes = split_nibble_unpack(w.codes)
+    vals = nvfp4.e2m1_code_to_float(codes)
+    e, n_pad, k_pad = vals.shape
+    s = jnp.swapaxes(w.scales.astype(jnp.float32), 1, 2)
+    if w.mma_dtype == "bfloat16":
+        s = s * np.float32(2.0**CODE_EXPONENT)
+    vals = vals.reshape(e, n_pad, k_pad // 16, 16) * s[..., None]
+    return vals.reshape(e, n_pad, k_pad)[:, : w.n, : w.k]

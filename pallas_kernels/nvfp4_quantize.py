@@ -1,0 +1,178 @@
+"""Activation quantization for the W4A4 kernels, with the RAC residual, in one XLA pass.
+
+``nvfp4_quantize`` calls ``quads_jax.quant.nvfp4.quantize`` itself, so its codes, block scales
+and global scales are bit-identical to the trainer's and the reference's by construction (same
+explicit reciprocal; no second implementation to drift). It runs as an XLA fusion in the same
+jitted program as the GEMM kernel, not inside the Mosaic GPU kernel: a per-token global scale
+needs the amax of the whole row before the first block can be coded, and every CTA along N would
+redo the work (PALLAS_NOTES section 6.3).
+
+The kernels take the quantized operand as ``e2m1 * s_b`` in the MMA dtype (exact in float16
+and bfloat16: at most 6 significant bits, magnitudes in [2^-10, 2688]) and apply the global
+scales ``g`` in the epilogue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from quads_jax.quant import nvfp4, rac
+
+ACT_SCALE_MODES = ("per_token", "per_batch", "static")
+
+
+@dataclasses.dataclass(frozen=True)
+class RACConfig:
+    """Residual Activation Compensation options (QUADS_SPEC section 4; names as in QuantRecipe).
+
+    Attributes:
+      rac_ratio: fraction of the K/16 blocks compensated, (0, 1].
+      rac_selection: online_batch | online_token | static (static needs ``static_blocks``).
+      rac_score: residual_l2 | residual_l1 | act_amax.
+      rac_residual_scale: separate (own global scale) | shared (the activation's).
+      rac_residual_format: nvfp4 | bf16 (residual kept unquantized, rounded to bf16).
+      rac_energy_target: adaptive variant, None or (0, 1].
+    """
+
+    rac_ratio: float = 0.5
+    rac_selection: str = "online_batch"
+    rac_score: str = "residual_l2"
+    rac_residual_scale: str = "separate"
+    rac_residual_format: str = "nvfp4"
+    rac_energy_target: float | None = None
+
+    def __post_init__(self):
+        if not 0.0 < self.rac_ratio <= 1.0:
+            raise ValueError(f"RACConfig.rac_ratio={self.rac_ratio}: must be in (0, 1]")
+        choices = {
+            "rac_selection": ("online_batch", "online_token", "static"),
+            "rac_score": ("residual_l2", "residual_l1", "act_amax"),
+            "rac_residual_scale": ("separate", "shared"),
+            "rac_residual_format": ("nvfp4", "bf16"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"RACConfig.{name}={getattr(self, name)!r}: one of {allowed}")
+        t = self.rac_energy_target
+        if t is not None and not 0.0 < t <= 1.0:
+            raise ValueError(f"RACConfig.rac_energy_target={t}: must be None or in (0, 1]")
+
+    @classmethod
+    def from_recipe(cls, recipe) -> RACConfig:
+        """The RAC fields of a ``quads_jax.quant.recipe.QuantRecipe``."""
+        return cls(**{f.name: getattr(recipe, f.name) for f in dataclasses.fields(cls)})
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedActivations:
+    """What the W4A4 kernels consume.
+
+    Attributes:
+      q: NVFP4 activations ``[M, K]`` (global scale ``[M, 1]`` per token or ``[]`` per batch).
+      residual: the RAC residual of the selected blocks, NVFP4 ``[M, K]`` (zero blocks outside
+        the selection), bf16 ``[M, K]`` for ``rac_residual_format="bf16"``, or None.
+      mask: bool ``[M, K/16]`` selected blocks, or None without RAC.
+    """
+
+    q: nvfp4.NVFP4Tensor
+    residual: nvfp4.NVFP4Tensor | jax.Array | None = None
+    mask: jax.Array | None = None
+
+
+def _check_x(x: jax.Array, act_scale_mode: str, static_scale) -> None:
+    if act_scale_mode not in ACT_SCALE_MODES:
+        raise ValueError(f"act_scale_mode={act_scale_mode!r}: must be one of {ACT_SCALE_MODES}")
+    if not hasattr(x, "ndim") or x.ndim != 2:
+        raise ValueError(f"x: shape {getattr(x, 'shape', None)} must be [M, K]")
+    if (act_scale_mode == "static") != (static_scale is not None):
+        raise ValueError(
+            f"static_scale: {'missing' if static_scale is None else 'given'} with "
+            f"act_scale_mode={act_scale_mode!r}; a calibrated scale goes with 'static' only"
+        )
+
+
+def act_quantize(x: jax.Array, act_scale_mode: str, static_scale=None) -> nvfp4.NVFP4Tensor:
+    """NVFP4 activations: per_token (``g [M, 1]``), per_batch (``g []``), static (given per
+    row ``[M]`` or scalar, stored as ``[M, 1]``); as ``quads_jax.quant.ops.act_quantize``."""
+    if act_scale_mode == "per_token":
+        return nvfp4.quantize(x, scale_mode="row")
+    if act_scale_mode == "per_batch":
+        return nvfp4.quantize(x, scale_mode="tensor")
+    g = jnp.broadcast_to(jnp.asarray(static_scale, jnp.float32).reshape(-1, 1), (x.shape[0], 1))
+    return nvfp4.quantize(x, global_scale=g, scale_mode="row")
+
+
+def nvfp4_quantize(
+    x: jax.Array,
+    *,
+    act_scale_mode: str = "per_token",
+    rac_config: RACConfig | None = None,
+    row_expert: jax.Array | None = None,
+    num_experts: int | None = None,
+    static_blocks: jax.Array | None = None,
+    static_scale: jax.Array | None = None,
+) -> QuantizedActivations:
+    """Quantize activations ``x: [M, K]`` (bf16/f16/f32, K % 16 == 0) and their RAC residual.
+
+    Args:
+      act_scale_mode: per_token (one global scale per row) | per_batch (one for all rows) |
+        static (``static_scale``: float32 ``[]`` or per row ``[M]``, calibrated).
+      rac_config: None for plain W4A4.
+      row_expert: int32 ``[M]`` expert of each row (grouped GEMMs: online_batch then selects
+        blocks per expert); num_experts: E, with row_expert.
+      static_blocks: bool ``[K/16]`` or ``[E, K/16]`` for ``rac_selection="static"``.
+    """
+    _check_x(x, act_scale_mode, static_scale)
+    q = act_quantize(x, act_scale_mode, static_scale)
+    if rac_config is None:
+        return QuantizedActivations(q=q)
+    r = nvfp4.residual(x, q)
+    mask = rac.block_mask(
+        x, r, rac_config, row_expert=row_expert, num_experts=num_experts,
+        static_blocks=static_blocks,
+    )
+    r_s = rac.masked_residual(r, mask)
+    if rac_config.rac_residual_format == "bf16":
+        return QuantizedActivations(q=q, residual=r_s.astype(jnp.bfloat16), mask=mask)
+    if rac_config.rac_residual_scale == "shared":
+        mode = "row" if q.global_scale.ndim else "tensor"
+        r_q = nvfp4.quantize(r_s, global_scale=q.global_scale, scale_mode=mode)
+    else:
+        r_q = nvfp4.quantize(r_s, scale_mode="tensor" if act_scale_mode == "per_batch" else "row")
+    return QuantizedActivations(q=q, residual=r_q, mask=mask)
+
+
+def mma_operand(q: nvfp4.NVFP4Tensor, dtype) -> tuple[jax.Array, jax.Array]:
+    """``(e2m1 * s_b)`` ``[M, K]`` in ``dtype`` (exact) and the float32 global scale per row ``[M]``."""
+    unit = nvfp4.NVFP4Tensor(q.packed, q.scales, jnp.ones((), jnp.float32), q.dtype)
+    vals = nvfp4.dequantize(unit, jnp.float32).astype(dtype)
+    g = jnp.broadcast_to(jnp.asarray(q.global_scale, jnp.float32).reshape(-1), (q.shape[0],))
+    return vals, g
+
+
+def kernel_operands(
+    acts: QuantizedActivations, dtype
+) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """The kernel's B operands (1 or 2 arrays ``[M, K]`` in ``dtype``) and their per-row scales."""
+    b0, g0 = mma_operand(acts.q, dtype)
+    if acts.residual is None:
+        return (b0,), (g0,)
+    if isinstance(acts.residual, nvfp4.NVFP4Tensor):
+        b1, g1 = mma_operand(acts.residual, dtype)
+    else:
+        b1, g1 = acts.residual.astype(dtype), jnp.ones((b0.shape[0],), jnp.float32)
+    return (b0, b1), (g0, g1)
+
+
+def dequantized_sum(acts: QuantizedActivations) -> tuple[jax.Array, ...]:
+    """float32 ``dq(Q(x))`` and, with RAC, ``dq(Q(R_S))``: the references' activation operands."""
+    out = [nvfp4.dequantize(acts.q, jnp.float32)]
+    if isinstance(acts.residual, nvfp4.NVFP4Tensor):
+        out.append(nvfp4.dequantize(acts.residual, jnp.float32))
+    elif acts.residual is not None:
+        out.append(acts.residual.astype(jnp.float32))
+    return tuple(out)

@@ -1,0 +1,266 @@
+"""The Mosaic GPU (Hopper) NVFP4-weight tile GEMM shared by the dense and grouped kernels.
+
+Computes, for every token tile ``t < num_tiles`` (``num_tiles`` read at run time)::
+
+    out[t, s, a, n, m] = sum_{k in split s} W_e[n, k] * B_a[t, m, k],   e = tile_expert[t]
+
+with ``W_e = e2m1 * s_w`` (times ``2^-14`` in the float16 path, see ``layout.code_factor``)
+decoded in registers from the split-nibble layout, ``B_0`` the quantized activations
+(``e2m1 * s_x`` in the MMA dtype, exact) and, with RAC, ``B_1`` the quantized residual: both
+multiply the same decoded weight registers, so the weight is read and decoded once.
+
+Design (swap-AB, as tokamax's sm90 quantized ragged dot): the weight rows are the wgmma M side
+(64 per compute warpgroup, two warpgroups per 128-row tile) and the tokens are the wgmma N side
+(``block_m`` >= 8), so decode with few tokens wastes no MMA rows. A third warpgroup issues the
+TMA copies (``emit_pipeline_warp_specialized``). The grid is persistent over (token tile,
+weight-row tile, K split); tiles past ``num_tiles`` cost one scalar load. Partial sums of the K
+splits and the global scales are combined outside, in one small XLA fusion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.layout import CODE_EXPONENT, K_TILE, N_TILE, W4A4Weights
+
+WG_ROWS = 64  # wgmma M per warpgroup
+NUM_COMPUTE_WGS = N_TILE // WG_ROWS
+KW_TILE = K_TILE // 4  # uint16 words per row per step
+CHUNK = 64  # K columns per wgmma (128-byte swizzle of 16-bit values)
+
+
+@dataclasses.dataclass(frozen=True)
+class TileGemmConfig:
+    """Tuning of ``nvfp4_tile_gemm``.
+
+    Attributes:
+      k_splits: K ranges computed by different CTAs (split-K, for decode occupancy); must divide
+        ``Kp // 256``.
+      max_concurrent_steps: pipeline depth (SMEM stages of weights + scales + activations).
+      a_via_smem: stage the decoded weight tile through SMEM before the wgmma (the GPU
+        interpreter cannot run wgmma with A in registers; slower on the device).
+      num_sms: persistent CTAs; None = the device's SM count.
+    """
+
+    k_splits: int = 1
+    max_concurrent_steps: int = 4
+    a_via_smem: bool = False
+    num_sms: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.k_splits, int) or self.k_splits < 1:
+            raise ValueError(f"TileGemmConfig.k_splits={self.k_splits!r}: need an int >= 1")
+        if not isinstance(self.max_concurrent_steps, int) or not 1 <= self.max_concurrent_steps <= 8:
+            raise ValueError(
+                f"TileGemmConfig.max_concurrent_steps={self.max_concurrent_steps!r}: need 1..8"
+            )
+        if self.num_sms is not None and (not isinstance(self.num_sms, int) or self.num_sms < 1):
+            raise ValueError(f"TileGemmConfig.num_sms={self.num_sms!r}: need None or an int >= 1")
+
+
+def _num_sms() -> int:
+    if abstract_device := jax.sharding.get_abstract_mesh().abstract_device:
+        return abstract_device.num_cores
+    return jax.devices()[0].core_count if jax.devices()[0].platform == "gpu" else 4
+
+
+def _swizzled(dtype) -> tuple:
+    bits = jnp.dtype(dtype).itemsize * 8
+    return (plgpu.TilingTransform((8, 128 * 8 // bits)), plgpu.SwizzleTransform(128))
+
+
+def _decode_chunk(w16: jax.Array, scales, rows, g: int, mma_dtype) -> jax.Array:
+    """Decode K columns [64g, 64g + 64) of a 64-row uint16 tile to ``[64, 64]`` MMA values.
+
+    ``w16``: uint16 ``[64, 64]`` words of the step; ``scales``: SMEM ref ``[16, 128]`` of the
+    step's block scales, sliced at ``rows``.
+    """
+    pieces = []
+    words = w16[:, 16 * g : 16 * g + 16]
+    for i in range(4):
+        c = (words >> jnp.uint16(4 * i)) & jnp.uint16(0xF) if i else words & jnp.uint16(0xF)
+        bits = ((c & jnp.uint16(8)) << jnp.uint16(12)) | ((c & jnp.uint16(7)) << jnp.uint16(9))
+        v = lax.bitcast_convert_type(bits, jnp.float16)  # e2m1 * 2^-14
+        if mma_dtype != jnp.float16:
+            v = v.astype(mma_dtype)
+        s = scales[4 * g + i, rows]
+        pieces.append(v * lax.broadcast_in_dim(s, (WG_ROWS, 16), (0,)))
+    return jnp.concatenate(pieces, axis=1)
+
+
+def nvfp4_tile_gemm(
+    b_tiles: tuple[jax.Array, ...],
+    w: W4A4Weights,
+    tile_expert: jax.Array,
+    num_tiles: jax.Array,
+    *,
+    config: TileGemmConfig,
+    interpret: bool = False,
+) -> jax.Array:
+    """Run the kernel.
+
+    Args:
+      b_tiles: one or two (RAC) arrays ``[T, block_m, Kp]`` in ``w.mma_dtype``; block_m % 8 == 0.
+      w: the weights in kernel layout, ``E`` matrices ``[Np, Kp]``.
+      tile_expert: int32 ``[T]``, the matrix each token tile multiplies.
+      num_tiles: int32 ``[1]``, tiles ``t >= num_tiles[0]`` are skipped (their output is garbage).
+    Returns:
+      float32 ``[T, k_splits, len(b_tiles), Np, block_m]`` partial sums (see module docstring).
+    """
+    mma_dtype = jnp.dtype(w.mma_dtype)
+    e, n_pad, kw = w.codes.shape
+    k_pad = kw * 4
+    t_max, block_m, kb = b_tiles[0].shape
+    if kb != k_pad:
+        raise ValueError(f"b_tiles: K={kb} does not match the weights' padded K={k_pad}")
+    if block_m % 8 or not 8 <= block_m <= 256:
+        raise ValueError(f"block_m={block_m}: the wgmma N side needs a multiple of 8 in [8, 256]")
+    k_steps_total = k_pad // K_TILE
+    if k_steps_total % config.k_splits:
+        raise ValueError(
+            f"TileGemmConfig.k_splits={config.k_splits} does not divide the {k_steps_total} "
+            f"K steps of 256 (K padded to {k_pad})"
+        )
+    k_steps = k_steps_total // config.k_splits
+    n_tiles = n_pad // N_TILE
+    num_acc = len(b_tiles)
+    num_sms = config.num_sms or _num_sms()
+    num_work = t_max * n_tiles * config.k_splits
+
+    in_specs = [
+        plgpu.BlockSpec((N_TILE, KW_TILE), lambda k: (0, k), transforms=_swizzled(jnp.uint16)),
+        plgpu.BlockSpec((K_TILE // 16, N_TILE), lambda k: (k, 0)),
+    ] + [
+        plgpu.BlockSpec((block_m, K_TILE), lambda k: (0, k), transforms=_swizzled(mma_dtype))
+        for _ in range(num_acc)
+    ]
+
+    def kernel(tile_expert_gmem, num_tiles_gmem, codes_gmem, scales_gmem, *rest):
+        b_gmems = rest[:num_acc]
+        out_gmem, out_smem = rest[num_acc], rest[num_acc + 1]
+        a_smem = rest[num_acc + 2] if config.a_via_smem else None
+
+        def get_pipeline(body, compute_context):
+            return plgpu.emit_pipeline_warp_specialized(
+                body,
+                grid=(k_steps,),
+                memory_registers=40,
+                in_specs=in_specs,
+                wg_axis="wg",
+                num_compute_wgs=NUM_COMPUTE_WGS,
+                max_concurrent_steps=min(config.max_concurrent_steps, k_steps),
+                compute_context=compute_context,
+            )
+
+        ignore = lambda *_, **__: None  # noqa: E731
+        dummy_b = [b.at[0] for b in b_gmems]
+
+        @functools.partial(
+            pl.run_scoped,
+            pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(
+                codes_gmem.at[0], scales_gmem.at[0], *dummy_b
+            ),
+            collective_axes="wg",
+        )
+        def _pipeline_scope(pipeline_allocs):
+            wg = lax.axis_index("wg")
+            rows = pl.ds(wg * WG_ROWS, WG_ROWS)
+
+            @plgpu.nd_loop((num_work,), collective_axes="sm")
+            def _work_loop(loop_info: plgpu.NDLoopInfo):
+                (idx,) = loop_info.index
+                split = lax.rem(idx, config.k_splits)
+                ni = lax.rem(lax.div(idx, config.k_splits), n_tiles)
+                t = lax.div(idx, config.k_splits * n_tiles)
+                expert = tile_expert_gmem[t]
+                n_slice = pl.ds(ni * N_TILE, N_TILE)
+
+                def compute_context(eval_pipeline):
+                    def acc_scope(*acc_refs):
+                        eval_pipeline(acc_refs)
+                        for a, acc_ref in enumerate(acc_refs):
+                            out_smem[wg] = acc_ref[...]
+                            plgpu.commit_smem()
+                            plgpu.copy_smem_to_gmem(
+                                out_smem.at[wg],
+                                out_gmem.at[t, split, a, pl.ds(ni * N_TILE + wg * WG_ROWS, WG_ROWS)],
+                            )
+                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+                    pl.run_scoped(
+                        acc_scope,
+                        *[plgpu.ACC((WG_ROWS, block_m), jnp.float32) for _ in range(num_acc)],
+                    )
+
+                def mma_body(_, w_smem, s_smem, *refs):
+                    b_smems, accs = refs[:num_acc], refs[num_acc]
+                    w16 = w_smem[rows]
+                    for g in range(K_TILE // CHUNK):
+                        a = _decode_chunk(w16, s_smem, rows, g, mma_dtype)
+                        if a_smem is not None:
+                            a_smem[wg] = a
+                            plgpu.commit_smem()
+                            a = a_smem.at[wg]
+                        for b_smem, acc in zip(b_smems, accs, strict=True):
+                            plgpu.wgmma(acc, a, b_smem.at[:, pl.ds(g * CHUNK, CHUNK)].T)
+                        plgpu.wgmma_wait(0)
+                    return accs
+
+                @pl.when(t < num_tiles_gmem[0])
+                def _run():
+                    k_words = pl.ds(split * k_steps * KW_TILE, k_steps * KW_TILE)
+                    k_blocks = pl.ds(split * k_steps * (K_TILE // 16), k_steps * (K_TILE // 16))
+                    k_cols = pl.ds(split * k_steps * K_TILE, k_steps * K_TILE)
+                    get_pipeline(mma_body, compute_context)(
+                        codes_gmem.at[expert, n_slice, k_words],
+                        scales_gmem.at[expert, k_blocks, n_slice],
+                        *[b.at[t, :, k_cols] for b in b_gmems],
+                        allocations=pipeline_allocs,
+                    )
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    scratch = [plgpu.SMEM((NUM_COMPUTE_WGS, WG_ROWS, block_m), jnp.float32)]
+    if config.a_via_smem:
+        scratch.append(
+            plgpu.SMEM((NUM_COMPUTE_WGS, WG_ROWS, CHUNK), mma_dtype, transforms=_swizzled(mma_dtype))
+        )
+    call = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((t_max, config.k_splits, num_acc, n_pad, block_m), jnp.float32),
+        grid=(num_sms,),
+        grid_names=("sm",),
+        num_threads=NUM_COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        scratch_types=scratch,
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+    return call(tile_expert, num_tiles, w.codes, w.scales, *b_tiles)
+
+
+def tile_gemm_reference(
+    b_tiles: tuple[jax.Array, ...], w: W4A4Weights, tile_expert: jax.Array
+) -> jax.Array:
+    """float32 ``[T, 1, A, Np, block_m]``: the kernel's result with ``k_splits=1`` in jnp."""
+    from pallas_kernels.layout import dequantize_w4a4_weights
+
+    wd = dequantize_w4a4_weights(w)  # [E, N, K] e2m1 * s
+    if w.mma_dtype == "float16":
+        wd = wd * (2.0**CODE_EXPONENT)
+    e = wd.shape[0]
+    n_pad, k_pad = w.codes.shape[1], w.codes.shape[2] * 4
+    wd = jnp.pad(wd, ((0, 0), (0, n_pad - w.n), (0, k_pad - w.k)))
+    w_t = wd[jnp.clip(tile_expert, 0, e - 1)]  # [T, Np, Kp]
+    outs = [
+        jnp.einsum("tnk,tmk->tnm", w_t, b.astype(jnp.float32), precision="highest")
+        for b in b_tiles
+    ]
+    return jnp.stack(outs, axis=1)[:, None]

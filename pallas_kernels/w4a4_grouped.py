@@ -1,0 +1,160 @@
+"""Grouped (MoE) NVFP4 W4A4 matmul on tokens sorted by expert, a drop-in for a grouped linear.
+
+``w4a4_grouped_matmul(x_sorted [M, K], w [E, N, K], group_sizes [E])``: rows
+``[start_e, start_e + group_sizes[e])`` multiply expert ``e``. The rows of each expert are cut
+into token tiles of ``block_m`` (megablox-style metadata built in jnp: at most
+``M // block_m + E`` tiles, the real count read by the kernel at run time), gathered into a
+tile array, multiplied by the shared tile kernel with a per-tile expert index, and scattered
+back. Experts without tokens cost nothing but a skipped work item: their weights are not read.
+Rows past ``sum(group_sizes)`` come out as zeros (as ``jax.lax.ragged_dot``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import nvfp4_quantize as aq
+from pallas_kernels.layout import code_factor
+from pallas_kernels.w4a4_matmul import (
+    W4A4MatmulConfig,
+    _check,
+    as_kernel_weights,
+    combine,
+    run_tiles,
+)
+from quads_jax.quant import nvfp4
+
+
+def grouped_block_m(m: int, num_experts: int) -> int:
+    """Tokens per tile from the average group size: a power of two in [8, 128]."""
+    avg = max(1, -(-m // num_experts))
+    return int(min(128, max(8, 1 << (avg - 1).bit_length())))
+
+
+def _check_group_sizes(group_sizes, num_experts: int, m: int) -> jax.Array:
+    gs = jnp.asarray(group_sizes)
+    if gs.shape != (num_experts,) or not jnp.issubdtype(gs.dtype, jnp.integer):
+        raise ValueError(
+            f"group_sizes: shape {tuple(gs.shape)} dtype {gs.dtype}; need int [{num_experts}]"
+        )
+    if not isinstance(gs, jax.core.Tracer):
+        total = int(jnp.sum(gs))
+        if total > m or bool(jnp.any(gs < 0)):
+            raise ValueError(
+                f"group_sizes: sum {total} (min {int(jnp.min(gs))}) must be >= 0 per group and "
+                f"<= M={m} rows of x_sorted"
+            )
+    return gs.astype(jnp.int32)
+
+
+def row_experts(group_sizes: jax.Array, m: int) -> jax.Array:
+    """int32 ``[M]`` expert of each sorted row (E for rows past the last group)."""
+    ends = jnp.cumsum(group_sizes)
+    return jnp.searchsorted(ends, jnp.arange(m, dtype=jnp.int32), side="right").astype(jnp.int32)
+
+
+def tile_plan(group_sizes: jax.Array, m: int, block_m: int):
+    """Token-tile metadata for sorted rows.
+
+    Returns ``(row_index [T, block_m], tile_expert [T], num_tiles [1], row_slot [M])``:
+    ``row_index`` is the source row of each tile slot (``m`` = zero row), ``row_slot`` the flat
+    slot ``t * block_m + r`` of each source row (``T * block_m`` for rows past the groups).
+    """
+    e = group_sizes.shape[0]
+    t_max = m // block_m + e
+    starts = jnp.cumsum(group_sizes) - group_sizes
+    tiles = -(-group_sizes // block_m)
+    tile_ends = jnp.cumsum(tiles)
+    tile_starts = tile_ends - tiles
+    t = jnp.arange(t_max, dtype=jnp.int32)
+    te = jnp.minimum(jnp.searchsorted(tile_ends, t, side="right"), e - 1).astype(jnp.int32)
+    first = starts[te] + (t - tile_starts[te]) * block_m
+    rows = first[:, None] + jnp.arange(block_m, dtype=jnp.int32)[None, :]
+    live = (t[:, None] < tile_ends[-1]) & (rows < (starts + group_sizes)[te][:, None])
+    row_index = jnp.where(live, rows, m)
+    rexp = row_experts(group_sizes, m)
+    valid = rexp < e
+    re = jnp.minimum(rexp, e - 1)
+    local = jnp.arange(m, dtype=jnp.int32) - starts[re]
+    slot = (tile_starts[re] + local // block_m) * block_m + local % block_m
+    row_slot = jnp.where(valid, slot, t_max * block_m)
+    return row_index, te, tile_ends[-1:].astype(jnp.int32), row_slot
+
+
+def _static_rows(scale, rexp: jax.Array, e: int):
+    """A calibrated activation scale ``[]`` or per expert ``[E]`` as a per-row array."""
+    if scale is None or jnp.ndim(scale) == 0:
+        return scale
+    return jnp.asarray(scale, jnp.float32).reshape(e)[jnp.minimum(rexp, e - 1)]
+
+
+def w4a4_grouped_matmul(
+    x_sorted: jax.Array,
+    w_q,
+    group_sizes: jax.Array,
+    *,
+    act_scale_mode: str = "per_token",
+    rac: aq.RACConfig | None = None,
+    rac_blocks: jax.Array | None = None,
+    act_global_scale: jax.Array | None = None,
+    config: W4A4MatmulConfig | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Grouped ``Y[rows of e] = Q(x) @ Q(W_e)^T`` (+ RAC): ``[M, N]`` in ``x_sorted.dtype``.
+
+    Args:
+      x_sorted: ``[M, K]`` bf16 rows sorted by expert.
+      w_q: ``NVFP4Tensor [E, N, K]`` (one global scale per expert or per tensor) or stacked
+        ``W4A4Weights``.
+      group_sizes: int ``[E]`` rows per expert, summing to at most M.
+      act_scale_mode / rac / rac_blocks (``[E, K/16]`` for static selection) /
+        act_global_scale (``[]`` or ``[E]``, static mode): as ``w4a4_matmul``; online_batch RAC
+        selects blocks per expert.
+    """
+    config = config or W4A4MatmulConfig()
+    w = as_kernel_weights(w_q, config.mma_dtype)
+    if not w.stacked:
+        raise ValueError("w_q: a dense [N, K] weight; w4a4_grouped_matmul needs [E, N, K]")
+    _check(x_sorted, w)
+    m, e = x_sorted.shape[0], w.num_experts
+    gs = _check_group_sizes(group_sizes, e, m)
+    rexp = row_experts(gs, m)
+    acts = aq.nvfp4_quantize(
+        x_sorted, act_scale_mode=act_scale_mode, rac_config=rac,
+        row_expert=jnp.minimum(rexp, e - 1), num_experts=e, static_blocks=rac_blocks,
+        static_scale=_static_rows(act_global_scale, rexp, e),
+    )
+    b_rows, row_scales = aq.kernel_operands(acts, w.mma_dtype)
+    block_m = config.block_m or grouped_block_m(m, e)
+    row_index, tile_expert, num_tiles, row_slot = tile_plan(gs, m, block_m)
+    parts = run_tiles(b_rows, row_index, w, tile_expert, num_tiles, block_m, config, interpret)
+    parts = jnp.pad(parts, ((0, 1), (0, 0), (0, 0)))[row_slot]  # [M, A, Np]; zero rows past groups
+    g_w = jnp.pad(w.global_scale, (0, 1))[rexp]
+    y = combine(parts, row_scales, g_w, w.n, code_factor(w.mma_dtype))
+    return y.astype(x_sorted.dtype)
+
+
+def w4a4_grouped_matmul_reference(
+    x_sorted: jax.Array,
+    w_q: nvfp4.NVFP4Tensor,
+    group_sizes: jax.Array,
+    *,
+    act_scale_mode: str = "per_token",
+    rac: aq.RACConfig | None = None,
+    rac_blocks: jax.Array | None = None,
+    act_global_scale: jax.Array | None = None,
+) -> jax.Array:
+    """jnp reference: per-row expert weights, dequantized, float32; ``[M, N]`` in x's dtype."""
+    m, e = x_sorted.shape[0], w_q.shape[0]
+    gs = _check_group_sizes(group_sizes, e, m)
+    rexp = row_experts(gs, m)
+    acts = aq.nvfp4_quantize(
+        x_sorted, act_scale_mode=act_scale_mode, rac_config=rac,
+        row_expert=jnp.minimum(rexp, e - 1), num_experts=e, static_blocks=rac_blocks,
+        static_scale=_static_rows(act_global_scale, rexp, e),
+    )
+    wd = nvfp4.dequantize(w_q, jnp.float32)  # [E, N, K]
+    a = sum(aq.dequantized_sum(acts))
+    y = jax.lax.ragged_dot(a, jnp.swapaxes(wd, 1, 2), gs, precision=jax.lax.Precision.HIGHEST)
+    return y.astype(x_sorted.dtype)

@@ -1,0 +1,195 @@
+"""Dense NVFP4 W4A4 matmul ``Y = X W^T`` on Hopper (Mosaic GPU), with optional fused RAC.
+
+``w4a4_matmul(x, w)``: X ``[M, K]`` bf16 is quantized to NVFP4 (per token or per batch, plus the
+RAC residual of the selected blocks) in an XLA fusion of the same jitted program; the Mosaic GPU
+kernel (``nvfp4_tiles_mgpu``) decodes the NVFP4 weight in registers and multiplies it with the
+quantized activations (and, with RAC, the quantized residual: same weight registers, so the
+weight is read once); one small XLA fusion sums K splits and applies the global scales.
+``w4a4_matmul_reference`` is the same math in jnp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import nvfp4_quantize as aq
+from pallas_kernels.layout import K_TILE, N_TILE, W4A4Weights, code_factor, prepare_w4a4_weights
+from pallas_kernels.nvfp4_tiles_mgpu import TileGemmConfig, _num_sms, nvfp4_tile_gemm
+from quads_jax.quant import nvfp4
+
+MAX_BLOCK_M = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class W4A4MatmulConfig:
+    """Tuning of the dense and grouped W4A4 matmuls.
+
+    Attributes:
+      block_m: tokens per tile (the wgmma N side), a multiple of 8 in [8, 256]; None = M rounded
+        up to 8 when M <= 128 (decode: one tile), else 128 (dense) / chosen per group size
+        (grouped).
+      k_splits: split-K factor; None = the smallest that fills the SMs (see ``auto_k_splits``).
+      max_concurrent_steps: pipeline depth.
+      a_via_smem: decoded weight tile through SMEM (for the CPU interpreter).
+      num_sms: persistent CTAs; None = the device's SM count.
+      mma_dtype: float16 | bfloat16, used when the weight arrives as an NVFP4Tensor.
+    """
+
+    block_m: int | None = None
+    k_splits: int | None = None
+    max_concurrent_steps: int = 4
+    a_via_smem: bool = False
+    num_sms: int | None = None
+    mma_dtype: str = "float16"
+
+    def __post_init__(self):
+        bm = self.block_m
+        if bm is not None and (not isinstance(bm, int) or bm % 8 or not 8 <= bm <= 256):
+            raise ValueError(f"W4A4MatmulConfig.block_m={bm!r}: None or a multiple of 8 in [8, 256]")
+        if self.k_splits is not None and (not isinstance(self.k_splits, int) or self.k_splits < 1):
+            raise ValueError(f"W4A4MatmulConfig.k_splits={self.k_splits!r}: None or an int >= 1")
+        if self.mma_dtype not in ("float16", "bfloat16"):
+            raise ValueError(
+                f"W4A4MatmulConfig.mma_dtype={self.mma_dtype!r}: one of ('float16', 'bfloat16')"
+            )
+        TileGemmConfig(1, self.max_concurrent_steps, self.a_via_smem, self.num_sms)
+
+
+def _round_up(v: int, m: int) -> int:
+    return -(-v // m) * m
+
+
+def auto_k_splits(work_items: int, k_steps: int, num_sms: int) -> int:
+    """Split-K factor: best SM-wave efficiency with >= 2 K steps per split; ties: fewer splits."""
+    best, best_eff = 1, 0.0
+    for s in range(1, k_steps + 1):
+        if k_steps % s or (s > 1 and k_steps // s < 2):
+            continue
+        items = work_items * s
+        eff = items / (-(-items // num_sms) * num_sms)
+        if eff > best_eff + 1e-9:
+            best, best_eff = s, eff
+    return best
+
+
+def as_kernel_weights(w, mma_dtype: str) -> W4A4Weights:
+    """Accept kernel-layout weights as they are; convert an ``NVFP4Tensor`` (a full weight pass)."""
+    if isinstance(w, W4A4Weights):
+        return w
+    if isinstance(w, nvfp4.NVFP4Tensor):
+        return prepare_w4a4_weights(w, mma_dtype=mma_dtype)
+    raise ValueError(f"w_q: expected an NVFP4Tensor or W4A4Weights, got {type(w).__name__}")
+
+
+def run_tiles(
+    b_rows: tuple[jax.Array, ...],
+    row_index: jax.Array,
+    w: W4A4Weights,
+    tile_expert: jax.Array,
+    num_tiles: jax.Array,
+    block_m: int,
+    config: W4A4MatmulConfig,
+    interpret: bool,
+) -> jax.Array:
+    """Gather rows into token tiles, run the kernel, return float32 ``[T*block_m, A, Np]``.
+
+    ``row_index``: int32 ``[T, block_m]`` source row of each tile slot (``M`` = a zero row).
+    """
+    dtype = jnp.dtype(w.mma_dtype)
+    k_pad = w.codes.shape[2] * 4
+    tiles = []
+    for b in b_rows:
+        b = jnp.pad(b.astype(dtype), ((0, 1), (0, k_pad - b.shape[1])))
+        tiles.append(b[row_index])
+    t_max = row_index.shape[0]
+    num_sms = config.num_sms or _num_sms()
+    k_steps = k_pad // K_TILE
+    k_splits = config.k_splits or auto_k_splits(
+        t_max * (w.codes.shape[1] // N_TILE), k_steps, num_sms
+    )
+    tcfg = TileGemmConfig(k_splits, config.max_concurrent_steps, config.a_via_smem, num_sms)
+    out = nvfp4_tile_gemm(tuple(tiles), w, tile_expert, num_tiles, config=tcfg, interpret=interpret)
+    out = jnp.sum(out, axis=1)  # [T, A, Np, bm]
+    return jnp.transpose(out, (0, 3, 1, 2)).reshape(t_max * block_m, len(b_rows), -1)
+
+
+def combine(parts: jax.Array, row_scales: tuple[jax.Array, ...], g_w: jax.Array, n: int, factor):
+    """``sum_a parts[:, a, :n] * g_a[:, None]``, times ``g_w`` (per row ``[M]``) and ``factor``."""
+    y = sum(parts[:, a, :n] * g[:, None] for a, g in enumerate(row_scales))
+    return y * (g_w * jnp.float32(factor))[:, None]
+
+
+def _check(x: jax.Array, w: W4A4Weights) -> None:
+    if not hasattr(x, "dtype") or jnp.dtype(x.dtype) not in nvfp4.FLOAT_DTYPES:
+        raise ValueError(f"x: dtype {getattr(x, 'dtype', None)}; need bfloat16, float16 or float32")
+    if x.ndim != 2:
+        raise ValueError(f"x: shape {tuple(x.shape)} must be [M, K]")
+    if x.shape[0] == 0:
+        raise ValueError("x: M=0 rows; need at least one")
+    if x.shape[1] != w.k:
+        raise ValueError(f"x: K={x.shape[1]} does not match the weight's K={w.k}")
+    if x.shape[1] % nvfp4.BLOCK_SIZE:
+        raise ValueError(f"x: K={x.shape[1]} is not a multiple of 16 (NVFP4 blocks)")
+
+
+def w4a4_matmul(
+    x: jax.Array,
+    w_q,
+    *,
+    act_scale_mode: str = "per_token",
+    rac: aq.RACConfig | None = None,
+    rac_blocks: jax.Array | None = None,
+    act_global_scale: jax.Array | None = None,
+    config: W4A4MatmulConfig | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """``Y = Q(x) @ Q(W)^T`` (+ RAC ``Q(R_S) @ Q(W)[:, S]^T``): ``[M, N]`` in ``x.dtype``.
+
+    Args:
+      x: activations ``[M, K]`` bf16 (f16/f32 accepted), K % 16 == 0.
+      w_q: ``NVFP4Tensor [N, K]`` (converted per call) or ``W4A4Weights`` from
+        ``layout.prepare_w4a4_weights`` (done once at weight sync).
+      act_scale_mode: per_token | per_batch | static activation global scale (static:
+        ``act_global_scale`` float32 ``[]``, calibrated).
+      rac: RAC options, None = plain W4A4; rac_blocks: bool ``[K/16]`` for static selection.
+      interpret: run the Mosaic GPU kernel in the CPU GPU-interpreter (needs a_via_smem).
+    """
+    config = config or W4A4MatmulConfig()
+    w = as_kernel_weights(w_q, config.mma_dtype)
+    if w.stacked:
+        raise ValueError(f"w_q: stacked weight of {w.num_experts} experts; use w4a4_grouped_matmul")
+    _check(x, w)
+    acts = aq.nvfp4_quantize(x, act_scale_mode=act_scale_mode, rac_config=rac,
+                             static_blocks=rac_blocks, static_scale=act_global_scale)
+    b_rows, row_scales = aq.kernel_operands(acts, w.mma_dtype)
+    m = x.shape[0]
+    block_m = config.block_m or (_round_up(m, 8) if m <= MAX_BLOCK_M else MAX_BLOCK_M)
+    t = -(-m // block_m)
+    rows = jnp.arange(t * block_m, dtype=jnp.int32)
+    row_index = jnp.where(rows < m, rows, m).reshape(t, block_m)
+    parts = run_tiles(
+        b_rows, row_index, w, jnp.zeros((t,), jnp.int32), jnp.full((1,), t, jnp.int32),
+        block_m, config, interpret,
+    )[:m]
+    g_w = jnp.broadcast_to(w.global_scale[0], (m,))
+    return combine(parts, row_scales, g_w, w.n, code_factor(w.mma_dtype)).astype(x.dtype)
+
+
+def w4a4_matmul_reference(
+    x: jax.Array,
+    w_q: nvfp4.NVFP4Tensor,
+    *,
+    act_scale_mode: str = "per_token",
+    rac: aq.RACConfig | None = None,
+    rac_blocks: jax.Array | None = None,
+    act_global_scale: jax.Array | None = None,
+) -> jax.Array:
+    """jnp reference: dequantized operands, float32 products, ``[M, N]`` in ``x.dtype``."""
+    acts = aq.nvfp4_quantize(x, act_scale_mode=act_scale_mode, rac_config=rac,
+                             static_blocks=rac_blocks, static_scale=act_global_scale)
+    wd = nvfp4.dequantize(w_q, jnp.float32)
+    y = sum(jnp.dot(a, wd.T, precision="highest") for a in aq.dequantized_sum(acts))
+    return y.astype(x.dtype)

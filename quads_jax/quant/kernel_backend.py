@@ -1,0 +1,105 @@
+"""Registers the Pallas (Mosaic GPU) NVFP4 kernels into ``quads_jax.quant.ops``' dispatch.
+
+``ops`` imports this module lazily the first time a kernel could run (``recipe.backend`` "auto"
+on a GPU, or "interpret"). Registered: ``w4a4_nvfp4``, ``w4a4_nvfp4_rac`` and ``w4a16_nvfp4``,
+dense and grouped. ``w8a8_fp8`` has no kernel yet and runs the jnp path.
+
+Weights: a leaf may be the kernel layout ``layout.W4A4Weights`` (made once at weight sync with
+``prepare_weights``: the fast path), an ``NVFP4Tensor`` or a master array; the last two are
+converted on every call, which costs a full pass over the weight inside the jitted forward.
+A ``rac.CalibratedWeight`` wrapper supplies static RAC blocks and static activation scales.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import nvfp4_quantize as aq
+from pallas_kernels.layout import W4A4Weights, prepare_w4a4_weights
+from pallas_kernels.w4a4_grouped import w4a4_grouped_matmul
+from pallas_kernels.w4a4_matmul import W4A4MatmulConfig, w4a4_matmul
+from pallas_kernels.w4a16_matmul import w4a16_grouped_matmul, w4a16_matmul
+from quads_jax.quant import nvfp4, ops
+from quads_jax.quant.rac import CalibratedWeight
+
+INTERPRET_NUM_SMS = 4
+
+
+def _mma_dtype(mode: str, recipe) -> str:
+    """bf16 where the B operand is bf16 (W4A16, RAC with a bf16 residual), else f16 (fewer
+    decode instructions: no f16 -> bf16 conversion)."""
+    if mode == "w4a16_nvfp4" or (mode == "w4a4_nvfp4_rac" and recipe.rac_residual_format == "bf16"):
+        return "bfloat16"
+    return "float16"
+
+
+def prepare_weights(w, mode: str, recipe=None):
+    """Weight-sync hook: the kernel layout of a packed (or master) leaf for ``mode``.
+
+    Keeps a ``CalibratedWeight`` wrapper around the converted weight.
+    """
+    if isinstance(w, CalibratedWeight):
+        return CalibratedWeight(prepare_weights(w.weight, mode, recipe), w.rac_blocks,
+                                w.act_global_scale)
+    if isinstance(w, W4A4Weights):
+        return w
+    if not isinstance(w, nvfp4.NVFP4Tensor):
+        w = nvfp4.quantize(w, scale_mode="expert")
+    return prepare_w4a4_weights(w, mma_dtype=_mma_dtype(mode, recipe) if recipe else "float16")
+
+
+def _unpack(w, mode: str, recipe):
+    calib = w if isinstance(w, CalibratedWeight) else None
+    w = calib.weight if calib else w
+    if not isinstance(w, W4A4Weights):
+        w = prepare_weights(w, mode, recipe)
+    blocks = None if calib is None else calib.rac_blocks
+    scale = None if calib is None else calib.act_global_scale
+    return w, blocks, scale
+
+
+def _config(interpret: bool, mma_dtype: str) -> W4A4MatmulConfig:
+    if interpret:
+        return W4A4MatmulConfig(a_via_smem=True, num_sms=INTERPRET_NUM_SMS, mma_dtype=mma_dtype)
+    return W4A4MatmulConfig(mma_dtype=mma_dtype)
+
+
+def _w4a4_kwargs(mode: str, recipe, blocks, scale) -> dict:
+    rac = aq.RACConfig.from_recipe(recipe) if mode == "w4a4_nvfp4_rac" else None
+    return dict(
+        act_scale_mode=recipe.act_scale_mode, rac=rac, rac_blocks=blocks,
+        act_global_scale=scale,
+    )
+
+
+def _dense(mode: str):
+    def fn(x: jax.Array, w, *, recipe, site: str, interpret: bool) -> jax.Array:
+        del site
+        w, blocks, scale = _unpack(w, mode, recipe)
+        config = _config(interpret, w.mma_dtype)
+        if mode == "w4a16_nvfp4":
+            return w4a16_matmul(x, w, config=config, interpret=interpret)
+        return w4a4_matmul(x, w, config=config, interpret=interpret,
+                           **_w4a4_kwargs(mode, recipe, blocks, scale))
+
+    return fn
+
+
+def _grouped(mode: str):
+    def fn(x: jax.Array, w, group_sizes: jax.Array, *, recipe, site: str, interpret: bool):
+        del site
+        w, blocks, scale = _unpack(w, mode, recipe)
+        config = _config(interpret, w.mma_dtype)
+        gs = jnp.asarray(group_sizes, jnp.int32)
+        if mode == "w4a16_nvfp4":
+            return w4a16_grouped_matmul(x, w, gs, config=config, interpret=interpret)
+        return w4a4_grouped_matmul(x, w, gs, config=config, interpret=interpret,
+                                   **_w4a4_kwargs(mode, recipe, blocks, scale))
+
+    return fn
+
+
+for _mode in ("w4a4_nvfp4", "w4a4_nvfp4_rac", "w4a16_nvfp4"):
+    ops.register_kernel(_mode, "dense", _dense(_mode))
+    ops.register_kernel(_mode, "grouped", _grouped(_mode))
