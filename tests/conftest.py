@@ -10,5 +10,5 @@ if "xla_force_host_platform_device_count" not in _flags:
 
 from hypothesis import settings  # noqa: E402
 
-settings.register_profile("ci", max_examples=25, deadline=None)
+settings.register_profile("ci", max_examples=15, deadline=None)
 settings.load_profile("ci")

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from quads_jax.quant.ste import straight_through
+from quads_jax.quant.arith import divide_by_constant, straight_through
 
 E4M3_MAX = 448.0
 BLOCK = 128
@@ -103,8 +103,7 @@ def _grouped(x: jax.Array, granularity: str) -> tuple[jax.Array, tuple[int, ...]
 def decode_scale_from_amax(amax: jax.Array) -> jax.Array:
     """``amax / 448`` (one correctly rounded division), 1 where amax is 0."""
     amax = amax.astype(jnp.float32)
-    divisor = jax.lax.optimization_barrier(jnp.full(amax.shape, E4M3_MAX, jnp.float32))
-    return jnp.where(amax > 0, amax / divisor, jnp.float32(1.0))
+    return jnp.where(amax > 0, divide_by_constant(amax, E4M3_MAX), jnp.float32(1.0))
 
 
 def encode(x: jax.Array, scale: jax.Array) -> jax.Array:
@@ -159,4 +158,4 @@ def qdq(x: jax.Array, *, granularity: Granularity = "tensor") -> jax.Array:
 
 def fake_quant(x: jax.Array, *, granularity: Granularity = "tensor") -> jax.Array:
     """``qdq(x)`` forward, identity gradient (straight-through)."""
-    return straight_through(x, jax.lax.stop_gradient(qdq(x, granularity=granularity)))
+    return straight_through(x, qdq(jax.lax.stop_gradient(x), granularity=granularity))

@@ -12,7 +12,7 @@ Arithmetic, written out once here and copied operation for operation by the Pall
 
     g      = amax / 2688                  (g = 1 when amax == 0; 2688 = 6 * 448)
     enc    = 1 / g                        the encode scale S_enc, always recomputed from g
-    s_b    = e4m3(clamp(amax_b * enc * (1/6), 0, 448))
+    s_b    = e4m3(clamp(amax_b * enc / 6, 0, 448))    (true divisions, never x * (1/c))
     r_b    = 1 / (s_b * g)                (0 where s_b == 0)   explicit float32 reciprocal
     code   = rne_e2m1(x * r_b)            round half to even, saturating at +-6
     x_hat  = (e2m1(code) * s_b) * g
@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from quads_jax.quant.ste import straight_through
+from quads_jax.quant.arith import divide_by_constant, straight_through
 
 BLOCK_SIZE = 16
 E2M1_MAX = 6.0
@@ -52,7 +52,6 @@ E2M1_TABLE = np.concatenate([E2M1_VALUES, -E2M1_VALUES]).astype(np.float32)
 # is above a "strict" point (tie goes down to the even code) or at/above an "inclusive" one.
 _UP_STRICT = (0.25, 1.25, 2.5, 5.0)
 _UP_INCLUSIVE = (0.75, 1.75, 3.5)
-_ONE_SIXTH = np.float32(1.0 / 6.0)
 
 
 @jax.tree_util.register_dataclass
@@ -142,10 +141,7 @@ def decode_scale_from_amax(amax: jax.Array) -> jax.Array:
     idempotent bit for bit.
     """
     amax = amax.astype(jnp.float32)
-    # The barrier hides the constant from XLA, which would otherwise rewrite `amax / 2688` into
-    # `amax * (1/2688)`: that rounds twice and breaks idempotence for ~5% of amax values.
-    divisor = jax.lax.optimization_barrier(jnp.full(amax.shape, GLOBAL_AMAX_TARGET, jnp.float32))
-    return jnp.where(amax > 0, amax / divisor, jnp.float32(1.0))
+    return jnp.where(amax > 0, divide_by_constant(amax, GLOBAL_AMAX_TARGET), jnp.float32(1.0))
 
 
 def compute_global_scale(x: jax.Array, scale_mode: ScaleMode = "tensor") -> jax.Array:
@@ -219,7 +215,8 @@ def block_scales_and_reciprocals(x_blocks: jax.Array, g: jax.Array) -> tuple[jax
     finite = jnp.all(jnp.isfinite(xf), axis=-1, keepdims=True)
     amax_b = jnp.max(jnp.where(jnp.isfinite(absx), absx, 0.0), axis=-1, keepdims=True)
     enc = jnp.float32(1.0) / g
-    s = jnp.clip(amax_b * enc * _ONE_SIXTH, 0.0, E4M3_MAX)
+    # A true division by 6: ties such as amax_b * enc / 6 == 2^-10 must round half to even.
+    s = jnp.clip(divide_by_constant(amax_b * enc, E2M1_MAX), 0.0, E4M3_MAX)
     s = jnp.where(finite, s, jnp.nan)
     s_e4m3 = s.astype(jnp.float8_e4m3fn)
     s_f32 = s_e4m3.astype(jnp.float32)
@@ -292,7 +289,7 @@ def fake_quant(x: jax.Array, *, global_scale=None, scale_mode: ScaleMode = "tens
 
     The forward value is exactly ``qdq(x)`` (not ``x + (qdq(x) - x)``, which can round).
     """
-    y = jax.lax.stop_gradient(qdq(x, global_scale=global_scale, scale_mode=scale_mode))
+    y = qdq(jax.lax.stop_gradient(x), global_scale=global_scale, scale_mode=scale_mode)
     return straight_through(x, y)
 
 
