@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 
 import jax
-import jax.numpy as jnp
 
 from quads_jax.quant import fp8, mxfp4, nvfp4
 from quads_jax.quant.metrics import flush_to_zero_rate, rel_fro_error, sqnr_db
