@@ -53,3 +53,12 @@ def padded_batch(
         tokens[i, sl] = r
         mask[i, sl] = True
     return tokens, mask
+
+
+def jit_forward():
+    """``forward`` jitted with the config (and recipe, return_router) static, for tests."""
+    import jax
+
+    from quads_jax.models.transformer import forward
+
+    return jax.jit(forward, static_argnums=0, static_argnames=("recipe", "return_router"))

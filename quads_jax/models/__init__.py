@@ -1,6 +1,7 @@
 """The Qwen3-MoE model family: config, parameters, the functional forward, KV cache, HF I/O."""
 
 from quads_jax.models.config import ModelConfig
+from quads_jax.models.hf import load_hf, read_config, save_hf
 from quads_jax.models.kv_cache import KVCache
 from quads_jax.models.transformer import (
     ForwardOutput,
@@ -18,6 +19,9 @@ __all__ = [
     "forward",
     "init_params",
     "layer_matmul_sites",
+    "load_hf",
+    "read_config",
+    "save_hf",
     "param_sites",
     "split_layer_groups",
 ]
