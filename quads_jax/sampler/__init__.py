@@ -1,0 +1,35 @@
+"""The rollout engine: sampling, the jitted prefill + decode loop, and the weight sync."""
+
+from quads_jax.sampler.engine import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    DecodeState,
+    Rollout,
+    SamplerConfig,
+    decode,
+    finish,
+    generate,
+    left_pad,
+    prefill,
+)
+from quads_jax.sampler.sampling import SamplingParams, sample_tokens
+from quads_jax.sampler.sync import SyncMismatchError, check_sync, sync, weight_bytes
+
+__all__ = [
+    "FINISH_LENGTH",
+    "FINISH_STOP",
+    "DecodeState",
+    "Rollout",
+    "SamplerConfig",
+    "SamplingParams",
+    "SyncMismatchError",
+    "check_sync",
+    "decode",
+    "finish",
+    "generate",
+    "left_pad",
+    "prefill",
+    "sample_tokens",
+    "sync",
+    "weight_bytes",
+]

@@ -1,0 +1,448 @@
+"""The rollout engine: batched prefill, then a jitted decode loop over a preallocated KV cache.
+
+``generate`` is one jitted program:
+
+1. prefill: the left-padded prompt batch ``[B, P]`` runs through the model once and fills a
+   fresh cache of ``P + max_new_tokens - 1`` slots (the last sampled token is never fed back).
+   The prompt minus its last column goes first with its logits unused, so XLA drops the
+   ``[B, P-1, vocab]`` lm_head product; the last column (always a real token under left padding)
+   then yields the logits of the first response token;
+2. group copy: for ``n_samples > 1`` the cache rows and the last logits are repeated along the
+   batch (each prompt's samples are adjacent rows), so a prompt is prefilled once per group;
+3. decode: ``lax.while_loop`` feeds one token per row per step, samples the next, and exits as
+   soon as every row has hit a stop token or ``max_new_tokens``. Finished rows feed masked
+   slots (``attention_mask`` False) so they never change what others see.
+
+``prefill`` and ``decode`` are also exposed as two jitted calls over a ``DecodeState`` (the
+decode call donates the state, so the cache is updated in place across the boundary): the
+benchmark times them apart, and a caller can decode in segments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from quads_jax.config import check
+from quads_jax.sampler.sampling import SamplingParams, sample_tokens, validate_sampling
+
+FINISH_STOP = 1  # a stop / EOS token was sampled (it is part of the response)
+FINISH_LENGTH = 2  # max_new_tokens reached
+KV_CACHE_DTYPES = ("model", "bfloat16", "float32")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerConfig:
+    """What ``generate`` does; hashable, so it is a static argument of the jitted program.
+
+    Attributes:
+      max_new_tokens: response tokens per sequence, >= 1 (the cache holds prompt + this - 1).
+      n_samples: responses per prompt (a GRPO group), >= 1; rows ``i*n .. i*n+n-1`` of the
+        rollout belong to prompt ``i``.
+      temperature, top_k, top_p, greedy: see ``quads_jax.sampler.sampling.SamplingParams``.
+      stop_token_ids: ids that end a sequence (EOS and any other stop token); may be empty.
+      pad_token_id: written after a sequence ends and in the prompt padding.
+      return_expert_ids: also return the routed expert ids of every token (router replay).
+      kv_cache_dtype: "model" (the model's compute dtype), "bfloat16" or "float32".
+    """
+
+    max_new_tokens: int = 128
+    n_samples: int = 1
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    greedy: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    pad_token_id: int = 0
+    return_expert_ids: bool = False
+    kv_cache_dtype: str = "model"
+
+    def __post_init__(self) -> None:
+        name = "SamplerConfig"
+        for field in ("max_new_tokens", "n_samples"):
+            value = getattr(self, field)
+            check(name, field, value, isinstance(value, int) and value >= 1, "an int >= 1")
+        validate_sampling(self.temperature, self.top_k, self.top_p, self.greedy)
+        ids = self.stop_token_ids
+        ok = isinstance(ids, tuple) and all(isinstance(i, int) and i >= 0 for i in ids)
+        check(name, "stop_token_ids", ids, ok, "a tuple of token ids >= 0")
+        pad = self.pad_token_id
+        check(name, "pad_token_id", pad, isinstance(pad, int) and pad >= 0, "a token id >= 0")
+        check(name, "kv_cache_dtype", self.kv_cache_dtype, self.kv_cache_dtype in KV_CACHE_DTYPES,
+              f"one of {list(KV_CACHE_DTYPES)}")
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p, self.greedy)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+    """The output of ``generate`` for ``R = B * n_samples`` rows and ``T = P + max_new_tokens``.
+
+    Attributes:
+      tokens: int32 ``[R, T]``: the left-padded prompt, then the response, then padding.
+      logprobs: float32 ``[R, T]``: log-prob of each response token under the distribution it
+        was sampled from; 0 elsewhere.
+      response_mask: bool ``[R, T]``: True on response tokens (a final stop token included).
+      attention_mask: bool ``[R, T]``: True on real tokens (prompt and response).
+      finish_reason: int32 ``[R]``: ``FINISH_STOP`` or ``FINISH_LENGTH``.
+      response_length: int32 ``[R]``.
+      prompt_index: int32 ``[R]``: the prompt row each sample came from (its GRPO group).
+      expert_ids: int32 ``[n_moe_layers, R, T, top_k]`` routed experts of each token as it was
+        fed to the model, -1 for padding and for the last response token (never fed); None
+        unless asked for.
+      prompt_length: static P, the padded prompt width.
+    """
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    response_mask: jax.Array
+    attention_mask: jax.Array
+    finish_reason: jax.Array
+    response_length: jax.Array
+    prompt_index: jax.Array
+    expert_ids: jax.Array | None
+    prompt_length: int = dataclasses.field(default=0, metadata={"static": True})
+
+    @property
+    def positions(self) -> jax.Array:
+        """int32 ``[R, T]``: the position of each token (count of real tokens before it)."""
+        return jnp.maximum(jnp.cumsum(self.attention_mask, axis=1, dtype=jnp.int32) - 1, 0)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """Everything the decode loop carries, for ``R`` rows and ``N = max_new_tokens``.
+
+    Attributes:
+      cache: the model's ``KVCache`` with ``R`` rows.
+      step: int32 ``[]``: response tokens sampled so far (the next column to write).
+      last_token: int32 ``[R]``: the latest sampled token, fed at the next step.
+      prompt_length: int32 ``[R]``: real prompt tokens per row.
+      done: bool ``[R]``; finish_reason: int32 ``[R]`` (0 while running).
+      response_length: int32 ``[R]``: tokens sampled for each row so far (a stop token counts).
+      tokens: int32 ``[R, N]``; logprobs: float32 ``[R, N]``.
+      expert_ids: int32 ``[n_moe_layers, R, N, k]`` or None.
+      prompt_expert_ids: int32 ``[n_moe_layers, R, P, k]`` or None.
+      rng: the PRNG key for the remaining steps.
+    """
+
+    cache: Any
+    step: jax.Array
+    last_token: jax.Array
+    prompt_length: jax.Array
+    done: jax.Array
+    finish_reason: jax.Array
+    response_length: jax.Array
+    tokens: jax.Array
+    logprobs: jax.Array
+    expert_ids: jax.Array | None
+    prompt_expert_ids: jax.Array | None
+    rng: jax.Array
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Left-pad token lists into ``(tokens int32 [B, P], mask bool [B, P])``, P = longest."""
+    if len(prompts) == 0:
+        raise ValueError("prompts: an empty list; need at least one prompt")
+    lengths = [len(p) for p in prompts]
+    for i, n in enumerate(lengths):
+        if n == 0:
+            raise ValueError(f"prompts[{i}] is empty; every prompt needs at least one token")
+    width = max(lengths)
+    tokens = np.full((len(prompts), width), pad_token_id, np.int32)
+    mask = np.zeros((len(prompts), width), bool)
+    for i, p in enumerate(prompts):
+        tokens[i, width - len(p):] = np.asarray(p, np.int32)
+        mask[i, width - len(p):] = True
+    return tokens, mask
+
+
+def _models():
+    # Imported lazily: the model package imports the quant dispatch, which is heavy and is not
+    # needed to build a SamplerConfig.
+    from quads_jax import models
+
+    return models
+
+
+def _cache_dtype(config: SamplerConfig, model_config) -> jnp.dtype:
+    if config.kv_cache_dtype == "model":
+        return jnp.dtype(model_config.dtype)
+    return jnp.dtype(config.kv_cache_dtype)
+
+
+def _repeat_rows(cache, n: int):
+    """Repeat every row of a KVCache n times (k, v rows on axis 1; mask rows on axis 0)."""
+    if n == 1:
+        return cache
+    return dataclasses.replace(
+        cache,
+        k=jnp.repeat(cache.k, n, axis=1),
+        v=jnp.repeat(cache.v, n, axis=1),
+        mask=jnp.repeat(cache.mask, n, axis=0),
+    )
+
+
+def _mask_ids(ids: jax.Array, valid: jax.Array) -> jax.Array:
+    """Expert ids ``[n_moe, R, T, k]`` with -1 where ``valid [R, T]`` is False."""
+    return jnp.where(valid[None, :, :, None], ids.astype(jnp.int32), -1)
+
+
+def _prefill(params, prompts, prompt_mask, rng, config, model_config, recipe) -> DecodeState:
+    models = _models()
+    batch, width = prompts.shape
+    n, max_new = config.n_samples, config.max_new_tokens
+    positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1, dtype=jnp.int32) - 1, 0)
+    cache = models.KVCache.init(model_config, batch, width + max_new - 1,
+                                _cache_dtype(config, model_config))
+    run = functools.partial(models.forward, model_config, params, recipe=recipe,
+                            return_router=config.return_expert_ids)
+    id_parts = []
+    if width > 1:
+        head = run(prompts[:, :-1], attention_mask=prompt_mask[:, :-1],
+                   positions=positions[:, :-1], cache=cache)
+        cache = head.cache
+        id_parts.append(head.expert_ids)
+    tail = run(prompts[:, -1:], attention_mask=prompt_mask[:, -1:], positions=positions[:, -1:],
+               cache=cache)
+    id_parts.append(tail.expert_ids)
+    cache = _repeat_rows(tail.cache, n)
+    logits = jnp.repeat(tail.logits[:, -1], n, axis=0)
+    prompt_length = jnp.repeat(jnp.sum(prompt_mask, axis=1, dtype=jnp.int32), n)
+    rows = batch * n
+
+    rng, key = jax.random.split(rng)
+    token, logp = sample_tokens(key, logits, config.sampling)
+    stopped = jnp.isin(token, jnp.asarray(config.stop_token_ids, jnp.int32))
+    if max_new == 1:
+        finish = jnp.where(stopped, FINISH_STOP, FINISH_LENGTH)
+    else:
+        finish = jnp.where(stopped, FINISH_STOP, 0)
+    tokens = jnp.full((rows, max_new), config.pad_token_id, jnp.int32).at[:, 0].set(token)
+    logprobs = jnp.zeros((rows, max_new), jnp.float32).at[:, 0].set(logp)
+
+    expert_ids = prompt_ids = None
+    if config.return_expert_ids:
+        ids = jnp.concatenate(id_parts, axis=2) if len(id_parts) > 1 else id_parts[0]
+        prompt_ids = jnp.repeat(_mask_ids(ids, prompt_mask), n, axis=1)
+        expert_ids = jnp.full(ids.shape[:1] + (rows, max_new) + ids.shape[3:], -1, jnp.int32)
+    return DecodeState(
+        cache=cache, step=jnp.int32(1), last_token=token, prompt_length=prompt_length,
+        done=finish > 0, finish_reason=finish.astype(jnp.int32),
+        response_length=jnp.ones((rows,), jnp.int32), tokens=tokens,
+        logprobs=logprobs, expert_ids=expert_ids, prompt_expert_ids=prompt_ids, rng=rng,
+    )
+
+
+def _decode_step(params, state: DecodeState, config, model_config, recipe) -> DecodeState:
+    models = _models()
+    active = ~state.done
+    # The fed token is response token step-1, at position prompt_length + step - 1.
+    positions = (state.prompt_length + state.step - 1)[:, None]
+    out = models.forward(model_config, params, state.last_token[:, None],
+                         attention_mask=active[:, None], positions=positions, recipe=recipe,
+                         cache=state.cache, return_router=config.return_expert_ids)
+    rng, key = jax.random.split(state.rng)
+    token, logp = sample_tokens(key, out.logits[:, -1], config.sampling)
+    token = jnp.where(active, token, config.pad_token_id)
+    logp = jnp.where(active, logp, 0.0)
+    stopped = active & jnp.isin(token, jnp.asarray(config.stop_token_ids, jnp.int32))
+    at_length = active & (state.step + 1 >= config.max_new_tokens)
+    finish = jnp.where(stopped, FINISH_STOP, jnp.where(at_length, FINISH_LENGTH,
+                                                       state.finish_reason))
+    col = state.step
+    expert_ids = state.expert_ids
+    if expert_ids is not None:
+        fed = _mask_ids(out.expert_ids, active[:, None])
+        expert_ids = jax.lax.dynamic_update_slice_in_dim(expert_ids, fed, col - 1, axis=2)
+    return dataclasses.replace(
+        state,
+        cache=out.cache,
+        step=state.step + 1,
+        last_token=token,
+        done=state.done | stopped | at_length,
+        finish_reason=finish.astype(jnp.int32),
+        response_length=jnp.where(active, col + 1, state.response_length),
+        tokens=jax.lax.dynamic_update_slice_in_dim(state.tokens, token[:, None], col, axis=1),
+        logprobs=jax.lax.dynamic_update_slice_in_dim(state.logprobs, logp[:, None], col, axis=1),
+        expert_ids=expert_ids,
+        rng=rng,
+    )
+
+
+def _decode_loop(params, state, max_steps, config, model_config, recipe) -> DecodeState:
+    """Decode until every row is done or ``max_steps`` (int32 ``[]``) more steps have run."""
+    stop_at = jnp.minimum(config.max_new_tokens, state.step + max_steps)
+
+    def cond(s: DecodeState):
+        return (s.step < stop_at) & ~jnp.all(s.done)
+
+    def body(s: DecodeState):
+        return _decode_step(params, s, config, model_config, recipe)
+
+    return jax.lax.while_loop(cond, body, state)
+
+
+def _finish(state: DecodeState, prompts, prompt_mask, config) -> Rollout:
+    n = config.n_samples
+    prompts = jnp.repeat(prompts, n, axis=0)
+    prompt_mask = jnp.repeat(prompt_mask, n, axis=0)
+    columns = jnp.arange(config.max_new_tokens, dtype=jnp.int32)
+    response = columns[None, :] < state.response_length[:, None]
+    expert_ids = None
+    if state.expert_ids is not None:
+        expert_ids = jnp.concatenate([state.prompt_expert_ids, state.expert_ids], axis=2)
+    return Rollout(
+        tokens=jnp.concatenate([jnp.where(prompt_mask, prompts, config.pad_token_id),
+                                jnp.where(response, state.tokens, config.pad_token_id)], axis=1),
+        logprobs=jnp.concatenate([jnp.zeros(prompts.shape, jnp.float32),
+                                  jnp.where(response, state.logprobs, 0.0)], axis=1),
+        response_mask=jnp.concatenate([jnp.zeros(prompts.shape, bool), response], axis=1),
+        attention_mask=jnp.concatenate([prompt_mask, response], axis=1),
+        # Rows still running when a segmented decode stopped early count as cut by length.
+        finish_reason=jnp.where(state.done, state.finish_reason, FINISH_LENGTH),
+        response_length=state.response_length,
+        prompt_index=jnp.repeat(jnp.arange(prompts.shape[0] // n, dtype=jnp.int32), n),
+        expert_ids=expert_ids,
+        prompt_length=prompts.shape[1],
+    )
+
+
+def _is_concrete(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def _check_inputs(prompts, prompt_mask, config: SamplerConfig, model_config):
+    """Validate and normalise ``(prompts int32 [B, P], prompt_mask bool [B, P])``."""
+    if not isinstance(config, SamplerConfig):
+        raise ValueError(f"config: expected a SamplerConfig, got {type(config).__name__}")
+    if not hasattr(prompts, "shape"):
+        prompts = np.asarray(prompts)
+    if prompts.ndim != 2 or not jnp.issubdtype(prompts.dtype, jnp.integer):
+        raise ValueError(f"prompts: expected integer token ids [batch, prompt_len], got shape "
+                         f"{tuple(prompts.shape)} dtype {prompts.dtype}; use left_pad() for lists")
+    batch, width = prompts.shape
+    if batch == 0 or width == 0:
+        raise ValueError(f"prompts: shape {(batch, width)} is empty; need >= 1 prompt of >= 1 token")
+    if prompt_mask is None:
+        prompt_mask = np.ones((batch, width), bool)
+    if tuple(prompt_mask.shape) != (batch, width):
+        raise ValueError(f"prompt_mask: shape {tuple(prompt_mask.shape)} != prompts shape "
+                         f"{(batch, width)}")
+    context = model_config.max_position_embeddings
+    if width + config.max_new_tokens > context:
+        raise ValueError(
+            f"prompts: padded prompt length {width} + max_new_tokens {config.max_new_tokens} = "
+            f"{width + config.max_new_tokens} exceeds the model context "
+            f"max_position_embeddings={context}")
+    if _is_concrete(prompts) and _is_concrete(prompt_mask):
+        mask = np.asarray(prompt_mask, bool)
+        empty = np.flatnonzero(~mask.any(axis=1))
+        if empty.size:
+            raise ValueError(f"prompts: row {int(empty[0])} is empty (prompt_mask has no real "
+                             "token); every prompt needs at least one token")
+        ragged = np.flatnonzero(np.any(mask[:, :-1] & ~mask[:, 1:], axis=1))
+        if ragged.size:
+            raise ValueError(f"prompt_mask: row {int(ragged[0])} is not left-padded (a real token "
+                             "before a pad); use left_pad()")
+        ids = np.asarray(prompts)[mask]
+        vocab = model_config.vocab_size
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+            bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+            raise ValueError(f"prompts: token id {bad} is outside [0, vocab_size={vocab})")
+    return jnp.asarray(prompts, jnp.int32), jnp.asarray(prompt_mask, bool)
+
+
+_STATIC = ("config", "model_config", "recipe")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _generate_jit(params, prompts, prompt_mask, rng, *, config, model_config, recipe) -> Rollout:
+    state = _prefill(params, prompts, prompt_mask, rng, config, model_config, recipe)
+    state = _decode_loop(params, state, jnp.int32(config.max_new_tokens), config, model_config,
+                         recipe)
+    return _finish(state, prompts, prompt_mask, config)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _prefill_jit(params, prompts, prompt_mask, rng, *, config, model_config, recipe):
+    return _prefill(params, prompts, prompt_mask, rng, config, model_config, recipe)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
+def _decode_jit(params, state, max_steps, *, config, model_config, recipe):
+    return _decode_loop(params, state, max_steps, config, model_config, recipe)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _finish_jit(state, prompts, prompt_mask, *, config):
+    return _finish(state, prompts, prompt_mask, config)
+
+
+def generate(
+    rollout_params,
+    prompts,
+    rng: jax.Array,
+    config: SamplerConfig,
+    *,
+    model_config,
+    recipe=None,
+    prompt_mask=None,
+) -> Rollout:
+    """Sample ``config.n_samples`` responses for every prompt, in one jitted program.
+
+    Args:
+      rollout_params: the model's parameter tree; leaves may be master arrays or packed
+        ``NVFP4Tensor`` / ``FP8Tensor`` (from ``quads_jax.sampler.sync.sync``).
+      prompts: int ``[B, P]`` token ids, left-padded (see ``left_pad``).
+      rng: a PRNG key; the same key gives the same rollout.
+      config: the sampler config.
+      model_config: the ``quads_jax.models.ModelConfig`` (static).
+      recipe: the rollout ``QuantRecipe`` (static); None runs the leaves as they are.
+      prompt_mask: bool ``[B, P]`` True on real tokens; None means no padding.
+
+    Returns:
+      a ``Rollout`` of ``B * n_samples`` rows.
+    """
+    prompts, prompt_mask = _check_inputs(prompts, prompt_mask, config, model_config)
+    return _generate_jit(rollout_params, prompts, prompt_mask, rng, config=config,
+                         model_config=model_config, recipe=recipe)
+
+
+def prefill(rollout_params, prompts, rng, config: SamplerConfig, *, model_config, recipe=None,
+            prompt_mask=None) -> DecodeState:
+    """The prefill half of ``generate`` (same arguments): the first token of every row sampled."""
+    prompts, prompt_mask = _check_inputs(prompts, prompt_mask, config, model_config)
+    return _prefill_jit(rollout_params, prompts, prompt_mask, rng, config=config,
+                        model_config=model_config, recipe=recipe)
+
+
+def decode(rollout_params, state: DecodeState, config: SamplerConfig, *, model_config,
+           recipe=None, max_steps: int | None = None) -> DecodeState:
+    """Continue decoding ``state`` (donated: do not reuse it) for up to ``max_steps`` steps.
+
+    Stops early when every row is done; None runs to ``max_new_tokens``.
+    """
+    steps = config.max_new_tokens if max_steps is None else max_steps
+    check("decode", "max_steps", steps, isinstance(steps, int) and steps >= 0, "an int >= 0")
+    return _decode_jit(rollout_params, state, jnp.int32(steps), config=config,
+                       model_config=model_config, recipe=recipe)
+
+
+def finish(state: DecodeState, prompts, config: SamplerConfig, *, prompt_mask=None) -> Rollout:
+    """Assemble the ``Rollout`` of a (possibly partly) decoded state; rows still running are
+    reported with ``FINISH_LENGTH``."""
+    prompts = jnp.asarray(prompts, jnp.int32)
+    if prompt_mask is None:
+        prompt_mask = jnp.ones(prompts.shape, bool)
+    return _finish_jit(state, prompts, jnp.asarray(prompt_mask, bool), config=config)

@@ -1,0 +1,236 @@
+"""Weight sync: the trainer's master tree -> the rollout's tree, and the identity check.
+
+``sync(params, recipe, model_config=...)`` walks the parameter tree once (site names from
+``quads_jax.models.param_sites``) and converts each leaf by the rollout recipe's mode of its
+site, in one jitted program:
+
+* NVFP4 modes (w4a4, w4a4 + RAC, w4a16): ``ops.quantize_weight``, i.e. the exact
+  ``nvfp4.quantize`` with one global scale per 2-D matrix (scale_mode "expert"); stacked expert
+  weights ``[n, E, 2I, H]`` get one per (layer, expert), shared by the fused gate and up rows;
+* FP8 modes: ``fp8.quantize`` with the recipe's weight granularity;
+* everything else is cast to the model's compute dtype, which the forward does to it anyway
+  (``w.astype(x.dtype)``), so the cast is exact and decode reads half the bytes of an f32
+  master. The router is the exception: it runs in float32 (as in HF) and keeps its dtype.
+
+Layer groups whose layers get different modes (keep-first/last-n BF16) are split first
+(``models.split_layer_groups``), so every stacked leaf has one type.
+
+``check_sync`` proves identity: every rollout leaf dequantizes bit for bit to what the trainer
+computes from the master leaf (its ``qdq`` for quantized sites, the cast otherwise). The default
+check runs on the device (one mismatch count per leaf, a few reductions); ``full=True`` copies
+both sides to the host and names the first differing element (tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from quads_jax import models
+from quads_jax.quant import fp8, nvfp4, ops
+from quads_jax.quant.rac import CalibratedWeight
+from quads_jax.quant.recipe import FP8_WEIGHT_MODES, NVFP4_WEIGHT_MODES, QuantRecipe
+
+KEEP, CAST = "keep", "cast"
+# Sites that run in float32 whatever the compute dtype (the forward casts their input to f32).
+F32_SITES = ("layers.*.mlp.router",)
+
+
+class SyncMismatchError(ValueError):
+    """A rollout leaf does not dequantize to the trainer's view of the master leaf."""
+
+
+def _is_packed(x) -> bool:
+    return isinstance(x, nvfp4.NVFP4Tensor | fp8.FP8Tensor | CalibratedWeight)
+
+
+def _path_name(path) -> str:
+    return ".".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
+
+
+def leaf_actions(params: dict, recipe: QuantRecipe, *, model_config) -> dict:
+    """A tree like ``params`` (already split by the recipe) whose leaves say what sync does:
+    a mode from ``NVFP4_WEIGHT_MODES`` / ``FP8_WEIGHT_MODES``, ``"cast"`` or ``"keep"``."""
+    sites = models.param_sites(model_config, params)
+    matmul_sites = {"lm_head"}
+    for i in range(model_config.num_hidden_layers):
+        matmul_sites.update(models.layer_matmul_sites(model_config, i))
+
+    def action(site_or_sites) -> str:
+        site = site_or_sites if isinstance(site_or_sites, str) else site_or_sites[0]
+        if site in matmul_sites:
+            mode = recipe.mode_for(site)
+            if mode in NVFP4_WEIGHT_MODES or mode in FP8_WEIGHT_MODES:
+                return mode
+        if any(fnmatch.fnmatchcase(site, p) for p in F32_SITES):
+            return KEEP
+        return CAST
+
+    return jax.tree.map(action, sites, is_leaf=lambda x: isinstance(x, str | tuple))
+
+
+def _convert(leaf, action: str, recipe: QuantRecipe, dtype):
+    if action == KEEP:
+        return leaf
+    if action == CAST:
+        return leaf.astype(dtype)
+    return ops.quantize_weight(leaf, action, recipe)
+
+
+@functools.partial(jax.jit, static_argnames=("actions", "recipe", "dtype"))
+def _convert_all(leaves, *, actions, recipe, dtype):
+    return [_convert(x, a, recipe, dtype) for x, a in zip(leaves, actions, strict=True)]
+
+
+def _flat_actions(params, recipe, model_config):
+    actions = leaf_actions(params, recipe, model_config=model_config)
+    return jax.tree.leaves(actions)
+
+
+def sync(params: dict, recipe: QuantRecipe, *, model_config) -> dict:
+    """The rollout tree for ``recipe`` from master ``params`` (see the module docstring).
+
+    Args:
+      params: the master tree of ``init_params`` / ``load_hf`` (any float dtype).
+      recipe: the rollout ``QuantRecipe``.
+      model_config: the ``ModelConfig``.
+
+    Returns:
+      a tree of the same structure (layer groups split where the recipe's modes change) whose
+      quantized leaves are ``NVFP4Tensor`` / ``FP8Tensor``.
+    """
+    if not isinstance(recipe, QuantRecipe):
+        raise ValueError(f"recipe: expected a QuantRecipe, got {type(recipe).__name__}")
+    if recipe.rac_selection == "static" or recipe.act_scale_mode == "static":
+        raise ValueError(
+            f"recipe {recipe.name!r}: rac_selection={recipe.rac_selection!r}, act_scale_mode="
+            f"{recipe.act_scale_mode!r}: static calibration needs per-site calibration "
+            "activations, which quads_jax.models.forward does not expose yet; use "
+            "rac_selection='online_batch' and act_scale_mode='per_token' or 'per_batch'"
+        )
+    params = models.split_layer_groups(model_config, params, recipe)
+    leaves, treedef = jax.tree.flatten(params)
+    actions = tuple(_flat_actions(params, recipe, model_config))
+    out = _convert_all(leaves, actions=actions, recipe=recipe,
+                       dtype=jnp.dtype(model_config.dtype))
+    return jax.tree.unflatten(treedef, out)
+
+
+# ------------------------------------------------------------------------------ identity check
+def _trainer_view(master, action: str, recipe: QuantRecipe, dtype) -> jax.Array:
+    """What the trainer's forward computes from the master leaf for this site."""
+    if action == KEEP:
+        return master
+    if action == CAST:
+        return master.astype(dtype)
+    # The trainer's own fake-quant (forward value == qdq), not a re-implementation.
+    return ops._fake_quant_weight(master, action, "sync", recipe)
+
+
+def _rollout_view(leaf, like: jax.Array) -> jax.Array:
+    if isinstance(leaf, CalibratedWeight):
+        leaf = leaf.weight
+    if isinstance(leaf, nvfp4.NVFP4Tensor):
+        return nvfp4.dequantize(leaf, like.dtype)
+    if isinstance(leaf, fp8.FP8Tensor):
+        return fp8.dequantize(leaf, like.dtype)
+    return leaf
+
+
+def _bits(x: jax.Array) -> jax.Array:
+    """Bit pattern of a float array as unsigned ints of the same width (NaN-safe equality)."""
+    width = jnp.dtype(x.dtype).itemsize
+    return jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[width])
+
+
+def _views(master_leaves, rollout_leaves, actions, recipe, dtype):
+    for m, r, a in zip(master_leaves, rollout_leaves, actions, strict=True):
+        want = _trainer_view(m, a, recipe, dtype)
+        yield want, _rollout_view(r, want)
+
+
+@functools.partial(jax.jit, static_argnames=("actions", "recipe", "dtype"))
+def _mismatch_counts(master_leaves, rollout_leaves, *, actions, recipe, dtype):
+    out = []
+    for want, got in _views(master_leaves, rollout_leaves, actions, recipe, dtype):
+        if want.shape != got.shape or want.dtype != got.dtype:
+            out.append(jnp.int32(-1))
+        else:
+            out.append(jnp.sum(_bits(want) != _bits(got), dtype=jnp.int32))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncReport:
+    """What ``check_sync`` compared: leaf paths, their actions, elements and mismatches."""
+
+    paths: tuple[str, ...]
+    actions: tuple[str, ...]
+    elements: int
+    mismatches: tuple[int, ...]
+
+
+def check_sync(
+    params: dict, rollout_params: dict, recipe: QuantRecipe, *, model_config, full: bool = False
+) -> SyncReport:
+    """Check that ``rollout_params == sync(params, recipe)`` as the trainer sees it.
+
+    Every rollout leaf, dequantized, must equal bit for bit the trainer's view of its master
+    leaf (``qdq`` for quantized sites, the compute-dtype cast or the leaf itself otherwise).
+
+    Args:
+      full: compare on the host element by element and name the first difference (slow, for
+        tests); otherwise one mismatch count per leaf is reduced on the device.
+
+    Raises:
+      SyncMismatchError naming the leaf path, its action and the differing count or index.
+    """
+    split = models.split_layer_groups(model_config, params, recipe)
+    master_leaves, master_def = jax.tree.flatten_with_path(split)
+    rollout_flat, rollout_def = jax.tree.flatten_with_path(rollout_params, is_leaf=_is_packed)
+    paths = tuple(_path_name(p) for p, _ in master_leaves)
+    got_paths = tuple(_path_name(p) for p, _ in rollout_flat)
+    if paths != got_paths:
+        missing = sorted(set(paths) ^ set(got_paths))
+        raise SyncMismatchError(f"rollout_params: tree structure differs from sync(params) at "
+                                f"{missing[:4]} (expected {len(paths)} leaves)")
+    actions = tuple(_flat_actions(split, recipe, model_config))
+    masters = [x for _, x in master_leaves]
+    rollouts = [x for _, x in rollout_flat]
+    dtype = jnp.dtype(model_config.dtype)
+    if full:
+        counts = []
+        for path, action, (want, got) in zip(
+            paths, actions, _views(masters, rollouts, actions, recipe, dtype), strict=True
+        ):
+            want, got = np.asarray(_bits(want)), np.asarray(_bits(jnp.asarray(got, want.dtype)))
+            if want.shape != got.shape:
+                raise SyncMismatchError(f"rollout leaf {path} ({action}): shape {got.shape} != "
+                                        f"{want.shape}")
+            bad = np.argwhere(want != got)
+            if bad.size:
+                idx = tuple(int(i) for i in bad[0])
+                raise SyncMismatchError(
+                    f"rollout leaf {path} ({action}): {len(bad)} of {want.size} elements differ "
+                    f"from the trainer's view; first at index {idx}: bits {got[idx]:#x} != "
+                    f"{want[idx]:#x}")
+            counts.append(0)
+    else:
+        counts = [int(c) for c in _mismatch_counts(masters, rollouts, actions=actions,
+                                                   recipe=recipe, dtype=dtype)]
+        for path, action, c in zip(paths, actions, counts, strict=True):
+            if c:
+                what = "shape or dtype differs" if c < 0 else f"{c} elements differ"
+                raise SyncMismatchError(f"rollout leaf {path} ({action}): {what} from the "
+                                        "trainer's view of the master leaf")
+    return SyncReport(paths, actions, int(sum(np.size(m) for m in masters)), tuple(counts))
+
+
+def weight_bytes(tree) -> int:
+    """Bytes the leaves of a (rollout) tree occupy on the device (packed leaves at their size)."""
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))

@@ -1,0 +1,99 @@
+"""Sampling: the distribution sampled from, its log-probs, filtering and bad parameters."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from quads_jax.sampler.sampling import SamplingParams, candidate_log_probs, sample_tokens
+
+
+def _logits(seed: int, batch: int = 4, vocab: int = 40) -> jax.Array:
+    return jax.random.normal(jax.random.key(seed), (batch, vocab)) * 3.0
+
+
+def _reference_log_probs(logits: np.ndarray, t: float, k: int, p: float) -> np.ndarray:
+    """float64 log-probs over the full vocab (-inf outside the kept set), written from scratch."""
+    x = logits.astype(np.float64) / t
+    out = np.full_like(x, -np.inf)
+    for row in range(x.shape[0]):
+        order = np.argsort(-x[row], kind="stable")
+        keep = order[:k] if k else order
+        probs = np.exp(x[row, keep] - x[row, keep].max())
+        probs /= probs.sum()
+        before = np.cumsum(probs) - probs
+        keep = keep[before < p]
+        z = x[row, keep]
+        out[row, keep] = z - (np.log(np.sum(np.exp(z - z.max()))) + z.max())
+    return out
+
+
+@pytest.mark.parametrize(
+    "t,k,p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 1.0), (0.9, 0, 0.8), (1.0, 7, 0.6)]
+)
+def test_sampled_logprob_is_the_renormalised_distribution(t, k, p):
+    logits = _logits(0)
+    params = SamplingParams(temperature=t, top_k=k, top_p=p)
+    ref = _reference_log_probs(np.asarray(logits), t, k, p)
+    for seed in range(5):
+        tokens, logp = sample_tokens(jax.random.key(seed), logits, params)
+        tokens, logp = np.asarray(tokens), np.asarray(logp)
+        picked = ref[np.arange(len(tokens)), tokens]
+        assert np.all(np.isfinite(picked)), "a token outside the top-k / top-p set was sampled"
+        np.testing.assert_allclose(logp, picked, atol=1e-5)
+
+
+def test_plain_temperature_equals_log_softmax():
+    logits = _logits(1)
+    tokens, logp = sample_tokens(jax.random.key(3), logits, SamplingParams(temperature=0.6))
+    want = jax.nn.log_softmax(logits / 0.6, axis=-1)[jnp.arange(logits.shape[0]), tokens]
+    np.testing.assert_allclose(np.asarray(logp), np.asarray(want), atol=1e-6)
+
+
+def test_greedy_is_argmax_with_the_filtered_logprob():
+    logits = _logits(2)
+    params = SamplingParams(temperature=0.5, top_k=3, greedy=True)
+    tokens, logp = sample_tokens(jax.random.key(0), logits, params)
+    np.testing.assert_array_equal(np.asarray(tokens), np.argmax(np.asarray(logits), axis=-1))
+    ref = _reference_log_probs(np.asarray(logits), 0.5, 3, 1.0)
+    np.testing.assert_allclose(np.asarray(logp), ref.max(axis=-1), atol=1e-5)
+
+
+def test_empirical_frequencies_match_the_filtered_distribution():
+    logits = jnp.asarray([[2.0, 1.5, 1.0, 0.0, -1.0, -3.0]])
+    params = SamplingParams(temperature=1.0, top_k=4, top_p=0.9)
+    ref = np.exp(_reference_log_probs(np.asarray(logits), 1.0, 4, 0.9))[0]
+    n = 20000
+    keys = jax.random.split(jax.random.key(7), n)
+    tokens, _ = jax.vmap(lambda key: sample_tokens(key, logits, params))(keys)
+    freq = np.bincount(np.asarray(tokens).ravel(), minlength=6) / n
+    assert freq[ref == 0].sum() == 0
+    np.testing.assert_allclose(freq, ref, atol=0.015)
+
+
+def test_candidates_without_filtering_cover_the_vocab():
+    log_probs, ids = candidate_log_probs(_logits(4), SamplingParams())
+    assert ids is None and log_probs.shape == (4, 40)
+
+
+def test_same_key_same_tokens():
+    logits = _logits(5)
+    a = sample_tokens(jax.random.key(11), logits, SamplingParams(top_p=0.95))
+    b = sample_tokens(jax.random.key(11), logits, SamplingParams(top_p=0.95))
+    np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))
+
+
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        ({"temperature": 0.0}, "temperature=0.0"),
+        ({"temperature": -1.0}, "temperature=-1.0"),
+        ({"top_p": 0.0}, "top_p=0.0"),
+        ({"top_p": 1.5}, "top_p=1.5"),
+        ({"top_k": -2}, "top_k=-2"),
+        ({"greedy": 1}, "greedy=1"),
+    ],
+)
+def test_bad_parameters_raise(kwargs, needle):
+    with pytest.raises(ValueError, match=needle.replace(".", r"\.")):
+        SamplingParams(**kwargs)
