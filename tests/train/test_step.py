@@ -1,0 +1,111 @@
+"""Train step: it learns, sharded == 1 device on several meshes, non-finite updates skipped."""
+
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from quads_jax.rl.grpo import GRPOConfig
+from quads_jax.train import mesh as mesh_lib
+from quads_jax.train.state import (
+    OptimizerConfig,
+    create_train_state,
+    make_optimizer,
+    train_state_shardings,
+)
+from quads_jax.train.step import (
+    jit_sharded,
+    make_update_fn,
+    rl_loss_fn,
+    sft_loss_fn,
+    split_minibatches,
+)
+
+OPT = OptimizerConfig(lr=1e-2, weight_decay=0.01, grad_clip=1.0)
+
+
+def _setup(toy, loss="rl"):
+    opt = make_optimizer(OPT, 10)
+    fn = rl_loss_fn(toy.apply, GRPOConfig(num_generations=2)) if loss == "rl" else \
+        sft_loss_fn(toy.apply)
+    return opt, make_update_fn(fn, opt)
+
+
+def test_sft_update_lowers_loss(toy):
+    opt, update = _setup(toy, "sft")
+    state = create_train_state(toy.params(), opt, seed=0)
+    batch = split_minibatches(jax.tree.map(jnp.asarray, toy.rl_batch()), 2)
+    update = jax.jit(update)
+    losses = []
+    for _ in range(15):
+        state, m = update(state, batch)
+        losses.append(float(m["sft/loss"]))
+    assert losses[-1] < 0.7 * losses[0]
+    assert int(state.step) == 30
+
+
+@pytest.mark.parametrize(
+    "shape,rules",
+    [
+        (dict(data=8, fsdp=1), "fsdp"),
+        (dict(data=1, fsdp=8), "fsdp"),
+        (dict(data=2, fsdp=2, expert=2), "fsdp"),
+        (dict(data=1, fsdp=2, expert=2, tensor=2), "tp"),
+    ],
+)
+def test_sharded_step_equals_one_device(toy, shape, rules):
+    opt, update = _setup(toy)
+    batch = split_minibatches(jax.tree.map(jnp.asarray, toy.rl_batch(b=16)), 2)
+    ref_state, ref_m = jax.jit(update)(create_train_state(toy.params(), opt, 0), batch)
+
+    mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(rules=rules, **shape))
+    state = create_train_state(toy.params(), opt, 0)
+    st_sh = train_state_shardings(state, mesh, rules, toy.config)
+    b_sh = jax.tree.map(
+        lambda x: jax.sharding.NamedSharding(
+            mesh, jax.sharding.PartitionSpec(
+                None, *mesh_lib.batch_sharding(mesh, x.shape[1:], rules).spec)), batch)
+    state = jax.device_put(state, st_sh)
+    # the experts leaf is really split over the expert axis when the mesh has one
+    if shape.get("expert", 1) > 1:
+        spec = state.params["experts"]["up"].sharding.spec
+        assert spec[0] == "expert", spec
+    step = jit_sharded(update, st_sh, b_sh, mesh)
+    state, m = step(state, jax.device_put(batch, b_sh))
+    np.testing.assert_allclose(float(m["train/loss"]), float(ref_m["train/loss"]), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
+
+
+def test_nonfinite_update_is_skipped_and_counted(toy):
+    opt, update = _setup(toy)
+    state = create_train_state(toy.params(), opt, 0)
+    batch = jax.tree.map(jnp.asarray, toy.rl_batch())
+    bad = dict(batch, advantages=batch["advantages"].at[0].set(jnp.nan))
+    both = split_minibatches(jax.tree.map(lambda a, b: jnp.concatenate([a, b]), bad, batch), 2)
+    new, m = jax.jit(update)(state, both)
+    assert float(m["train/skipped"]) == 1 and int(new.step) == 1
+    assert int(new.nonfinite_streak) == 0 and int(new.nonfinite_total) == 1  # second one was ok
+    only_bad = split_minibatches(jax.tree.map(lambda a: jnp.concatenate([a, a]), bad), 2)
+    new2, m2 = jax.jit(update)(state, only_bad)
+    assert int(new2.nonfinite_streak) == 2 and int(new2.step) == 0
+    for a, b in zip(jax.tree.leaves(new2.params), jax.tree.leaves(state.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_mesh_config_errors():
+    with pytest.raises(ValueError, match="MeshConfig.fsdp"):
+        mesh_lib.MeshConfig(data=-1, fsdp=-1)
+    with pytest.raises(ValueError, match="product 3 != 8"):
+        mesh_lib.MeshConfig(data=3, fsdp=1).axis_sizes(8)
+    with pytest.raises(ValueError, match="MeshConfig.rules"):
+        mesh_lib.MeshConfig(rules="zz")
+
+
+def test_spec_drops_axes_that_do_not_divide():
+    mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(fsdp=4, tensor=2))
+    spec = mesh_lib.spec_for(("embed", "mlp"), (12, 6), mesh, "fsdp")
+    assert spec == jax.sharding.PartitionSpec("fsdp", "tensor")
+    spec = mesh_lib.spec_for(("embed", "mlp"), (6, 5), mesh, "fsdp")
+    assert spec == jax.sharding.PartitionSpec(None, None)
