@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from quads_jax.models import layers as L
 from quads_jax.models.config import ModelConfig
@@ -91,13 +92,28 @@ def _is_weight_leaf(x) -> bool:
 
 # ---------------------------------------------------------------------------- init
 def init_params(config: ModelConfig, rng: jax.Array) -> dict:
-    """Random master weights (normal, std ``initializer_range``; norms 1) in ``param_dtype``."""
+    """Random master weights (normal, std ``initializer_range``; norms 1) in ``param_dtype``.
+
+    ``rng`` is a PRNG key. With a concrete key the numbers come from numpy seeded by the key's
+    data (XLA:CPU compiles each threefry ``normal`` for about a second, which dominated test
+    time); under a trace (init inside jit, e.g. for sharded init) from ``jax.random``.
+    """
+    if isinstance(rng, jax.core.Tracer):
+        keys = iter(jax.random.split(rng, 64 * len(config.layer_groups) + 8))
+        draw = lambda shape: jax.random.normal(next(keys), shape, jnp.float32)
+    else:
+        seed = np.asarray(jax.random.key_data(rng)).ravel().tolist()
+        gen = np.random.default_rng(seed)
+        draw = lambda shape: gen.standard_normal(shape, np.float32)
+    return _build_params(config, draw)
+
+
+def _build_params(config: ModelConfig, draw) -> dict:
     c = config
     d, pd, std = c.head_dim, c.param_dtype, c.initializer_range
-    keys = iter(jax.random.split(rng, 4 + 8 * len(c.layer_groups)))
 
     def normal(shape):
-        return (jax.random.normal(next(keys), shape, jnp.float32) * std).astype(pd)
+        return jnp.asarray(draw(shape) * np.float32(std), pd)
 
     def ones(shape):
         return jnp.ones(shape, pd)
@@ -162,13 +178,17 @@ def _param_groups(config: ModelConfig, params: dict):
                          f"{config.num_hidden_layers}")
 
 
-def _segments(config: ModelConfig, params: dict, recipe: QuantRecipe):
-    """Yield ``(kind, start, stop, group_slice)``: param groups split where the recipe's modes
+def _segments(config: ModelConfig, params: dict, recipe: QuantRecipe) -> list[tuple]:
+    """``[(kind, start, stop, group_slice)]``: param groups split where the recipe's modes
     change between consecutive layers (one scan per segment, modes static inside)."""
+    return list(_iter_segments(config, params, recipe))
+
+
+def _iter_segments(config: ModelConfig, params: dict, recipe: QuantRecipe):
     def sig(i):
         return tuple(recipe.mode_for(s) for s in layer_matmul_sites(config, i))
 
-    for kind, start, stop, group in _param_groups(config, params):
+    for kind, start, stop, group in list(_param_groups(config, params)):
         a = start
         for i in range(start + 1, stop + 1):
             if i == stop or sig(i) != sig(a):
@@ -283,6 +303,7 @@ def forward(
     """
     recipe = recipe or _BF16
     _check_inputs(config, tokens, attention_mask, positions, cache)
+    segments = _segments(config, params, recipe)  # validates the tree before any compute
     b, t = tokens.shape
     mask = jnp.ones((b, t), bool) if attention_mask is None else attention_mask.astype(bool)
     if positions is None:
@@ -305,7 +326,7 @@ def forward(
     h = params["embed"].astype(config.dtype)[tokens]
     token_mask = mask.reshape(-1)
     expert_ids, stats = [], []
-    for kind, start, stop, group in _segments(config, params, recipe):
+    for kind, start, stop, group in segments:
         h, kv, ys = _run_segment(config, kind, start, stop, group, h, rope, allowed, kv,
                                  token_mask, recipe)
         if ys is not None:
