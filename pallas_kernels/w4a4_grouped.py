@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import nvfp4_quantize as aq
 from pallas_kernels.layout import code_factor
@@ -38,11 +39,11 @@ def _check_group_sizes(group_sizes, num_experts: int, m: int) -> jax.Array:
         raise ValueError(
             f"group_sizes: shape {tuple(gs.shape)} dtype {gs.dtype}; need int [{num_experts}]"
         )
-    if not isinstance(gs, jax.core.Tracer):
-        total = int(jnp.sum(gs))
-        if total > m or bool(jnp.any(gs < 0)):
+    if not isinstance(gs, jax.core.Tracer):  # concrete: check now (traced sizes cannot raise)
+        host = np.asarray(gs)
+        if host.sum() > m or (host < 0).any():
             raise ValueError(
-                f"group_sizes: sum {total} (min {int(jnp.min(gs))}) must be >= 0 per group and "
+                f"group_sizes: sum {host.sum()} (min {host.min()}) must be >= 0 per group and "
                 f"<= M={m} rows of x_sorted"
             )
     return gs.astype(jnp.int32)

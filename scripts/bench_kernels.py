@@ -1,0 +1,436 @@
+"""Correctness checks and timings of the Pallas NVFP4 kernels on one GPU (H200), vs XLA baselines.
+
+Usage (on the device): ``PYTHONPATH=. python3 scripts/bench_kernels.py --out $OUT [--part P]``
+with P in ``all | check | decode | grouped | prefill | tune``. Writes ``bench_kernels.json`` and
+``bench_kernels.md`` under ``--out``.
+
+Method (docs/DESIGN.md "Performance method"):
+* correctness first, on fresh random inputs, the device memory poisoned with NaN before each
+  kernel run (a NaN-filled buffer of the output's size is freed just before, so the allocator
+  hands that memory to the kernel's output); f32 inputs, compared with an f32-HIGHEST XLA product
+  of the dequantized operands;
+* timings: each op runs ``reps`` times inside ONE jitted program (a ``fori_loop`` whose body calls
+  the op on ``C`` distinct weight copies, so the weights stream from HBM and not from the 50 MB
+  L2; calls are chained through a 1e-30-scaled data dependency on the output); median of 5 runs
+  divided by the call count; the empty-chain overhead is measured and reported;
+* floors: bytes the op must read / the best read bandwidth measured in this run (XLA BF16
+  ``x[16,4096] @ W[4096,57344]``), and FLOPs / the measured BF16 matmul rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import nvfp4_quantize as aq
+from pallas_kernels.layout import prepare_w4a4_weights
+from pallas_kernels.w4a4_grouped import w4a4_grouped_matmul
+from pallas_kernels.w4a4_matmul import W4A4MatmulConfig, w4a4_matmul
+from pallas_kernels.w4a16_matmul import w4a16_grouped_matmul, w4a16_matmul
+from quads_jax.quant import nvfp4
+
+L2_FLUSH_BYTES = 160e6
+SMOKE = False  # --smoke: tiny shapes, jnp instead of the kernel, to test this script on a CPU
+RESULTS: dict = {"checks": [], "timings": [], "floors": {}}
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+# ----------------------------------------------------------------------------- timing
+def time_chain(op, x, weights, *, reps=None, runs=5, target_s=2e-3):
+    """Median seconds per call of ``op(x, w)`` chained in one jitted program (module doc)."""
+    c = len(weights)
+
+    def make(iters):
+        def prog(x, *ws):
+            def body(_, x):
+                for w in ws:
+                    y = op(x, w)
+                    x = x + (y.reshape(-1)[0] * 1e-30).astype(x.dtype)
+                return x
+
+            return jax.lax.fori_loop(0, iters, body, x)
+
+        return jax.jit(prog)
+
+    if reps is None:  # one warm run of a single pass sizes the loop to ~target_s per run
+        f = make(1)
+        jax.block_until_ready(f(x, *weights))
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(x, *weights))
+        one = (time.perf_counter() - t0) / c
+        reps = max(1, min(200, math.ceil(target_s / max(one, 1e-6) / c)))
+    f = make(reps)
+    jax.block_until_ready(f(x, *weights))
+    ts = []
+    for _ in range(1 if SMOKE else runs):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(x, *weights))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) / (reps * c), reps * c
+
+
+def copies_for(nbytes: float) -> int:
+    return int(min(64, max(2, math.ceil(L2_FLUSH_BYTES / max(nbytes, 1)))))
+
+
+def record(name, seconds, calls, *, bytes_=None, flops=None, note=""):
+    bw = RESULTS["floors"].get("read_bw")
+    rate = RESULTS["floors"].get("bf16_flops")
+    row = {"name": name, "us": seconds * 1e6, "calls": calls, "bytes": bytes_, "flops": flops,
+           "note": note}
+    floors = []
+    if bytes_ and bw:
+        floors.append(bytes_ / bw)
+        row["achieved_TBps"] = bytes_ / seconds / 1e12
+    if flops and rate:
+        floors.append(flops / rate)
+        row["TFLOPs"] = flops / seconds / 1e12
+    if floors:
+        row["floor_us"] = max(floors) * 1e6
+        row["floor_ratio"] = max(floors) / seconds
+    RESULTS["timings"].append(row)
+    log(f"  {name:58s} {seconds * 1e6:9.1f} us  floor {row.get('floor_us', 0):8.1f} us  "
+        f"ratio {row.get('floor_ratio', 0):5.2f}  {note}")
+
+
+# ----------------------------------------------------------------------------- data
+def S(v: int, div: int, lo: int) -> int:
+    """A size, shrunk in smoke mode."""
+    return max(lo, v // div) if SMOKE else v
+
+
+def rand(key, shape, dtype=jnp.bfloat16, scale=1.0):
+    return (jax.random.normal(jax.random.key(key), shape, jnp.float32) * scale).astype(dtype)
+
+
+def nvfp4_weight(key, shape, mma="float16"):
+    q = nvfp4.quantize(rand(key, shape, jnp.float32), scale_mode="expert" if len(shape) == 3
+                       else "tensor")
+    return q, prepare_w4a4_weights(q, mma_dtype=mma)
+
+
+def routing(key, tokens, e, top_k, skew=False):
+    """Sorted-by-expert group sizes of ``tokens`` routed top-k over ``e`` experts."""
+    rng = np.random.default_rng(key)
+    p = rng.dirichlet(np.full(e, 0.3)) if skew else np.full(e, 1.0 / e)
+    counts = np.zeros(e, np.int64)
+    for _ in range(tokens):
+        counts[rng.choice(e, size=top_k, replace=False, p=p)] += 1
+    return jnp.asarray(counts, jnp.int32)
+
+
+# ----------------------------------------------------------------------------- floors
+def measure_floors():
+    log("== floors")
+    x = rand(1, (16, S(4096, 8, 256)))
+    w = rand(2, (S(4096, 8, 256), S(57344, 64, 128)))
+    t, n = time_chain(lambda x, w: jnp.dot(x, w), x, [w])
+    bw = w.size * 2 / t
+    RESULTS["floors"]["read_bw"] = bw
+    log(f"  XLA bf16 16x4096 @ 4096x57344: {t * 1e6:.1f} us -> {bw / 1e12:.2f} TB/s")
+    d = S(8192, 32, 256)
+    a = rand(3, (d, d))
+    b = rand(4, (d, d))
+    t, _ = time_chain(lambda x, w: jnp.dot(x, w), a, [b], reps=5)
+    RESULTS["floors"]["bf16_flops"] = 2 * d**3 / t
+    log(f"  XLA bf16 {d}^3: {t * 1e3:.2f} ms -> {2 * d**3 / t / 1e12:.0f} TFLOP/s")
+    t, _ = time_chain(lambda x, w: x[:, :1] * w[:1, :1], x, [w[:8, :8]], reps=200)
+    RESULTS["floors"]["chain_overhead_us"] = t * 1e6
+    log(f"  empty chain step: {t * 1e6:.2f} us")
+
+
+# ----------------------------------------------------------------------------- checks
+def poison(shape):
+    junk = jnp.full(shape, jnp.nan, jnp.float32)
+    jax.block_until_ready(junk)
+    del junk
+    gc.collect()
+
+
+def rel_err(y, ref):
+    y, ref = np.asarray(y, np.float64), np.asarray(ref, np.float64)
+    return float(np.max(np.abs(y - ref)) / max(np.max(np.abs(ref)), 1e-30)), bool(
+        np.isnan(y).any())
+
+
+def check(name, fn, ref_fn, out_shape, tol=1e-5):
+    poison((max(out_shape[0], 8) * 4, out_shape[1] * 2))
+    y = jax.block_until_ready(fn())
+    err, nan = rel_err(y, ref_fn())
+    ok = err < tol and not nan
+    RESULTS["checks"].append({"name": name, "rel_err": err, "nan": nan, "ok": ok})
+    log(f"  {'PASS' if ok else 'FAIL'} {name}: rel err {err:.2e}{' NaN!' if nan else ''}")
+    return ok
+
+
+def deq_ref(x, wq, racc=None, gs=None):
+    """f32 HIGHEST product of the dequantized operands (what the kernel computes exactly)."""
+    e = None if gs is None else wq.shape[0]
+    rexp = None
+    if gs is not None:
+        rexp = jnp.minimum(jnp.searchsorted(jnp.cumsum(gs), jnp.arange(x.shape[0]),
+                                            side="right"), e - 1)
+    acts = aq.nvfp4_quantize(x, rac_config=racc, row_expert=rexp, num_experts=e)
+    a = sum(aq.dequantized_sum(acts))
+    wd = nvfp4.dequantize(wq, jnp.float32)
+    if gs is None:
+        return jnp.dot(a, wd.T, precision="highest")
+    y = jnp.einsum("mk,mnk->mn", a, wd[rexp], precision="highest")
+    return jnp.where((jnp.arange(x.shape[0]) < jnp.sum(gs))[:, None], y, 0.0)
+
+
+def run_checks():
+    log("== correctness (f32 inputs, poisoned outputs)")
+    ok = True
+    racc = aq.RACConfig()
+    for m, k, n in ((16, 4096, 14336), (1, 2048, 768), (200, 2048, 768)):
+        k, n = S(k, 8, 256), S(n, 16, 128)
+        x = rand(10 + m, (m, k), jnp.float32)
+        for mma in ("float16", "bfloat16"):
+            wq, ww = nvfp4_weight(20 + m, (n, k), mma)
+            cfg = W4A4MatmulConfig(mma_dtype=mma)
+            ok &= check(f"dense w4a4 {mma} M={m} K={k} N={n}",
+                        jax.jit(lambda x=x, ww=ww, cfg=cfg: w4a4_matmul(x, ww, config=cfg)),
+                        lambda x=x, wq=wq: deq_ref(x, wq), (m, n))
+        wq, ww = nvfp4_weight(20 + m, (n, k))
+        ok &= check(f"dense w4a4+RAC0.5 f16 M={m} K={k} N={n}",
+                    jax.jit(lambda x=x, ww=ww: w4a4_matmul(x, ww, rac=racc)),
+                    lambda x=x, wq=wq: deq_ref(x, wq, racc), (m, n))
+    x = rand(30, (16, S(4096, 8, 256)))
+    wq, ww = nvfp4_weight(31, (S(14336, 16, 128), x.shape[1]), "bfloat16")
+    ok &= check("dense w4a16 bf16 M=16 K=4096 N=14336",
+                jax.jit(lambda: w4a16_matmul(x, ww)).__call__,
+                lambda: jnp.dot(x.astype(jnp.float32), nvfp4.dequantize(wq).T,
+                                precision="highest"), (16, ww.n), tol=1e-2)
+    e, k, n = S(128, 16, 8), S(2048, 8, 256), S(768, 6, 128)
+    wq, ww = nvfp4_weight(40, (e, n, k))
+    for tokens, skew in ((1, False), (64, True), (256, False)):
+        tokens = S(tokens, 16, 1)
+        gs = routing(tokens, tokens, e, min(8, e), skew)
+        m = int(gs.sum()) + 3  # 3 rows past the groups must come out as zeros
+        x = rand(41 + tokens, (m, k), jnp.float32)
+        for r in (None, racc):
+            ok &= check(f"grouped w4a4{'+RAC' if r else ''} E=128 tokens={tokens} skew={skew}",
+                        jax.jit(lambda x=x, gs=gs, r=r: w4a4_grouped_matmul(x, ww, gs, rac=r)),
+                        lambda x=x, gs=gs, r=r: deq_ref(x, wq, r, gs), (m, n))
+    gs = routing(7, S(64, 16, 4), e, min(8, e), True)
+    xb = rand(50, (int(gs.sum()), k))
+    wq16, ww16 = nvfp4_weight(40, (e, n, k), "bfloat16")
+    ok &= check("grouped w4a16 E=128 tokens=64",
+                jax.jit(lambda: w4a16_grouped_matmul(xb, ww16, gs)).__call__,
+                lambda: jax.lax.ragged_dot(xb.astype(jnp.float32), jnp.swapaxes(
+                    nvfp4.dequantize(wq16), 1, 2), gs, precision="highest"), (xb.shape[0], n),
+                tol=1e-2)
+    return ok
+
+
+# ----------------------------------------------------------------------------- baselines
+def fp8_weight(key, n, k):
+    w = rand(key, (n, k), jnp.float32)
+    s = jnp.max(jnp.abs(w), axis=1) / 448.0
+    return (w / s[:, None]).astype(jnp.float8_e4m3fn), s
+
+
+def xla_fp8(x, w):
+    w8, ws = w
+    xs = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1, keepdims=True) / 448.0
+    x8 = (x.astype(jnp.float32) * (1.0 / xs)).astype(jnp.float8_e4m3fn)
+    y = jax.lax.dot_general(x8, w8, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return (y * xs * ws[None]).astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------- dense decode
+def bench_dense(ms=(16,), shapes=((4096, 14336), (2048, 768), (4096, 57344), (2048, 3072)),
+                extra=True):
+    log("== dense")
+    for k, n in shapes:
+        k, n = S(k, 8, 256), S(n, 32, 128)
+        nv_bytes = n * k * 0.5625
+        for m in ms:
+            x = rand(60, (m, k))
+            c = copies_for(n * k * 0.625)
+            ws = [nvfp4_weight(100 + i, (n, k))[1] for i in range(c)]
+            real = ws[0].nbytes
+            fl = 2 * m * n * k
+            cfgs = [("auto", W4A4MatmulConfig())]
+            if extra and n * k >= 4096 * 14336 // (256 if SMOKE else 1) and n < 4 * k:
+                cfgs += [("ks2", W4A4MatmulConfig(k_splits=2)), ("ks4", W4A4MatmulConfig(
+                    k_splits=4)), ("stages2", W4A4MatmulConfig(max_concurrent_steps=2))]
+            for tag, cfg in cfgs:
+                t, calls = time_chain(lambda x, w, cfg=cfg: w4a4_matmul(x, w, config=cfg), x, ws)
+                record(f"w4a4 f16 [{tag}] M={m} K={k} N={n}", t, calls, bytes_=nv_bytes, flops=fl,
+                       note=f"kernel reads {real / 1e6:.1f} MB (f16 scales)")
+            if extra or m == 16:
+                t, calls = time_chain(lambda x, w: w4a4_matmul(x, w, rac=aq.RACConfig()), x, ws)
+                record(f"w4a4+RAC0.5 f16 M={m} K={k} N={n}", t, calls, bytes_=nv_bytes, flops=fl)
+            del ws
+            if extra and n * k >= 4096 * 14336 // (256 if SMOKE else 1) and n < 4 * k and m == 16:
+                ws = [nvfp4_weight(100 + i, (n, k), "bfloat16")[1] for i in range(c)]
+                t, calls = time_chain(lambda x, w: w4a4_matmul(
+                    x, w, config=W4A4MatmulConfig(mma_dtype="bfloat16")), x, ws)
+                record(f"w4a4 bf16-mma M={m} K={k} N={n}", t, calls, bytes_=nv_bytes, flops=fl)
+                t, calls = time_chain(lambda x, w: w4a16_matmul(x, w), x, ws)
+                record(f"w4a16 M={m} K={k} N={n}", t, calls, bytes_=nv_bytes, flops=fl)
+                del ws
+            c = copies_for(n * k * 2)
+            wb = [rand(200 + i, (k, n)) for i in range(c)]
+            t, calls = time_chain(lambda x, w: jnp.dot(x, w), x, wb)
+            record(f"XLA bf16 M={m} K={k} N={n}", t, calls, bytes_=n * k * 2, flops=fl)
+            del wb
+            c = copies_for(n * k)
+            w8 = [fp8_weight(300 + i, n, k) for i in range(c)]
+            t, calls = time_chain(xla_fp8, x, w8)
+            record(f"XLA fp8 (per-channel) M={m} K={k} N={n}", t, calls, bytes_=n * k, flops=fl)
+            del w8
+
+
+# ----------------------------------------------------------------------------- grouped
+def bench_grouped(tokens_list=(1, 16, 64, 256), e=128, k=2048, n=768, top_k=8, prefill=False):
+    e, k, n, top_k = S(e, 16, 8), S(k, 8, 256), S(n, 6, 128), min(top_k, S(e, 16, 8))
+    tokens_list = tuple(S(t, 16, 1) for t in tokens_list)
+    log(f"== grouped E={e} K={k} N={n} top{top_k}")
+    c = 4
+    ws = [nvfp4_weight(400 + i, (e, n, k))[1] for i in range(c)]
+    per_expert = n * k * 0.5625
+    for tokens in tokens_list:
+        gs = routing(tokens, tokens, e, top_k)
+        m = int(gs.sum())
+        touched = int((np.asarray(gs) > 0).sum())
+        x = rand(70, (m, k))
+        fl = 2 * m * n * k
+        t, calls = time_chain(lambda x, w, gs=gs: w4a4_grouped_matmul(x, w, gs), x, ws)
+        record(f"grouped w4a4 tokens={tokens} rows={m} experts={touched}", t, calls,
+               bytes_=touched * per_expert, flops=fl)
+        t, calls = time_chain(lambda x, w, gs=gs: w4a4_grouped_matmul(x, w, gs,
+                                                                      rac=aq.RACConfig()), x, ws)
+        record(f"grouped w4a4+RAC0.5 tokens={tokens}", t, calls, bytes_=touched * per_expert,
+               flops=fl)
+        wb = [rand(500 + i, (e, k, n)) for i in range(2)]
+        if m <= 4096 and not SMOKE:
+            t, calls = time_chain(lambda x, w, gs=gs: jax.lax.ragged_dot(x, w, gs), x, wb)
+            record(f"XLA ragged_dot bf16 tokens={tokens}", t, calls, bytes_=touched * n * k * 2,
+                   flops=fl)
+        if (prefill or m >= 512) and not SMOKE:
+            try:
+                from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as rdm
+
+                def mgpu(x, w, gs=gs):
+                    return rdm.ragged_dot(x, w, group_sizes=gs, block_m=128, block_n=128,
+                                          block_k=64, max_concurrent_steps=4, grid_block_n=1)
+
+                t, calls = time_chain(mgpu, x, wb)
+                record(f"jax ragged_dot_mgpu bf16 tokens={tokens}", t, calls,
+                       bytes_=touched * n * k * 2, flops=fl)
+            except Exception as err:  # noqa: BLE001  (a baseline failing must not stop the run)
+                log(f"  ragged_dot_mgpu failed: {type(err).__name__}: {str(err)[:200]}")
+        del wb
+
+
+def bench_prefill():
+    log("== dense prefill")
+    m, k, n = S(8192, 32, 64), S(4096, 8, 256), S(14336, 32, 128)
+    x = rand(80, (m, k))
+    fl = 2 * m * n * k
+    ws = [nvfp4_weight(600 + i, (n, k))[1] for i in range(2)]
+    for tag, cfg in (("bm128", W4A4MatmulConfig()),
+                     ("bm256", W4A4MatmulConfig(block_m=256, max_concurrent_steps=2))):
+        try:
+            t, calls = time_chain(lambda x, w, cfg=cfg: w4a4_matmul(x, w, config=cfg), x, ws,
+                                  reps=1)
+            record(f"w4a4 prefill [{tag}] M={m} K={k} N={n}", t, calls, flops=fl)
+        except Exception as err:  # noqa: BLE001
+            log(f"  {tag} failed: {type(err).__name__}: {str(err)[:300]}")
+    t, calls = time_chain(lambda x, w: w4a4_matmul(x, w, rac=aq.RACConfig()), x, ws, reps=1)
+    record(f"w4a4+RAC0.5 prefill M={m} K={k} N={n}", t, calls, flops=fl)
+    del ws
+    wb = [rand(700, (k, n))]
+    t, calls = time_chain(lambda x, w: jnp.dot(x, w), x, wb, reps=2)
+    record(f"XLA bf16 prefill M={m} K={k} N={n}", t, calls, flops=fl)
+
+
+def enable_smoke():
+    """Replace the Mosaic GPU kernel by its jnp reference (sums over splits are the same)."""
+    global SMOKE
+    SMOKE = True
+    from pallas_kernels import nvfp4_tiles_mgpu
+    from pallas_kernels import w4a4_matmul as wm
+
+    def stand_in(b_tiles, w, tile_expert, num_tiles, *, config, interpret=False):
+        del num_tiles, config, interpret
+        return nvfp4_tiles_mgpu.tile_gemm_reference(b_tiles, w, tile_expert)
+
+    wm.nvfp4_tile_gemm = stand_in
+
+
+def write_outputs(out: str):
+    import os
+
+    os.makedirs(out, exist_ok=True)
+    RESULTS["device"] = str(jax.devices()[0].device_kind)
+    RESULTS["jax"] = jax.__version__
+    with open(os.path.join(out, "bench_kernels.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1)
+    fl = RESULTS["floors"]
+    lines = [f"device {RESULTS['device']}, jax {RESULTS['jax']}; read bw "
+             f"{fl.get('read_bw', 0) / 1e12:.2f} TB/s, bf16 {fl.get('bf16_flops', 0) / 1e12:.0f} "
+             f"TFLOP/s, chain step overhead {fl.get('chain_overhead_us', 0):.2f} us", "",
+             "| op | median us | floor us | floor/median | TB/s | TFLOP/s | calls | note |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in RESULTS["timings"]:
+        lines.append(f"| {r['name']} | {r['us']:.1f} | {r.get('floor_us', 0):.1f} | "
+                     f"{r.get('floor_ratio', 0):.2f} | {r.get('achieved_TBps', 0):.2f} | "
+                     f"{r.get('TFLOPs', 0):.1f} | {r['calls']} | {r['note']} |")
+    lines += ["", "| check | rel err | ok |", "|---|---|---|"]
+    lines += [f"| {c['name']} | {c['rel_err']:.2e} | {c['ok']} |" for c in RESULTS["checks"]]
+    with open(os.path.join(out, "bench_kernels.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="/tmp/bench_out")
+    p.add_argument("--part", default="all")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, jnp kernel stand-in (CPU)")
+    args = p.parse_args(argv)
+    if args.smoke:
+        enable_smoke()
+    log(jax.devices())
+    start = time.time()
+    parts = args.part.split(",")
+    try:
+        if "all" in parts or "check" in parts:
+            run_checks()
+            write_outputs(args.out)
+        measure_floors()
+        if "all" in parts or "decode" in parts:
+            bench_dense()
+            write_outputs(args.out)
+        if "all" in parts or "decode1" in parts:
+            bench_dense(ms=(1, 64), shapes=((4096, 14336),), extra=False)
+            write_outputs(args.out)
+        if "all" in parts or "grouped" in parts:
+            bench_grouped()
+            write_outputs(args.out)
+        if "all" in parts or "prefill" in parts:
+            bench_prefill()
+            bench_grouped(tokens_list=(1024,), prefill=True)
+    finally:
+        write_outputs(args.out)
+        log(f"total {time.time() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
