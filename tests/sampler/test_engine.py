@@ -1,0 +1,197 @@
+"""The rollout engine against the model's own full forward (tiny MoE, float32, CPU)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from quads_jax import models
+from quads_jax.sampler import engine
+from quads_jax.sampler.engine import FINISH_LENGTH, FINISH_STOP, SamplerConfig
+from quads_jax.testing import tiny_config
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18], [19, 20, 21]]
+NEW = 8
+
+
+@pytest.fixture(scope="module")
+def model():
+    # Two MoE layers (one scan) in float32: exact comparisons, short compiles.
+    cfg = tiny_config(dtype="float32", num_hidden_layers=2, mlp_only_layers=())
+    return cfg, models.init_params(cfg, jax.random.key(0))
+
+
+@pytest.fixture(scope="module")
+def full_forward(model):
+    cfg, params = model
+
+    @jax.jit
+    def run(tokens, mask):
+        out = models.forward(cfg, params, tokens, attention_mask=mask, return_router=True)
+        return out.logits, out.expert_ids
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def greedy(model):
+    cfg, params = model
+    tokens, mask = engine.left_pad(PROMPTS)
+    sc = SamplerConfig(max_new_tokens=NEW, greedy=True, return_expert_ids=True)
+    return engine.generate(params, tokens, jax.random.key(1), sc, model_config=cfg,
+                           prompt_mask=mask)
+
+
+def _response_rows(rollout):
+    """Per row: (positions of response tokens in the rollout row, their tokens)."""
+    resp = np.asarray(rollout.response_mask)
+    return [np.flatnonzero(r) for r in resp]
+
+
+def test_greedy_with_cache_equals_argmax_of_full_forward(greedy, full_forward):
+    logits, _ = full_forward(greedy.tokens, greedy.attention_mask)
+    logits, tokens = np.asarray(logits), np.asarray(greedy.tokens)
+    # Causal attention: the logits at position t of the finished sequence are exactly those of a
+    # forward recomputed on the prefix [0, t] at that decode step.
+    for row, cols in enumerate(_response_rows(greedy)):
+        assert len(cols) == NEW
+        np.testing.assert_array_equal(tokens[row, cols], np.argmax(logits[row, cols - 1], -1))
+    np.testing.assert_array_equal(np.asarray(greedy.finish_reason), FINISH_LENGTH)
+    np.testing.assert_array_equal(np.asarray(greedy.response_length), NEW)
+
+
+def test_logprobs_equal_full_forward_log_softmax(greedy, full_forward):
+    logits, _ = full_forward(greedy.tokens, greedy.attention_mask)
+    logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    got, tokens = np.asarray(greedy.logprobs), np.asarray(greedy.tokens)
+    for row, cols in enumerate(_response_rows(greedy)):
+        np.testing.assert_allclose(got[row, cols], logp[row, cols - 1, tokens[row, cols]],
+                                   atol=1e-5)
+    assert np.all(got[~np.asarray(greedy.response_mask)] == 0)
+
+
+def test_expert_ids_match_the_full_forward_routing(greedy, full_forward):
+    _, ids = full_forward(greedy.tokens, greedy.attention_mask)
+    ids, got = np.asarray(ids), np.asarray(greedy.expert_ids)
+    fed = np.asarray(greedy.attention_mask).copy()
+    fed[:, -1] = False  # the last sampled token is never fed to the model
+    assert got.shape == ids.shape
+    np.testing.assert_array_equal(np.sort(got[:, fed], -1), np.sort(ids[:, fed], -1))
+    assert np.all(got[:, ~fed] == -1)
+
+
+def test_sampled_logprobs_groups_and_reproducibility(model, full_forward):
+    cfg, params = model
+    tokens, mask = engine.left_pad(PROMPTS[1:3])  # same padded width as the 4-prompt batch
+    sc = SamplerConfig(max_new_tokens=NEW, temperature=0.7, n_samples=2)
+    run = lambda key: engine.generate(params, tokens, key, sc, model_config=cfg, prompt_mask=mask)
+    a, b, c = run(jax.random.key(5)), run(jax.random.key(5)), run(jax.random.key(6))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert not np.array_equal(np.asarray(a.tokens), np.asarray(c.tokens))
+
+    np.testing.assert_array_equal(np.asarray(a.prompt_index), [0, 0, 1, 1])
+    toks = np.asarray(a.tokens)
+    width = tokens.shape[1]
+    np.testing.assert_array_equal(toks[:, :width], np.repeat(tokens, 2, axis=0))
+    assert not np.array_equal(toks[0, width:], toks[1, width:]), "group samples are identical"
+
+    logits, _ = full_forward(a.tokens, a.attention_mask)
+    logp = np.asarray(jax.nn.log_softmax(logits / 0.7, axis=-1))
+    got = np.asarray(a.logprobs)
+    for row, cols in enumerate(_response_rows(a)):
+        np.testing.assert_allclose(got[row, cols], logp[row, cols - 1, toks[row, cols]],
+                                   atol=1e-5)
+
+
+def test_prompt_alone_or_in_padded_batch_gives_the_same_greedy_tokens(model, greedy):
+    cfg, params = model
+    row = 1  # the shortest prompt: 5 pad slots in the batch
+    sc = SamplerConfig(max_new_tokens=NEW, greedy=True, return_expert_ids=True)
+    alone = engine.generate(params, np.asarray([PROMPTS[row]], np.int32), jax.random.key(9), sc,
+                            model_config=cfg)
+    want = np.asarray(greedy.tokens)[row, -NEW:]
+    np.testing.assert_array_equal(np.asarray(alone.tokens)[0, -NEW:], want)
+    np.testing.assert_allclose(np.asarray(alone.logprobs)[0, -NEW:],
+                               np.asarray(greedy.logprobs)[row, -NEW:], atol=1e-5)
+
+
+def test_stop_tokens_end_rows_and_the_loop_exits_early(model, greedy):
+    cfg, params = model
+    width = max(len(p) for p in PROMPTS)
+    ref = np.asarray(greedy.tokens)[:, width:]
+    stops = tuple(sorted({int(t) for t in ref[:, 1]}))  # every row meets one by index 1
+    sc = SamplerConfig(max_new_tokens=NEW, greedy=True, stop_token_ids=stops, pad_token_id=0)
+    tokens, mask = engine.left_pad(PROMPTS)
+    state = engine.prefill(params, tokens, jax.random.key(1), sc, model_config=cfg,
+                           prompt_mask=mask)
+    state = engine.decode(params, state, sc, model_config=cfg, max_steps=0)
+    assert int(state.step) == 1  # prefill samples the first token
+    partial = engine.finish(state, tokens, sc, prompt_mask=mask)
+    np.testing.assert_array_equal(np.asarray(partial.tokens)[:, width:][:, 0], ref[:, 0])
+    state = engine.decode(params, state, sc, model_config=cfg)  # the rest, in a second segment
+    out = engine.finish(state, tokens, sc, prompt_mask=mask)
+
+    first_stop = np.array([np.flatnonzero(np.isin(r, stops))[0] for r in ref])
+    length = first_stop + 1
+    np.testing.assert_array_equal(np.asarray(out.response_length), length)
+    np.testing.assert_array_equal(np.asarray(out.finish_reason), FINISH_STOP)
+    assert int(state.step) == length.max() < NEW, "the loop did not exit when all rows were done"
+    got = np.asarray(out.tokens)[:, width:]
+    resp = np.asarray(out.response_mask)[:, width:]
+    for r in range(len(PROMPTS)):
+        np.testing.assert_array_equal(got[r, :length[r]], ref[r, :length[r]])
+        assert np.all(got[r, length[r]:] == 0) and resp[r].sum() == length[r]
+
+
+def _generate(model, prompts, mask=None, **kwargs):
+    cfg, params = model
+    return engine.generate(params, prompts, jax.random.key(0), SamplerConfig(**kwargs),
+                           model_config=cfg, prompt_mask=mask)
+
+
+@pytest.mark.parametrize(
+    "prompts,mask,kwargs,needle",
+    [
+        (np.zeros((1, 0), np.int32), None, {}, r"shape \(1, 0\) is empty"),
+        (np.asarray([[0, 5], [0, 0]], np.int32), np.asarray([[0, 1], [0, 0]], bool), {},
+         "row 1 is empty"),
+        (np.ones((1, 510), np.int32), None, {"max_new_tokens": 8},
+         "510 \\+ max_new_tokens 8 = 518 exceeds the model context max_position_embeddings=512"),
+        (np.asarray([[5, 0]], np.int32), np.asarray([[1, 0]], bool), {}, "not left-padded"),
+        (np.asarray([[5, 10_000]], np.int32), None, {}, "token id 10000 is outside"),
+        (np.asarray([[0.5, 1.0]]), None, {}, "expected integer token ids"),
+    ],
+)
+def test_bad_prompts_raise(model, prompts, mask, kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        _generate(model, prompts, mask, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        ({"temperature": 0.0}, r"temperature=0\.0 must be a number > 0"),
+        ({"temperature": -0.5, "greedy": False}, r"temperature=-0\.5"),
+        ({"top_p": 0.0}, r"top_p=0\.0 must be in \(0, 1\]"),
+        ({"top_p": 1.01}, r"top_p=1\.01"),
+        ({"max_new_tokens": 0}, r"max_new_tokens=0"),
+        ({"n_samples": 0}, r"n_samples=0"),
+        ({"stop_token_ids": [2]}, r"stop_token_ids=\[2\]"),
+        ({"kv_cache_dtype": "int8"}, r"kv_cache_dtype='int8'"),
+    ],
+)
+def test_bad_sampler_config_raises(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        SamplerConfig(**kwargs)
+
+
+def test_left_pad_rejects_empty_prompts():
+    with pytest.raises(ValueError, match=r"prompts\[1\] is empty"):
+        engine.left_pad([[3], []])
+    with pytest.raises(ValueError, match="empty list"):
+        engine.left_pad([])
+    tokens, mask = engine.left_pad([[3, 4], [5]], pad_token_id=9)
+    np.testing.assert_array_equal(tokens, [[3, 4], [9, 5]])
+    np.testing.assert_array_equal(mask, [[True, True], [False, True]])
+    assert jnp.asarray(tokens).dtype == jnp.int32

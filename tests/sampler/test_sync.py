@@ -1,0 +1,126 @@
+"""Weight sync: packed leaves, bit identity with the trainer's qdq, and corruption caught."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from quads_jax import models
+from quads_jax.quant import fp8, nvfp4
+from quads_jax.quant.recipe import get_recipe
+from quads_jax.sampler import engine
+from quads_jax.sampler.sync import SyncMismatchError, check_sync, sync, weight_bytes
+from quads_jax.testing import tiny_config
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = tiny_config()  # 4 layers (dense layer 1), bf16 compute, f32 master weights
+    return cfg, models.init_params(cfg, jax.random.key(0))
+
+
+@pytest.mark.parametrize(
+    "name,expert_type",
+    [
+        ("bf16", jax.Array),
+        ("rollout_nvfp4", nvfp4.NVFP4Tensor),
+        ("rollout_quads", nvfp4.NVFP4Tensor),
+        ("rollout_w4a16", nvfp4.NVFP4Tensor),
+        ("rollout_fp8", fp8.FP8Tensor),
+    ],
+)
+def test_sync_packs_expert_leaves_bit_identical_to_trainer_qdq(model, name, expert_type):
+    cfg, params = model
+    recipe = get_recipe(name)
+    rollout = sync(params, recipe, model_config=cfg)
+    for group in rollout["layers"]:
+        mlp = group["mlp"]
+        if "experts" in mlp:
+            assert isinstance(mlp["experts"]["gate_up"], expert_type)
+            assert isinstance(mlp["experts"]["down"], expert_type)
+            assert mlp["router"].dtype == jnp.float32  # the router runs in f32
+        assert group["attn"]["q_proj"].dtype == jnp.bfloat16
+    report = check_sync(params, rollout, recipe, model_config=cfg, full=True)
+    assert report.mismatches == (0,) * len(report.paths)
+    check_sync(params, rollout, recipe, model_config=cfg)
+    assert weight_bytes(rollout) < weight_bytes(params)
+
+
+def test_fused_gate_up_share_one_scale_per_expert(model):
+    cfg, params = model
+    rollout = sync(params, get_recipe("rollout_nvfp4"), model_config=cfg)
+    master = params["layers"][0]["mlp"]["experts"]["gate_up"]  # [n, E, 2I, H]
+    leaf = rollout["layers"][0]["mlp"]["experts"]["gate_up"]
+    half = master.shape[2] // 2
+    want = nvfp4.shared_global_scale(master[:, :, :half], master[:, :, half:], scale_mode="expert")
+    assert leaf.global_scale.shape == master.shape[:2] + (1, 1)
+    np.testing.assert_array_equal(np.asarray(leaf.global_scale), np.asarray(want))
+
+
+def test_keep_first_layers_bf16_splits_groups(model):
+    cfg, params = model
+    recipe = get_recipe("rollout_nvfp4", keep_first_n_bf16=3)
+    rollout = sync(params, recipe, model_config=cfg)
+    kinds = [type(g["mlp"]["experts"]["gate_up"]).__name__ for g in rollout["layers"]
+             if "experts" in g["mlp"]]
+    assert kinds == ["ArrayImpl", "ArrayImpl", "NVFP4Tensor"]
+    check_sync(params, rollout, recipe, model_config=cfg, full=True)
+
+
+def _corruptions(rollout):
+    experts = rollout["layers"][-1]["mlp"]["experts"]
+    q = experts["down"]
+    yield "packed", "layers.2.mlp.experts.down", dataclasses.replace(
+        q, packed=q.packed.at[0, 3, 5, 1].add(jnp.uint8(16)))
+    idx = (0, 1, 2, 0)
+    other = jnp.where(q.scales[idx].astype(jnp.float32) == 0.5, 1.0, 0.5)
+    yield "scales", "layers.2.mlp.experts.down", dataclasses.replace(
+        q, scales=q.scales.at[idx].set(other.astype(jnp.float8_e4m3fn)))
+    yield "global", "layers.2.mlp.experts.down", dataclasses.replace(
+        q, global_scale=q.global_scale * 1.0001)
+
+
+@pytest.mark.parametrize("what", ["packed", "scales", "global", "cast", "structure"])
+@pytest.mark.parametrize("full", [False, True])
+def test_check_sync_catches_a_corrupted_leaf(model, what, full):
+    cfg, params = model
+    recipe = get_recipe("rollout_nvfp4")
+    rollout = sync(params, recipe, model_config=cfg)
+    bad = jax.tree.map(lambda x: x, rollout)
+    if what == "cast":
+        bad["layers"][0]["attn"]["o_proj"] = bad["layers"][0]["attn"]["o_proj"].at[0, 2, 3].add(
+            jnp.bfloat16(0.25))
+        path = "layers.0.attn.o_proj"
+    elif what == "structure":
+        del bad["layers"][1]["post_attn_norm"]
+        path = "tree structure differs"
+    else:
+        (_, path, leaf), = [c for c in _corruptions(bad) if c[0] == what]
+        bad["layers"][-1]["mlp"]["experts"]["down"] = leaf
+    with pytest.raises(SyncMismatchError, match=path.replace(".", r"\.")):
+        check_sync(params, bad, recipe, model_config=cfg, full=full)
+
+
+def test_rollout_with_synced_weights_equals_on_the_fly_quantization():
+    cfg = tiny_config(num_hidden_layers=2, mlp_only_layers=())
+    params = models.init_params(cfg, jax.random.key(3))
+    recipe = get_recipe("rollout_nvfp4")
+    rollout = sync(params, recipe, model_config=cfg)
+    tokens, mask = engine.left_pad([[4, 5, 6, 7], [8, 9]])
+    sc = engine.SamplerConfig(max_new_tokens=5, temperature=1.0, n_samples=2)
+    run = lambda p: engine.generate(p, tokens, jax.random.key(4), sc, model_config=cfg,
+                                    recipe=recipe, prompt_mask=mask)
+    a, b = run(rollout), run(params)  # b quantizes the master leaves inside the forward
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+    np.testing.assert_array_equal(np.asarray(a.logprobs), np.asarray(b.logprobs))
+
+
+def test_static_calibration_recipe_is_refused_clearly(model):
+    cfg, params = model
+    recipe = get_recipe("rollout_quads", rac_selection="static")
+    with pytest.raises(ValueError, match="rac_selection='static'"):
+        sync(params, recipe, model_config=cfg)
+    with pytest.raises(ValueError, match="expected a QuantRecipe"):
+        sync(params, "rollout_nvfp4", model_config=cfg)
