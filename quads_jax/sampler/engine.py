@@ -446,3 +446,18 @@ def finish(state: DecodeState, prompts, config: SamplerConfig, *, prompt_mask=No
     if prompt_mask is None:
         prompt_mask = jnp.ones(prompts.shape, bool)
     return _finish_jit(state, prompts, jnp.asarray(prompt_mask, bool), config=config)
+
+
+def compile_generate(rollout_params, prompts, rng, config: SamplerConfig, *, model_config,
+                     recipe=None, prompt_mask=None):
+    """Compile ``generate`` ahead of time for these shapes (to time compilation and running
+    apart). Returns ``run(rollout_params, prompts, prompt_mask, rng) -> Rollout``."""
+    prompts, prompt_mask = _check_inputs(prompts, prompt_mask, config, model_config)
+    compiled = _generate_jit.lower(rollout_params, prompts, prompt_mask, rng, config=config,
+                                   model_config=model_config, recipe=recipe).compile()
+
+    def run(rollout_params, prompts, prompt_mask, rng) -> Rollout:
+        return compiled(rollout_params, jnp.asarray(prompts, jnp.int32),
+                        jnp.asarray(prompt_mask, bool), rng)
+
+    return run

@@ -1,0 +1,155 @@
+"""``python -m quads_jax.sample``: generate a completion with the rollout engine.
+
+    python -m quads_jax.sample --hf DIR --prompt "Hello" [--precision nvfp4_rac]
+    python -m quads_jax.sample --checkpoint DIR --prompt "12+34=" --greedy
+
+``--hf DIR``: a transformers Qwen3-MoE directory (``config.json``, ``*.safetensors`` and the
+tokenizer files). ``--checkpoint DIR``: a params-only checkpoint: ``DIR/config.json`` (the HF
+model config) and ``DIR/params`` (an Orbax checkpoint of the parameter tree); its tokenizer is
+the HF one when ``DIR`` holds tokenizer files, else the built-in character tokenizer of the
+synthetic tasks. The weights are synced to ``--precision`` (and checked bit for bit), the
+prompt is generated ``--n`` times, and the completion is printed with tokens/s (compilation
+timed apart).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import jax
+
+PRECISIONS = {
+    "bf16": "bf16",
+    "fp8": "rollout_fp8",
+    "nvfp4": "rollout_nvfp4",
+    "nvfp4_rac": "rollout_quads",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m quads_jax.sample", description=__doc__.split("\n")[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--hf", metavar="DIR", help="transformers Qwen3-MoE directory")
+    src.add_argument("--checkpoint", metavar="DIR", help="params-only checkpoint directory")
+    p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("--precision", choices=sorted(PRECISIONS), default="bf16")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--greedy", action="store_true", help="argmax decoding")
+    p.add_argument("--n", type=int, default=1, help="samples of the prompt")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="compute dtype")
+    return p
+
+
+class _HFTokenizer:
+    """The CharTokenizer's interface over a transformers tokenizer."""
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.eos_id = tok.eos_token_id
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text))
+
+    def decode(self, ids) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=True)
+
+
+class _CharPromptTokenizer:
+    """The character tokenizer with BOS first, as the synthetic tasks' prompts are encoded."""
+
+    def __init__(self, tok):
+        self.tok, self.eos_id, self.pad_id = tok, tok.eos_id, tok.pad_id
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_bos=True)
+
+    def decode(self, ids) -> str:
+        return self.tok.decode(ids)
+
+
+def _has_tokenizer_files(path: str) -> bool:
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    return any(os.path.exists(os.path.join(path, n)) for n in names)
+
+
+def load_model(args) -> tuple:
+    """``(model_config, params, tokenizer)`` from ``--hf`` or ``--checkpoint``."""
+    from quads_jax import models
+    from quads_jax.tokenizers import CharTokenizer, load_hf_tokenizer
+
+    path = args.hf or args.checkpoint
+    if not os.path.isdir(path):
+        raise ValueError(f"{'--hf' if args.hf else '--checkpoint'}: {path!r} is not a directory")
+    if args.hf:
+        config, params = models.load_hf(path)
+    else:
+        import orbax.checkpoint as ocp
+
+        config = models.read_config(path)
+        params_dir = os.path.join(os.path.abspath(path), "params")
+        if not os.path.isdir(params_dir):
+            raise ValueError(f"--checkpoint: {path!r} has no 'params' Orbax checkpoint folder")
+        abstract = jax.eval_shape(lambda: models.init_params(config, jax.random.key(0)))
+        params = ocp.StandardCheckpointer().restore(params_dir, abstract)
+    config = config.replace(dtype=args.dtype)
+    if _has_tokenizer_files(path):
+        tokenizer = _HFTokenizer(load_hf_tokenizer(path))
+    else:
+        tokenizer = _CharPromptTokenizer(CharTokenizer())
+    return config, params, tokenizer
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from quads_jax.quant.recipe import get_recipe
+    from quads_jax.sampler import SamplerConfig, check_sync, sync
+    from quads_jax.sampler.engine import compile_generate, left_pad
+
+    try:
+        config, params, tokenizer = load_model(args)
+        ids = tokenizer.encode(args.prompt)
+        stops = () if tokenizer.eos_id is None else (int(tokenizer.eos_id),)
+        sc = SamplerConfig(max_new_tokens=args.max_new_tokens, n_samples=args.n,
+                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                           greedy=args.greedy, stop_token_ids=stops,
+                           pad_token_id=int(tokenizer.pad_id))
+        prompts, mask = left_pad([ids], sc.pad_token_id)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    recipe = get_recipe(PRECISIONS[args.precision])
+    t0 = time.perf_counter()
+    rollout_params = jax.block_until_ready(sync(params, recipe, model_config=config))
+    t1 = time.perf_counter()
+    check_sync(params, rollout_params, recipe, model_config=config)
+    rng = jax.random.key(args.seed)
+    run = compile_generate(rollout_params, prompts, rng, sc, model_config=config, recipe=recipe,
+                           prompt_mask=mask)
+    t2 = time.perf_counter()
+    out = jax.block_until_ready(run(rollout_params, prompts, mask, rng))
+    t3 = time.perf_counter()
+    new_tokens = int(out.response_length.sum())
+    width = out.prompt_length
+    for row in range(out.tokens.shape[0]):
+        length = int(out.response_length[row])
+        text = tokenizer.decode([int(t) for t in out.tokens[row, width:width + length]])
+        print(f"--- sample {row} ({length} tokens, finish="
+              f"{'stop' if int(out.finish_reason[row]) == 1 else 'length'})")
+        print(args.prompt + text)
+    print(f"--- {args.precision}: {new_tokens} tokens in {t3 - t2:.3f} s = "
+          f"{new_tokens / max(t3 - t2, 1e-9):.1f} tokens/s (sync {t1 - t0:.2f} s, "
+          f"compile {t2 - t1:.1f} s, device {jax.devices()[0].platform})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
