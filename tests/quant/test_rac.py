@@ -1,0 +1,104 @@
+"""RAC reference (QUADS_SPEC section 4): block selection, selection modes, residual scale and
+format options, static calibration, the adaptive energy target."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from quads_jax.quant import nvfp4, ops, rac
+from quads_jax.quant.recipe import QuantRecipe
+
+SITE = "layers.1.mlp.experts.down"
+M, K, N = 12, 128, 16
+
+
+def rec(**kw) -> QuantRecipe:
+    return QuantRecipe(rules=(("*", "w4a4_nvfp4_rac"),), backend="reference", **kw)
+
+
+@pytest.fixture(scope="module")
+def xw():
+    kx, kw, ks = jax.random.split(jax.random.key(3), 3)
+    x = jax.random.normal(kx, (M, K)) * jnp.exp(2 * jax.random.normal(ks, (K,)))
+    return x, jax.random.normal(kw, (N, K)) * 0.1
+
+
+def test_select_blocks_counts_ties_and_energy():
+    scores = jnp.asarray([[1.0, 5.0, 5.0, 0.0, 3.0, 2.0, 0.5, 4.0]])
+    m = np.asarray(rac.select_blocks(scores, 0.5))
+    np.testing.assert_array_equal(m[0], [0, 1, 1, 0, 1, 0, 0, 1])
+    m = np.asarray(rac.select_blocks(scores, 0.25))
+    np.testing.assert_array_equal(m[0], [0, 1, 1, 0, 0, 0, 0, 0])
+    m = np.asarray(rac.select_blocks(scores, 0.125))  # tie 5.0 / 5.0: lower index wins
+    np.testing.assert_array_equal(m[0], [0, 1, 0, 0, 0, 0, 0, 0])
+    # total 20.5: 5 + 5 = 10 < 0.6 * 20.5 = 12.3, +4 = 14 >= 12.3 -> three blocks
+    m = np.asarray(rac.select_blocks(scores, 1.0, energy_target=0.6))
+    np.testing.assert_array_equal(m[0], [0, 1, 1, 0, 0, 0, 0, 1])
+    m = np.asarray(rac.select_blocks(scores, 0.25, energy_target=0.6))  # ratio caps it
+    assert m.sum() == 2
+
+
+def test_online_token_equals_per_row_online_batch(xw):
+    x, w = xw
+    y = ops.linear(x, w, SITE, rec(rac_selection="online_token"))
+    rows = [ops.linear(x[i:i + 1], w, SITE, rec()) for i in range(M)]
+    np.testing.assert_allclose(y, jnp.concatenate(rows), rtol=1e-5, atol=1e-5)
+    batch = ops.linear(x, w, SITE, rec())
+    assert float(jnp.abs(batch - y).max()) > 1e-4  # the two selections differ here
+
+
+def test_static_calibration_on_same_batch_equals_online(xw):
+    x, w = xw
+    blocks = rac.calibrate_blocks(x, rec())
+    assert blocks.shape == (K // 16,) and int(blocks.sum()) == 4
+    leaf = rac.CalibratedWeight(nvfp4.quantize(w, scale_mode="expert"), rac_blocks=blocks)
+    np.testing.assert_array_equal(ops.linear(x, leaf, SITE, rec(rac_selection="static")),
+                                  ops.linear(x, w, SITE, rec()))
+    with pytest.raises(ValueError, match="static"):
+        ops.linear(x, w, SITE, rec(rac_selection="static"))
+    # grouped calibration: one block set per expert
+    row_expert = jnp.asarray([0] * 5 + [2] * 7, jnp.int32)
+    per_expert = rac.calibrate_blocks(x, rec(), row_expert=row_expert, num_experts=3)
+    assert per_expert.shape == (3, K // 16)
+    np.testing.assert_array_equal(per_expert[0], rac.calibrate_blocks(x[:5], rec()))
+
+
+def test_shared_residual_scale_and_bf16_format(xw):
+    x, w = xw
+    qx = nvfp4.quantize(x, scale_mode="row")
+    r = nvfp4.residual(x, qx)
+    mask = rac.block_mask(x, r, rec())
+    r_s = rac.masked_residual(r, mask)
+    wq = nvfp4.dequantize(nvfp4.quantize(w), jnp.float32)
+    y0 = nvfp4.dequantize(qx) @ wq.T
+    shared = nvfp4.quantize(r_s, global_scale=qx.global_scale, scale_mode="row")
+    np.testing.assert_allclose(ops.linear(x, w, SITE, rec(rac_residual_scale="shared")),
+                               y0 + nvfp4.dequantize(shared) @ wq.T, rtol=1e-5, atol=1e-5)
+    bf16 = r_s.astype(jnp.bfloat16).astype(jnp.float32) @ wq.T
+    np.testing.assert_allclose(ops.linear(x, w, SITE, rec(rac_residual_format="bf16")),
+                               y0 + bf16, rtol=1e-5, atol=1e-5)
+
+
+def test_scores_pick_the_loud_block():
+    x = jax.random.normal(jax.random.key(0), (4, 64)) * 0.01
+    x = x.at[:, 32:48].mul(1000.0)  # block 2 dominates amax and the residual
+    qx = nvfp4.quantize(x, scale_mode="tensor")
+    r = nvfp4.residual(x, qx)
+    for score in ("residual_l2", "residual_l1", "act_amax"):
+        m = rac.block_mask(x, r, rec(rac_score=score, rac_ratio=0.25))
+        np.testing.assert_array_equal(np.asarray(m)[0], [0, 0, 1, 0])
+
+
+def test_captured_energy_grows_with_ratio_and_meets_target(xw):
+    x, _ = xw
+    qx = nvfp4.quantize(x, scale_mode="row")
+    r = nvfp4.residual(x, qx)
+    energy = [float(rac.captured_energy(r, rac.block_mask(x, r, rec(rac_ratio=q))))
+              for q in (0.125, 0.5, 1.0)]
+    assert energy[0] < energy[1] < energy[2] == 1.0
+    m = rac.block_mask(x, r, rec(rac_ratio=1.0, rac_energy_target=0.8))
+    assert float(rac.captured_energy(r, m)) >= 0.8
+    assert int(m[0].sum()) < K // 16
