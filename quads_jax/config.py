@@ -147,6 +147,8 @@ def to_dict(config: Any) -> Any:
         return [to_dict(v) for v in config]
     if isinstance(config, Mapping):
         return {k: to_dict(v) for k, v in config.items()}
+    if type(config).__module__.startswith("numpy"):  # dtypes and numpy scalars
+        return getattr(config, "name", None) or config.item()
     return config
 
 
@@ -188,14 +190,37 @@ def _deep_copy(data: Any) -> Any:
     return data
 
 
-def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a YAML mapping; an empty file is an empty mapping."""
+def merge(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    """Deep merge: mappings merge key by key, anything else in ``top`` replaces ``base``."""
+    out = _deep_copy(base)
+    for k, v in top.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = merge(out[k], v)
+        else:
+            out[k] = _deep_copy(v)
+    return out
+
+
+def read_yaml(path: str | os.PathLike, _seen: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Read a YAML mapping; an empty file is an empty mapping.
+
+    A top-level ``base: other.yaml`` (relative to this file) is read first and this file's
+    keys are merged over it, so that per-arm configs hold only what differs.
+    """
+    path = os.path.abspath(os.fspath(path))
+    if path in _seen:
+        raise ValueError(f"config file {path!r}: 'base' includes form a cycle {list(_seen)}")
     with open(path) as f:
         data = yaml.safe_load(f)
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ValueError(f"config file {os.fspath(path)!r} must hold a mapping, got {type(data)}")
+        raise ValueError(f"config file {path!r} must hold a mapping, got {type(data).__name__}")
+    base = data.pop("base", None)
+    if base is not None:
+        if not isinstance(base, str):
+            raise ValueError(f"config file {path!r}: base={base!r} must be a file name")
+        data = merge(read_yaml(os.path.join(os.path.dirname(path), base), (*_seen, path)), data)
     return data
 
 

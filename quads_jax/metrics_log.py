@@ -16,14 +16,14 @@ from typing import Any
 
 import numpy as np
 
-CONSOLE_KEYS = (
-    "reward/mean",
-    "eval/pass@1",
-    "mismatch/max_abs_logp_gap",
-    "mismatch/k3_kl",
-    "sft/loss",
-    "loss/total",
-)
+# metric -> short label of the console line
+CONSOLE_KEYS = {
+    "sft/loss": "loss",
+    "reward/mean": "reward",
+    "eval/pass@1": "pass@1",
+    "mismatch/max_abs_logp_gap": "max_gap",
+    "mismatch/k3_kl": "k3",
+}
 
 
 def _plain(value: Any) -> float | int | str | None:
@@ -104,14 +104,14 @@ class MetricsLogger:
             per = (time.perf_counter() - self._start) / max(done, 1)
             eta = f"{max(total - step, 0) * per:5.0f}s"
         total = self._phase_total.get(phase, self.total_steps)
-        width = 20
+        width = 12
         filled = int(width * min(step / max(total, 1), 1.0))
         bar = "#" * filled + "." * (width - filled)
-        shown = "  ".join(
-            f"{k.split('/')[-1]}={row[k]:.4g}" for k in CONSOLE_KEYS
+        shown = " ".join(
+            f"{label}={row[k]:.3g}" for k, label in CONSOLE_KEYS.items()
             if isinstance(row.get(k), float)
         )
-        line = f"[{phase:>4}] [{bar}] {step:>5}/{total:<5} eta {eta}  {shown}"
+        line = f"{phase:>4} [{bar}] {step:>4}/{total:<4} eta {eta} {shown}"
         if self._rich is not None:
             self._rich.print(line, markup=False)
         else:

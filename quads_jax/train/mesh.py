@@ -161,7 +161,11 @@ def param_logical_axes(path: str, shape: Sequence[int], model_config: Any) -> tu
     }
     names: list[str | None] = []
     expert_done = "experts" not in path.lower()
+    stacked = path.startswith("layers")  # the model stacks each layer group on dim 0
     for dim in shape:
+        if stacked and not names:
+            names.append("layers")
+            continue
         if not expert_done and dim == c.num_experts:
             names.append("experts")
             expert_done = True

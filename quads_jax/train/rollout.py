@@ -1,0 +1,113 @@
+"""Rollout + scoring (the RL step's first half) and the pass@1 evaluation.
+
+Both run the *rollout* engine (``quads_jax.sampler.generate`` on the synced rollout params with
+the rollout recipe): what is evaluated is the policy as it is deployed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from quads_jax.rl.rewards import RewardConfig, compute_rewards
+from quads_jax.rl.tasks import Example
+from quads_jax.sampler import FINISH_LENGTH, Rollout, SamplerConfig, generate, left_pad
+
+
+def encode_prompts(tokenizer: Any, examples: Sequence[Example]) -> tuple[np.ndarray, np.ndarray]:
+    """BOS + prompt ids, left-padded: ``(tokens int32 [B, P], mask bool [B, P])``."""
+    rows = [tokenizer.encode(ex.prompt, add_bos=True) for ex in examples]
+    return left_pad(rows, tokenizer.pad_id)
+
+
+def decode_responses(tokenizer: Any, rollout: Rollout) -> list[str]:
+    """The response text of every row (special tokens such as EOS dropped)."""
+    tokens = np.asarray(rollout.tokens)[:, rollout.prompt_length:]
+    mask = np.asarray(rollout.response_mask)[:, rollout.prompt_length:]
+    return [tokenizer.decode(t[m]) for t, m in zip(tokens, mask, strict=True)]
+
+
+@dataclasses.dataclass
+class ScoredRollout:
+    """A rollout with its decoded responses and rewards.
+
+    Attributes:
+      rollout: the sampler's output, ``R = len(examples) * n_samples`` rows.
+      examples: the example of every row (repeated n_samples times).
+      responses: decoded response text per row.
+      rewards: f32 ``[R]``; correct: bool ``[R]``; truncated: bool ``[R]``.
+      seconds: wall time of ``generate`` (blocked until ready).
+      new_tokens: response tokens generated.
+    """
+
+    rollout: Rollout
+    examples: list[Example]
+    responses: list[str]
+    rewards: np.ndarray
+    correct: np.ndarray
+    truncated: np.ndarray
+    seconds: float
+    new_tokens: int
+
+
+def rollout_and_score(
+    rollout_params: Any,
+    examples: Sequence[Example],
+    rng: jax.Array,
+    *,
+    tokenizer: Any,
+    model_config: Any,
+    recipe: Any,
+    sampler_config: SamplerConfig,
+    reward_config: RewardConfig,
+    task_name: str,
+) -> ScoredRollout:
+    """Sample ``sampler_config.n_samples`` responses per example and score them."""
+    prompts, prompt_mask = encode_prompts(tokenizer, examples)
+    start = time.perf_counter()
+    rollout = generate(rollout_params, prompts, rng, sampler_config, model_config=model_config,
+                       recipe=recipe, prompt_mask=prompt_mask)
+    rollout = jax.block_until_ready(rollout)
+    seconds = time.perf_counter() - start
+    rows = [ex for ex in examples for _ in range(sampler_config.n_samples)]
+    responses = decode_responses(tokenizer, rollout)
+    rewards, correct = compute_rewards(responses, rows, reward_config, task_name=task_name)
+    return ScoredRollout(
+        rollout=rollout,
+        examples=rows,
+        responses=responses,
+        rewards=rewards,
+        correct=correct,
+        truncated=np.asarray(rollout.finish_reason) == FINISH_LENGTH,
+        seconds=seconds,
+        new_tokens=int(np.asarray(rollout.response_length).sum()),
+    )
+
+
+def evaluate_pass_at_1(
+    rollout_params: Any,
+    examples: Sequence[Example],
+    rng: jax.Array,
+    *,
+    k: int,
+    temperature: float,
+    base: SamplerConfig,
+    **kwargs: Any,
+) -> dict[str, float]:
+    """pass@1 averaged over ``k`` samples per held-out prompt, plus reward and greedy pass.
+
+    Returns ``eval/pass@1`` (mean correctness of all ``len(examples) * k`` samples),
+    ``eval/reward`` and ``eval/response_len``.
+    """
+    cfg = dataclasses.replace(base, n_samples=k, temperature=temperature, greedy=False)
+    scored = rollout_and_score(rollout_params, examples, rng, sampler_config=cfg, **kwargs)
+    return {
+        "eval/pass@1": float(scored.correct.mean()),
+        "eval/reward": float(scored.rewards.mean()),
+        "eval/response_len": float(np.asarray(scored.rollout.response_length).mean()),
+    }
