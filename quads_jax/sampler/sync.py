@@ -12,6 +12,11 @@ site, in one jitted program:
   (``w.astype(x.dtype)``), so the cast is exact and decode reads half the bytes of an f32
   master. The router is the exception: it runs in float32 (as in HF) and keeps its dtype.
 
+Kernel layout: where a Pallas kernel serves an NVFP4 mode (on a GPU, ``recipe.backend`` not
+"reference"), the packed leaf is converted once more, here, to the kernels' own layout
+(``quads_jax.quant.kernel_backend.prepare_weights``: split-nibble codes, transposed scales),
+so the jitted forward never converts a weight; ``kernel_layout=False`` keeps ``NVFP4Tensor``.
+
 Layer groups whose layers get different modes (keep-first/last-n BF16) are split first
 (``models.split_layer_groups``), so every stacked leaf has one type.
 
@@ -46,7 +51,8 @@ class SyncMismatchError(ValueError):
 
 
 def _is_packed(x) -> bool:
-    return isinstance(x, nvfp4.NVFP4Tensor | fp8.FP8Tensor | CalibratedWeight)
+    packed = isinstance(x, nvfp4.NVFP4Tensor | fp8.FP8Tensor | CalibratedWeight)
+    return packed or type(x).__name__ == "W4A4Weights"  # the kernels' layout
 
 
 def _path_name(path) -> str:
@@ -74,17 +80,44 @@ def leaf_actions(params: dict, recipe: QuantRecipe, *, model_config) -> dict:
     return jax.tree.map(action, sites, is_leaf=lambda x: isinstance(x, str | tuple))
 
 
-def _convert(leaf, action: str, recipe: QuantRecipe, dtype):
+def _kernel_backend():
+    from quads_jax.quant import kernel_backend  # registers the Pallas kernels; GPU code
+
+    return kernel_backend
+
+
+def _uses_kernel_layout(action: str, recipe: QuantRecipe, kernel_layout: bool | None) -> bool:
+    if action not in NVFP4_WEIGHT_MODES:
+        return False
+    if kernel_layout is None:
+        kernel_layout = recipe.backend != "reference" and jax.default_backend() == "gpu"
+    if not kernel_layout:
+        return False
+    _kernel_backend()
+    return (action, "grouped") in ops.registered_kernels()
+
+
+def _per_layer(fn, stacked: bool):
+    """``fn`` over one matrix (or stack of experts); vmapped over the layer axis when stacked."""
+    return jax.vmap(fn) if stacked else fn
+
+
+def _convert(leaf, action: str, recipe: QuantRecipe, dtype, layout: bool, stacked: bool):
     if action == KEEP:
         return leaf
     if action == CAST:
         return leaf.astype(dtype)
-    return ops.quantize_weight(leaf, action, recipe)
+    q = ops.quantize_weight(leaf, action, recipe)
+    if layout:
+        prepare = _kernel_backend().prepare_weights
+        q = _per_layer(lambda w: prepare(w, action, recipe), stacked)(q)
+    return q
 
 
-@functools.partial(jax.jit, static_argnames=("actions", "recipe", "dtype"))
-def _convert_all(leaves, *, actions, recipe, dtype):
-    return [_convert(x, a, recipe, dtype) for x, a in zip(leaves, actions, strict=True)]
+@functools.partial(jax.jit, static_argnames=("plan", "recipe", "dtype"))
+def _convert_all(leaves, *, plan, recipe, dtype):
+    return [_convert(x, a, recipe, dtype, layout, stacked)
+            for x, (a, layout, stacked) in zip(leaves, plan, strict=True)]
 
 
 def _flat_actions(params, recipe, model_config):
@@ -92,13 +125,26 @@ def _flat_actions(params, recipe, model_config):
     return jax.tree.leaves(actions)
 
 
-def sync(params: dict, recipe: QuantRecipe, *, model_config) -> dict:
+def _plan(params, recipe, model_config, kernel_layout):
+    """Per leaf (in flatten order): (action, kernel layout?, stacked on a layer axis?)."""
+    stacked = jax.tree.leaves(models.param_sites(model_config, params),
+                              is_leaf=lambda x: isinstance(x, str | tuple))
+    return tuple(
+        (a, _uses_kernel_layout(a, recipe, kernel_layout), isinstance(site, tuple))
+        for a, site in zip(_flat_actions(params, recipe, model_config), stacked, strict=True)
+    )
+
+
+def sync(params: dict, recipe: QuantRecipe, *, model_config,
+         kernel_layout: bool | None = None) -> dict:
     """The rollout tree for ``recipe`` from master ``params`` (see the module docstring).
 
     Args:
       params: the master tree of ``init_params`` / ``load_hf`` (any float dtype).
       recipe: the rollout ``QuantRecipe``.
       model_config: the ``ModelConfig``.
+      kernel_layout: store NVFP4 leaves in the Pallas kernels' layout; None: where a kernel
+        will run them (GPU, backend not "reference").
 
     Returns:
       a tree of the same structure (layer groups split where the recipe's modes change) whose
@@ -115,9 +161,8 @@ def sync(params: dict, recipe: QuantRecipe, *, model_config) -> dict:
         )
     params = models.split_layer_groups(model_config, params, recipe)
     leaves, treedef = jax.tree.flatten(params)
-    actions = tuple(_flat_actions(params, recipe, model_config))
-    out = _convert_all(leaves, actions=actions, recipe=recipe,
-                       dtype=jnp.dtype(model_config.dtype))
+    plan = _plan(params, recipe, model_config, kernel_layout)
+    out = _convert_all(leaves, plan=plan, recipe=recipe, dtype=jnp.dtype(model_config.dtype))
     return jax.tree.unflatten(treedef, out)
 
 
@@ -132,9 +177,24 @@ def _trainer_view(master, action: str, recipe: QuantRecipe, dtype) -> jax.Array:
     return ops._fake_quant_weight(master, action, "sync", recipe)
 
 
+def _kernel_layout_values(w, like: jax.Array) -> jax.Array:
+    """f32 values of a kernel-layout weight, ``(e2m1 * s_b) * g`` as ``nvfp4.dequantize``."""
+    from pallas_kernels.layout import dequantize_w4a4_weights
+
+    def one(w):
+        vals = dequantize_w4a4_weights(w) * w.global_scale[:, None, None]
+        return vals if w.stacked else vals[0]
+
+    for _ in range(w.codes.ndim - 3):  # leading layer axes
+        one = jax.vmap(one)
+    return one(w).astype(like.dtype)
+
+
 def _rollout_view(leaf, like: jax.Array) -> jax.Array:
     if isinstance(leaf, CalibratedWeight):
         leaf = leaf.weight
+    if type(leaf).__name__ == "W4A4Weights":
+        return _kernel_layout_values(leaf, like)
     if isinstance(leaf, nvfp4.NVFP4Tensor):
         return nvfp4.dequantize(leaf, like.dtype)
     if isinstance(leaf, fp8.FP8Tensor):

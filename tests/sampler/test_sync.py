@@ -124,3 +124,17 @@ def test_static_calibration_recipe_is_refused_clearly(model):
         sync(params, recipe, model_config=cfg)
     with pytest.raises(ValueError, match="expected a QuantRecipe"):
         sync(params, "rollout_nvfp4", model_config=cfg)
+
+
+@pytest.mark.parametrize("name", ["rollout_nvfp4", "rollout_w4a16"])
+def test_kernel_layout_leaves_pass_the_check_and_corruption_is_caught(model, name):
+    cfg, params = model
+    recipe = get_recipe(name)
+    rollout = sync(params, recipe, model_config=cfg, kernel_layout=True)
+    leaf = rollout["layers"][-1]["mlp"]["experts"]["down"]
+    assert type(leaf).__name__ == "W4A4Weights" and leaf.codes.shape[:2] == (2, cfg.num_experts)
+    check_sync(params, rollout, recipe, model_config=cfg, full=True)
+    rollout["layers"][-1]["mlp"]["experts"]["down"] = dataclasses.replace(
+        leaf, codes=leaf.codes.at[1, 2, 3, 0].add(jnp.uint16(1)))
+    with pytest.raises(SyncMismatchError, match=r"layers\.2\.mlp\.experts\.down"):
+        check_sync(params, rollout, recipe, model_config=cfg)
