@@ -61,4 +61,5 @@ def jit_forward():
 
     from quads_jax.models.transformer import forward
 
-    return jax.jit(forward, static_argnums=0, static_argnames=("recipe", "return_router"))
+    static = ("recipe", "return_router", "remat", "unroll_layers")
+    return jax.jit(forward, static_argnums=0, static_argnames=static)

@@ -5,6 +5,7 @@ from quads_jax.models.hf import load_hf, read_config, save_hf
 from quads_jax.models.kv_cache import KVCache
 from quads_jax.models.transformer import (
     ForwardOutput,
+    collect_site_inputs,
     forward,
     init_params,
     layer_matmul_sites,
@@ -14,6 +15,7 @@ from quads_jax.models.transformer import (
 
 __all__ = [
     "ForwardOutput",
+    "collect_site_inputs",
     "KVCache",
     "ModelConfig",
     "forward",

@@ -253,27 +253,44 @@ def _attention(config, p, x, rope, allowed, kv, layer, site, recipe):
     return ops.linear(out, p["o_proj"], f"{site}.o_proj", recipe), kv
 
 
-def _run_segment(config, kind, start, stop, group, h, rope, allowed, kv, token_mask, recipe):
-    """One scan over layers ``[start, stop)``; returns (h, kv, per-layer router outputs)."""
-    b, t, hidden = h.shape
+def _layer_body(config, kind, site_layer, rope, allowed, token_mask, recipe):
+    """The scan body of one layer; ``site_layer`` names its matmul sites (static)."""
 
     def body(carry, xs):
         h, kv = carry
         p, layer = xs
+        b, t, hidden = h.shape
         x = L.rms_norm(h, p["input_norm"], config.rms_norm_eps)
         attn_out, kv = _attention(config, p["attn"], x, rope, allowed, kv, layer,
-                                  f"layers.{start}.attn", recipe)
+                                  f"layers.{site_layer}.attn", recipe)
         h = h + attn_out
         x = L.rms_norm(h, p["post_attn_norm"], config.rms_norm_eps).reshape(b * t, hidden)
         if kind == "moe":
-            y, routing = moe_block(config, p["mlp"], x, f"layers.{start}.mlp", recipe)
+            y, routing = moe_block(config, p["mlp"], x, f"layers.{site_layer}.mlp", recipe)
             ys = (routing.expert_ids.reshape(b, t, -1), router_stats(routing, token_mask))
         else:
-            y, ys = dense_mlp(p["mlp"], x, f"layers.{start}.mlp", recipe), None
+            y, ys = dense_mlp(p["mlp"], x, f"layers.{site_layer}.mlp", recipe), None
         return (h + y.reshape(b, t, hidden), kv), ys
 
-    layer_ids = jnp.arange(start, stop, dtype=jnp.int32)
-    (h, kv), ys = jax.lax.scan(body, (h, kv), (group, layer_ids))
+    return body
+
+
+def _run_segment(config, kind, start, stop, group, h, kv, ctx, unroll, remat):
+    """Layers ``[start, stop)``: one ``lax.scan`` (or, with ``unroll``, a Python loop whose
+    layers carry their own site names); returns (h, kv, stacked per-layer router outputs)."""
+    wrap = jax.checkpoint if remat else (lambda f: f)
+    if not unroll:
+        body = wrap(_layer_body(config, kind, start, *ctx))
+        layer_ids = jnp.arange(start, stop, dtype=jnp.int32)
+        (h, kv), ys = jax.lax.scan(body, (h, kv), (group, layer_ids))
+        return h, kv, ys
+    outs = []
+    for j in range(stop - start):
+        body = wrap(_layer_body(config, kind, start + j, *ctx))
+        layer_params = jax.tree.map(lambda x, j=j: x[j], group)
+        (h, kv), ys = body((h, kv), (layer_params, jnp.int32(start + j)))
+        outs.append(ys)
+    ys = None if kind != "moe" else jax.tree.map(lambda *a: jnp.stack(a), *outs)
     return h, kv, ys
 
 
@@ -287,6 +304,8 @@ def forward(
     recipe: QuantRecipe | None = None,
     cache: KVCache | None = None,
     return_router: bool = False,
+    remat: bool = False,
+    unroll_layers: bool = False,
 ) -> ForwardOutput:
     """Logits of ``tokens`` (see ``ForwardOutput``).
 
@@ -300,6 +319,9 @@ def forward(
         every earlier real slot; the returned cache has ``length + T``. Callers must keep
         ``length + T <= max_len`` (checked when ``length`` is concrete).
       return_router: also return the routed expert ids of every MoE layer.
+      remat: rematerialise each layer in the backward pass (``jax.checkpoint``), for training.
+      unroll_layers: a Python loop over layers instead of ``lax.scan`` (each layer's matmuls
+        then carry their own site names, e.g. for ``collect_site_inputs``); same numbers.
     """
     recipe = recipe or _BF16
     _check_inputs(config, tokens, attention_mask, positions, cache)
@@ -327,8 +349,9 @@ def forward(
     token_mask = mask.reshape(-1)
     expert_ids, stats = [], []
     for kind, start, stop, group in segments:
-        h, kv, ys = _run_segment(config, kind, start, stop, group, h, rope, allowed, kv,
-                                 token_mask, recipe)
+        ctx = (rope, allowed, token_mask, recipe)
+        h, kv, ys = _run_segment(config, kind, start, stop, group, h, kv, ctx, unroll_layers,
+                                 remat)
         if ys is not None:
             expert_ids.append(ys[0])
             stats.append(ys[1])
@@ -357,3 +380,25 @@ def _aux_loss(config: ModelConfig, stats: list[RouterStats]) -> jax.Array:
     balance = config.num_experts * jnp.sum((counts / rows) * (probs / rows))
     z = sum(jnp.sum(s.z_sum) for s in stats) / rows
     return balance + config.router_z_loss_coef * z
+
+
+def collect_site_inputs(
+    config: ModelConfig,
+    params: dict,
+    tokens: jax.Array,
+    *,
+    attention_mask: jax.Array | None = None,
+    positions: jax.Array | None = None,
+    recipe: QuantRecipe | None = None,
+) -> tuple[ForwardOutput, dict[str, tuple[jax.Array, jax.Array | None]]]:
+    """Run ``forward`` (layers unrolled) and return the input of every matmul site.
+
+    Returns ``(output, {site: (x, group_sizes)})`` with ``x [M, K]`` as the site's matmul saw
+    it (expert sites: rows sorted by expert, ``group_sizes`` int32 ``[E]``; else None). For
+    static RAC / activation-scale calibration and the layer-wise error analysis. Jittable
+    (config and recipe static); padding tokens are included (select rows with the mask).
+    """
+    with ops.record_inputs() as records:
+        out = forward(config, params, tokens, attention_mask=attention_mask,
+                      positions=positions, recipe=recipe, unroll_layers=True)
+    return out, {site: (x, gs) for site, x, gs in records}

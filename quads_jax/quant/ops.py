@@ -25,6 +25,7 @@ lazily the first time a kernel could run.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from collections.abc import Callable
 
@@ -39,6 +40,7 @@ KERNEL_KINDS = ("dense", "grouped")
 _KERNELS: dict[tuple[str, str], Callable] = {}
 _KERNEL_MODULE = "quads_jax.quant.kernel_backend"
 _kernel_module_loaded = False
+_recorders: list[list] = []  # active ``record_inputs`` contexts
 _BF16_RECIPE = QuantRecipe(name="bf16")
 
 
@@ -75,6 +77,24 @@ def _kernel_for(mode: str, kind: str, recipe: QuantRecipe) -> Callable | None:
         return None
     _load_kernel_module()
     return _KERNELS.get((mode, kind))
+
+
+@contextlib.contextmanager
+def record_inputs():
+    """While active, every ``linear`` / ``grouped_linear`` call appends ``(site, x [M, K],
+    group_sizes or None)`` to the yielded list (values, or tracers when called under a trace:
+    return them from the traced function)."""
+    records: list = []
+    _recorders.append(records)
+    try:
+        yield records
+    finally:
+        _recorders.remove(records)
+
+
+def _record(site: str, x: jax.Array, group_sizes: jax.Array | None) -> None:
+    for records in _recorders:
+        records.append((site, x, group_sizes))
 
 
 # ------------------------------------------------------------------------------ weights
@@ -278,6 +298,7 @@ def linear(
     _check(x, w, site, grouped=False)
     mode = recipe.mode_for(site)
     x2 = x.reshape(-1, x.shape[-1])
+    _record(site, x2, None)
     kernel = _kernel_for(mode, "dense", recipe)
     if kernel is not None:
         y = kernel(x2, w, recipe=recipe, site=site, interpret=recipe.backend == "interpret")
@@ -312,6 +333,7 @@ def grouped_linear(
         )
     mode = recipe.mode_for(site)
     group_sizes = group_sizes.astype(jnp.int32)
+    _record(site, x_sorted, group_sizes)
     kernel = _kernel_for(mode, "grouped", recipe)
     if kernel is not None:
         y = kernel(

@@ -198,3 +198,53 @@ def test_bad_inputs(params):
         forward(CFG32.replace(mlp_only_layers=(2,)), params, tok)
     with pytest.raises(ValueError, match="num_hidden_layers"):
         forward(CFG32.replace(num_hidden_layers=5, mlp_only_layers=(1,)), params, tok)
+
+
+def test_unrolled_and_remat_match_scan(params):
+    _, tok, mask = _batch()
+    args = (CFG32, params, jnp.asarray(tok))
+    a = FWD(*args, attention_mask=jnp.asarray(mask), return_router=True)
+    b = FWD(*args, attention_mask=jnp.asarray(mask), return_router=True, unroll_layers=True)
+    np.testing.assert_allclose(np.asarray(a.logits), np.asarray(b.logits), atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(a.expert_ids), np.asarray(b.expert_ids))
+    one = CFG32.replace(num_hidden_layers=1, mlp_only_layers=())  # small compile
+    p1 = init_params(one, jax.random.key(1))
+    loss = lambda p, remat: jnp.mean(FWD(one, p, jnp.asarray(tok), remat=remat).logits ** 2)
+    grad = jax.jit(jax.grad(loss), static_argnums=1)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-6, rtol=1e-5),
+                 grad(p1, False), grad(p1, True))
+
+
+def test_collect_site_inputs_and_static_rac_calibration(params):
+    from quads_jax.models import collect_site_inputs
+    from quads_jax.models.transformer import layer_matmul_sites
+    from quads_jax.quant import ops, rac
+
+    _, tok, mask = _batch()
+    online = get_recipe("rollout_quads", backend="reference")
+    run = jax.jit(collect_site_inputs, static_argnums=0, static_argnames="recipe")
+    out, inputs = run(CFG32, params, jnp.asarray(tok), attention_mask=jnp.asarray(mask),
+                      recipe=online)
+    want = {s for i in range(4) for s in layer_matmul_sites(CFG32, i)} | {"lm_head"}
+    assert set(inputs) == want
+    x, gs = inputs["layers.3.mlp.experts.down"]
+    assert x.shape == (tok.size * 2, 32) and int(gs.sum()) == tok.size * 2
+    assert inputs["layers.1.mlp.gate_up"][1] is None
+    # Static calibration on this very batch must reproduce online_batch selection exactly.
+    static = online.replace(rac_selection="static")
+    calibrated = split_layer_groups(CFG32, params, static)
+    for g, (_, start, stop) in zip(calibrated["layers"], CFG32.layer_groups, strict=True):
+        if "experts" not in g["mlp"]:
+            continue
+        for name in ("gate_up", "down"):
+            blocks = []
+            for i in range(start, stop):
+                x, gs = inputs[f"layers.{i}.mlp.experts.{name}"]
+                row_expert = ops.expert_of_rows(gs, x.shape[0])
+                blocks.append(rac.calibrate_blocks(x, online, row_expert=row_expert,
+                                                   num_experts=8))
+            g["mlp"]["experts"][name] = rac.CalibratedWeight(
+                g["mlp"]["experts"][name], rac_blocks=jnp.stack(blocks))
+    got = FWD(CFG32, calibrated, jnp.asarray(tok), attention_mask=jnp.asarray(mask),
+              recipe=static)
+    np.testing.assert_allclose(np.asarray(got.logits), np.asarray(out.logits), atol=1e-5)
