@@ -123,6 +123,8 @@ class Trainer:
         os.makedirs(c.run_dir, exist_ok=True)
         with open(os.path.join(c.run_dir, "config.json"), "w") as f:
             json.dump(cfglib.to_dict(c), f, indent=1, default=str)
+        with open(os.path.join(c.run_dir, "model_config.json"), "w") as f:
+            json.dump(cfglib.to_dict(self.model_config), f, indent=1)
         self.logger = MetricsLogger(c.run_dir, total_steps=c.rl.steps, console=c.console,
                                     tensorboard=c.tensorboard)
         self.ckpt = Checkpointer(os.path.join(c.run_dir, "checkpoints"), c.checkpoint)
