@@ -7,10 +7,12 @@ Kernel layout of a weight ``[..., N, K]`` (``...`` = nothing for dense, ``E`` fo
   nibble extraction over 16 consecutive words then yields one whole 16-element scale block, and
   the 16-bit container keeps Mosaic GPU away from 8-bit shifts (which it rejects).
 * ``scales`` ``[E, Kp // 16, Np]`` in the MMA dtype, scale axis before N so that one SMEM row is
-  the scales of 128 consecutive weight rows. float16 holds the E4M3 value ``s`` itself (the kernel
-  decodes codes to ``e2m1 * 2^-14`` and multiplies, giving ``e2m1 * s * 2^-14`` exactly, see
-  ``MMA_CODE_FACTOR``); bfloat16 holds ``s * 2^14`` (the kernel converts the f16 code to bf16
-  first), which is exact too.
+  the scales of 128 consecutive weight rows. The stored value is ``s * stored_scale_factor``.
+* ``decode`` (static): how the kernel turns a 4-bit code into an f16 value.
+  "normal" builds the exact f16 of ``e2m1(c)`` with integer ops (a select for the E2M1
+  subnormal 0.5), so no f16 subnormal ever occurs. "subnormal" places the code bits straight into
+  an f16 (``e2m1 * 2^-14``; code 1 lands on an f16 subnormal): two fewer integer ops, but exact
+  only where the GPU keeps f16 subnormals (the H200 check failed with it: flushed to zero).
 * ``global_scale`` float32 ``[E]``: the NVFP4 decode scale ``g`` of each matrix.
 
 ``Np`` and ``Kp`` are N and K padded with zero codes and zero scales to the kernel tiles
@@ -30,14 +32,19 @@ from quads_jax.quant import nvfp4
 K_TILE = 256  # K columns per pipeline step: 64 uint16 words = one 128-byte swizzle row.
 N_TILE = 128  # weight rows per CTA tile: two compute warpgroups x 64 wgmma rows.
 MMA_DTYPES = ("float16", "bfloat16")
-# The f16 bit pattern ((c & 8) << 12) | ((c & 7) << 9) is e2m1(c) * 2^-14 (code 1 = 0.5 lands on
-# an f16 subnormal): the kernel's A operand is that times the stored scale.
+DECODES = ("normal", "subnormal")
+# "subnormal" decode: the f16 bit pattern ((c & 8) << 12) | ((c & 7) << 9) is e2m1(c) * 2^-14.
 CODE_EXPONENT = -14
 
 
-def code_factor(mma_dtype: str) -> float:
+def stored_scale_factor(mma_dtype: str, decode: str) -> float:
+    """Factor folded into the stored block scales (bf16 "subnormal": undo the code's 2^-14)."""
+    return float(2.0**-CODE_EXPONENT) if (decode, mma_dtype) == ("subnormal", "bfloat16") else 1.0
+
+
+def code_factor(mma_dtype: str, decode: str) -> float:
     """What the kernel's MMA result must be multiplied by to give ``sum(e2m1*s_w * x_hat)``."""
-    return float(2.0 ** -CODE_EXPONENT) if mma_dtype == "float16" else 1.0
+    return float(2.0**-CODE_EXPONENT) if (decode, mma_dtype) == ("subnormal", "float16") else 1.0
 
 
 @jax.tree_util.register_dataclass
@@ -50,6 +57,7 @@ class W4A4Weights:
       scales: ``[E, Kp // 16, Np]`` float16 (``s``) or bfloat16 (``s * 2^14``).
       global_scale: float32 ``[E]``.
       n: logical N (static); k: logical K (static); stacked: False for a dense ``[N, K]`` weight.
+      decode: "normal" | "subnormal" (static; module docstring).
     """
 
     codes: jax.Array
@@ -58,6 +66,7 @@ class W4A4Weights:
     n: int = dataclasses.field(metadata={"static": True})
     k: int = dataclasses.field(metadata={"static": True})
     stacked: bool = dataclasses.field(metadata={"static": True})
+    decode: str = dataclasses.field(default="normal", metadata={"static": True})
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -67,6 +76,10 @@ class W4A4Weights:
     @property
     def mma_dtype(self) -> str:
         return jnp.dtype(self.scales.dtype).name
+
+    @property
+    def code_factor(self) -> float:
+        return code_factor(self.mma_dtype, self.decode)
 
     @property
     def num_experts(self) -> int:
@@ -104,7 +117,9 @@ def split_nibble_unpack(words: jax.Array) -> jax.Array:
     return c.astype(jnp.uint8).reshape(words.shape[:-1] + (kw * 4,))
 
 
-def prepare_w4a4_weights(w_q: nvfp4.NVFP4Tensor, *, mma_dtype: str = "float16") -> W4A4Weights:
+def prepare_w4a4_weights(
+    w_q: nvfp4.NVFP4Tensor, *, mma_dtype: str = "float16", decode: str = "normal"
+) -> W4A4Weights:
     """Convert an ``NVFP4Tensor`` weight ``[N, K]`` or ``[E, N, K]`` to the kernel layout.
 
     The global scale must be per tensor (dense) or per matrix ("expert" mode, or one scalar for
@@ -112,6 +127,8 @@ def prepare_w4a4_weights(w_q: nvfp4.NVFP4Tensor, *, mma_dtype: str = "float16") 
     over the weight.
     """
     _check_mma_dtype(mma_dtype)
+    if decode not in DECODES:
+        raise ValueError(f"decode={decode!r} is not one of {DECODES}")
     if not isinstance(w_q, nvfp4.NVFP4Tensor):
         raise ValueError(f"w_q: expected an NVFP4Tensor, got {type(w_q).__name__}")
     if w_q.ndim not in (2, 3):
@@ -134,8 +151,7 @@ def prepare_w4a4_weights(w_q: nvfp4.NVFP4Tensor, *, mma_dtype: str = "float16") 
     codes = nvfp4.unpack_codes(packed)
     codes = jnp.pad(codes, ((0, 0), (0, n_pad - n), (0, k_pad - k)))
     s = scales.astype(jnp.float32)
-    if mma_dtype == "bfloat16":
-        s = s * np.float32(2.0 ** -CODE_EXPONENT)
+    s = s * np.float32(stored_scale_factor(mma_dtype, decode))
     s = jnp.pad(s, ((0, 0), (0, n_pad - n), (0, (k_pad - k) // nvfp4.BLOCK_SIZE)))
     return W4A4Weights(
         codes=split_nibble_pack(codes),
@@ -144,6 +160,7 @@ def prepare_w4a4_weights(w_q: nvfp4.NVFP4Tensor, *, mma_dtype: str = "float16") 
         n=n,
         k=k,
         stacked=stacked,
+        decode=decode,
     )
 
 
@@ -153,7 +170,6 @@ def dequantize_w4a4_weights(w: W4A4Weights) -> jax.Array:
     vals = nvfp4.e2m1_code_to_float(codes)
     e, n_pad, k_pad = vals.shape
     s = jnp.swapaxes(w.scales.astype(jnp.float32), 1, 2)
-    if w.mma_dtype == "bfloat16":
-        s = s * np.float32(2.0**CODE_EXPONENT)
+    s = s / np.float32(stored_scale_factor(w.mma_dtype, w.decode))
     vals = vals.reshape(e, n_pad, k_pad // 16, 16) * s[..., None]
     return vals.reshape(e, n_pad, k_pad)[:, : w.n, : w.k]

@@ -4,7 +4,7 @@ Computes, for every token tile ``t < num_tiles`` (``num_tiles`` read at run time
 
     out[t, s, a, n, m] = sum_{k in split s} W_e[n, k] * B_a[t, m, k],   e = tile_expert[t]
 
-with ``W_e = e2m1 * s_w`` (times ``2^-14`` in the float16 path, see ``layout.code_factor``)
+with ``W_e = e2m1 * s_w`` (times ``1 / w.code_factor``, see ``layout.code_factor``)
 decoded in registers from the split-nibble layout, ``B_0`` the quantized activations
 (``e2m1 * s_x`` in the MMA dtype, exact) and, with RAC, ``B_1`` the quantized residual: both
 multiply the same decoded weight registers, so the weight is read and decoded once.
@@ -28,12 +28,13 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.layout import CODE_EXPONENT, K_TILE, N_TILE, W4A4Weights
+from pallas_kernels.layout import K_TILE, N_TILE, W4A4Weights
 
 WG_ROWS = 64  # wgmma M per warpgroup
 NUM_COMPUTE_WGS = N_TILE // WG_ROWS
 KW_TILE = K_TILE // 4  # uint16 words per row per step
 CHUNK = 64  # K columns per wgmma (128-byte swizzle of 16-bit values)
+SMEM_BYTES = 232448 - 4096  # H100/H200 per-block shared memory, minus barriers and slack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +77,21 @@ def _swizzled(dtype) -> tuple:
     return (plgpu.TilingTransform((8, 128 * 8 // bits)), plgpu.SwizzleTransform(128))
 
 
-def _decode_chunk(w16: jax.Array, scales, rows, g: int, mma_dtype) -> jax.Array:
+def _code_to_f16(c: jax.Array, decode: str) -> jax.Array:
+    """uint16 E2M1 codes (0..15) -> float16 values (layout module docstring)."""
+    u16 = jnp.uint16
+    sign = (c & u16(8)) << u16(12)
+    if decode == "subnormal":
+        return lax.bitcast_convert_type(sign | ((c & u16(7)) << u16(9)), jnp.float16)
+    mag = c & u16(7)
+    # |code| >= 2: exponent and mantissa bits shifted into place, f16 bias (15) minus E2M1's (1)
+    # added; |code| == 1 is E2M1's subnormal 0.5 (f16 0x3800); 0 stays 0.
+    normal = (mag << u16(9)) + u16(0x3800)
+    bits = jnp.where(mag >= u16(2), normal, mag * u16(0x3800))
+    return lax.bitcast_convert_type(bits | sign, jnp.float16)
+
+
+def _decode_chunk(w16: jax.Array, scales, rows, g: int, mma_dtype, decode: str) -> jax.Array:
     """Decode K columns [64g, 64g + 64) of a 64-row uint16 tile to ``[64, 64]`` MMA values.
 
     ``w16``: uint16 ``[64, 64]`` words of the step; ``scales``: SMEM ref ``[16, 128]`` of the
@@ -86,8 +101,7 @@ def _decode_chunk(w16: jax.Array, scales, rows, g: int, mma_dtype) -> jax.Array:
     words = w16[:, 16 * g : 16 * g + 16]
     for i in range(4):
         c = (words >> jnp.uint16(4 * i)) & jnp.uint16(0xF) if i else words & jnp.uint16(0xF)
-        bits = ((c & jnp.uint16(8)) << jnp.uint16(12)) | ((c & jnp.uint16(7)) << jnp.uint16(9))
-        v = lax.bitcast_convert_type(bits, jnp.float16)  # e2m1 * 2^-14
+        v = _code_to_f16(c, decode)
         if mma_dtype != jnp.float16:
             v = v.astype(mma_dtype)
         s = scales[4 * g + i, rows]
@@ -133,6 +147,15 @@ def nvfp4_tile_gemm(
     num_acc = len(b_tiles)
     num_sms = config.num_sms or _num_sms()
     num_work = t_max * n_tiles * config.k_splits
+    item = mma_dtype.itemsize
+    stage_bytes = N_TILE * KW_TILE * 2 + (K_TILE // 16) * N_TILE * item + num_acc * block_m * K_TILE * item
+    fixed = NUM_COMPUTE_WGS * WG_ROWS * (block_m * 4 + (CHUNK * item if config.a_via_smem else 0))
+    stages = min(config.max_concurrent_steps, k_steps, (SMEM_BYTES - fixed) // stage_bytes)
+    if stages < 1:
+        raise ValueError(
+            f"block_m={block_m} with {num_acc} activation operand(s) needs {stage_bytes + fixed} "
+            f"bytes of shared memory per pipeline stage; at most {SMEM_BYTES}: use block_m <= 64"
+        )
 
     in_specs = [
         plgpu.BlockSpec((N_TILE, KW_TILE), lambda k: (0, k), transforms=_swizzled(jnp.uint16)),
@@ -155,7 +178,7 @@ def nvfp4_tile_gemm(
                 in_specs=in_specs,
                 wg_axis="wg",
                 num_compute_wgs=NUM_COMPUTE_WGS,
-                max_concurrent_steps=min(config.max_concurrent_steps, k_steps),
+                max_concurrent_steps=stages,
                 compute_context=compute_context,
             )
 
@@ -203,7 +226,7 @@ def nvfp4_tile_gemm(
                     b_smems, accs = refs[:num_acc], refs[num_acc]
                     w16 = w_smem[rows]
                     for g in range(K_TILE // CHUNK):
-                        a = _decode_chunk(w16, s_smem, rows, g, mma_dtype)
+                        a = _decode_chunk(w16, s_smem, rows, g, mma_dtype, w.decode)
                         if a_smem is not None:
                             a_smem[wg] = a
                             plgpu.commit_smem()
@@ -253,8 +276,7 @@ def tile_gemm_reference(
     from pallas_kernels.layout import dequantize_w4a4_weights
 
     wd = dequantize_w4a4_weights(w)  # [E, N, K] e2m1 * s
-    if w.mma_dtype == "float16":
-        wd = wd * (2.0**CODE_EXPONENT)
+    wd = wd / w.code_factor
     e = wd.shape[0]
     n_pad, k_pad = w.codes.shape[1], w.codes.shape[2] * 4
     wd = jnp.pad(wd, ((0, 0), (0, n_pad - w.n), (0, k_pad - w.k)))

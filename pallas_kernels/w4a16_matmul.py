@@ -11,7 +11,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.layout import code_factor
 from pallas_kernels.w4a4_grouped import _check_group_sizes, grouped_block_m, row_experts, tile_plan
 from pallas_kernels.w4a4_matmul import (
     MAX_BLOCK_M,
@@ -57,7 +56,7 @@ def w4a16_matmul(
     )[:m]
     ones = jnp.ones((m,), jnp.float32)
     g_w = jnp.broadcast_to(w.global_scale[0], (m,))
-    return combine(parts, (ones,), g_w, w.n, code_factor(w.mma_dtype)).astype(x.dtype)
+    return combine(parts, (ones,), g_w, w.n, w.code_factor).astype(x.dtype)
 
 
 def w4a16_grouped_matmul(
@@ -85,7 +84,7 @@ def w4a16_grouped_matmul(
     parts = jnp.pad(parts, ((0, 1), (0, 0), (0, 0)))[row_slot]
     g_w = jnp.pad(w.global_scale, (0, 1))[row_experts(gs, m)]
     ones = jnp.ones((m,), jnp.float32)
-    return combine(parts, (ones,), g_w, w.n, code_factor(w.mma_dtype)).astype(x_sorted.dtype)
+    return combine(parts, (ones,), g_w, w.n, w.code_factor).astype(x_sorted.dtype)
 
 
 def w4a16_matmul_reference(x: jax.Array, w_q: nvfp4.NVFP4Tensor) -> jax.Array:

@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import nvfp4_quantize as aq
-from pallas_kernels.layout import code_factor
 from pallas_kernels.w4a4_matmul import (
     W4A4MatmulConfig,
     _check,
@@ -28,9 +27,9 @@ from quads_jax.quant import nvfp4
 
 
 def grouped_block_m(m: int, num_experts: int) -> int:
-    """Tokens per tile from the average group size: a power of two in [8, 128]."""
+    """Tokens per tile from the average group size: a power of two in [8, 64]."""
     avg = max(1, -(-m // num_experts))
-    return int(min(128, max(8, 1 << (avg - 1).bit_length())))
+    return int(min(64, max(8, 1 << (avg - 1).bit_length())))
 
 
 def _check_group_sizes(group_sizes, num_experts: int, m: int) -> jax.Array:
@@ -132,7 +131,7 @@ def w4a4_grouped_matmul(
     parts = run_tiles(b_rows, row_index, w, tile_expert, num_tiles, block_m, config, interpret)
     parts = jnp.pad(parts, ((0, 1), (0, 0), (0, 0)))[row_slot]  # [M, A, Np]; zero rows past groups
     g_w = jnp.pad(w.global_scale, (0, 1))[rexp]
-    y = combine(parts, row_scales, g_w, w.n, code_factor(w.mma_dtype))
+    y = combine(parts, row_scales, g_w, w.n, w.code_factor)
     return y.astype(x_sorted.dtype)
 
 

@@ -16,11 +16,11 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import nvfp4_quantize as aq
-from pallas_kernels.layout import K_TILE, N_TILE, W4A4Weights, code_factor, prepare_w4a4_weights
+from pallas_kernels.layout import K_TILE, N_TILE, W4A4Weights, prepare_w4a4_weights
 from pallas_kernels.nvfp4_tiles_mgpu import TileGemmConfig, _num_sms, nvfp4_tile_gemm
 from quads_jax.quant import nvfp4
 
-MAX_BLOCK_M = 128
+MAX_BLOCK_M = 64  # a pipeline stage of 64 tokens x 256 K (f16) is 32 KB; RAC doubles it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +29,7 @@ class W4A4MatmulConfig:
 
     Attributes:
       block_m: tokens per tile (the wgmma N side), a multiple of 8 in [8, 256]; None = M rounded
-        up to 8 when M <= 128 (decode: one tile), else 128 (dense) / chosen per group size
+        up to 8 when M <= 64 (decode: one tile), else 64 (dense) / chosen per group size
         (grouped).
       k_splits: split-K factor; None = the smallest that fills the SMs (see ``auto_k_splits``).
       max_concurrent_steps: pipeline depth.
@@ -175,7 +175,7 @@ def w4a4_matmul(
         block_m, config, interpret,
     )[:m]
     g_w = jnp.broadcast_to(w.global_scale[0], (m,))
-    return combine(parts, row_scales, g_w, w.n, code_factor(w.mma_dtype)).astype(x.dtype)
+    return combine(parts, row_scales, g_w, w.n, w.code_factor).astype(x.dtype)
 
 
 def w4a4_matmul_reference(

@@ -41,6 +41,19 @@ from quads_jax.quant import nvfp4
 L2_FLUSH_BYTES = 160e6
 SMOKE = False  # --smoke: tiny shapes, jnp instead of the kernel, to test this script on a CPU
 RESULTS: dict = {"checks": [], "timings": [], "floors": {}}
+# The kernel variant the timings use: the first that passes the checks (run_checks sets it).
+VARIANTS = (
+    ("f16 normal regs", dict(mma_dtype="float16", decode="normal"), dict()),
+    ("bf16 normal regs", dict(mma_dtype="bfloat16", decode="normal"), dict()),
+    ("f16 normal smemA", dict(mma_dtype="float16", decode="normal"), dict(a_via_smem=True)),
+    ("f16 subnormal regs", dict(mma_dtype="float16", decode="subnormal"), dict()),
+)
+BEST = {"layout": VARIANTS[0][1], "config": VARIANTS[0][2], "name": VARIANTS[0][0]}
+
+
+def kcfg(**kw) -> W4A4MatmulConfig:
+    """The chosen variant's kernel config, with overrides."""
+    return W4A4MatmulConfig(**{**BEST["config"], "mma_dtype": BEST["layout"]["mma_dtype"], **kw})
 
 
 def log(*a):
@@ -115,10 +128,11 @@ def rand(key, shape, dtype=jnp.bfloat16, scale=1.0):
     return (jax.random.normal(jax.random.key(key), shape, jnp.float32) * scale).astype(dtype)
 
 
-def nvfp4_weight(key, shape, mma="float16"):
+def nvfp4_weight(key, shape, mma=None, decode=None):
     q = nvfp4.quantize(rand(key, shape, jnp.float32), scale_mode="expert" if len(shape) == 3
                        else "tensor")
-    return q, prepare_w4a4_weights(q, mma_dtype=mma)
+    return q, prepare_w4a4_weights(q, mma_dtype=mma or BEST["layout"]["mma_dtype"],
+                                   decode=decode or BEST["layout"]["decode"])
 
 
 def routing(key, tokens, e, top_k, skew=False):
@@ -195,23 +209,35 @@ def run_checks():
     log("== correctness (f32 inputs, poisoned outputs)")
     ok = True
     racc = aq.RACConfig()
+    m, k, n = 16, S(4096, 8, 256), S(14336, 16, 128)
+    x = rand(9, (m, k), jnp.float32)
+    passed = []
+    for name, lay, cfg in VARIANTS:
+        wq, ww = nvfp4_weight(19, (n, k), **{"mma": lay["mma_dtype"], "decode": lay["decode"]})
+        c = W4A4MatmulConfig(mma_dtype=lay["mma_dtype"], **cfg)
+        if check(f"variant {name}: dense w4a4 M={m} K={k} N={n}",
+                 jax.jit(lambda x=x, ww=ww, c=c: w4a4_matmul(x, ww, config=c)),
+                 lambda x=x, wq=wq: deq_ref(x, wq), (m, n)):
+            passed.append((name, lay, cfg))
+    if passed:
+        BEST.update(name=passed[0][0], layout=passed[0][1], config=passed[0][2])
+    log(f"  timings use variant: {BEST['name']}")
+    RESULTS["variant"] = BEST["name"]
     for m, k, n in ((16, 4096, 14336), (1, 2048, 768), (200, 2048, 768)):
         k, n = S(k, 8, 256), S(n, 16, 128)
         x = rand(10 + m, (m, k), jnp.float32)
-        for mma in ("float16", "bfloat16"):
-            wq, ww = nvfp4_weight(20 + m, (n, k), mma)
-            cfg = W4A4MatmulConfig(mma_dtype=mma)
-            ok &= check(f"dense w4a4 {mma} M={m} K={k} N={n}",
-                        jax.jit(lambda x=x, ww=ww, cfg=cfg: w4a4_matmul(x, ww, config=cfg)),
-                        lambda x=x, wq=wq: deq_ref(x, wq), (m, n))
+        wq, ww = nvfp4_weight(20 + m, (n, k))
+        ok &= check(f"dense w4a4 M={m} K={k} N={n}",
+                    jax.jit(lambda x=x, ww=ww: w4a4_matmul(x, ww, config=kcfg())),
+                    lambda x=x, wq=wq: deq_ref(x, wq), (m, n))
         wq, ww = nvfp4_weight(20 + m, (n, k))
         ok &= check(f"dense w4a4+RAC0.5 f16 M={m} K={k} N={n}",
-                    jax.jit(lambda x=x, ww=ww: w4a4_matmul(x, ww, rac=racc)),
+                    jax.jit(lambda x=x, ww=ww: w4a4_matmul(x, ww, rac=racc, config=kcfg())),
                     lambda x=x, wq=wq: deq_ref(x, wq, racc), (m, n))
     x = rand(30, (16, S(4096, 8, 256)))
     wq, ww = nvfp4_weight(31, (S(14336, 16, 128), x.shape[1]), "bfloat16")
     ok &= check("dense w4a16 bf16 M=16 K=4096 N=14336",
-                jax.jit(lambda: w4a16_matmul(x, ww)).__call__,
+                jax.jit(lambda: w4a16_matmul(x, ww, config=kcfg(mma_dtype="bfloat16"))).__call__,
                 lambda: jnp.dot(x.astype(jnp.float32), nvfp4.dequantize(wq).T,
                                 precision="highest"), (16, ww.n), tol=1e-2)
     e, k, n = S(128, 16, 8), S(2048, 8, 256), S(768, 6, 128)
@@ -223,13 +249,15 @@ def run_checks():
         x = rand(41 + tokens, (m, k), jnp.float32)
         for r in (None, racc):
             ok &= check(f"grouped w4a4{'+RAC' if r else ''} E=128 tokens={tokens} skew={skew}",
-                        jax.jit(lambda x=x, gs=gs, r=r: w4a4_grouped_matmul(x, ww, gs, rac=r)),
+                        jax.jit(lambda x=x, gs=gs, r=r: w4a4_grouped_matmul(
+                            x, ww, gs, rac=r, config=kcfg())),
                         lambda x=x, gs=gs, r=r: deq_ref(x, wq, r, gs), (m, n))
     gs = routing(7, S(64, 16, 4), e, min(8, e), True)
     xb = rand(50, (int(gs.sum()), k))
     wq16, ww16 = nvfp4_weight(40, (e, n, k), "bfloat16")
     ok &= check("grouped w4a16 E=128 tokens=64",
-                jax.jit(lambda: w4a16_grouped_matmul(xb, ww16, gs)).__call__,
+                jax.jit(lambda: w4a16_grouped_matmul(
+                    xb, ww16, gs, config=kcfg(mma_dtype="bfloat16"))).__call__,
                 lambda: jax.lax.ragged_dot(xb.astype(jnp.float32), jnp.swapaxes(
                     nvfp4.dequantize(wq16), 1, 2), gs, precision="highest"), (xb.shape[0], n),
                 tol=1e-2)
@@ -264,24 +292,26 @@ def bench_dense(ms=(16,), shapes=((4096, 14336), (2048, 768), (4096, 57344), (20
             ws = [nvfp4_weight(100 + i, (n, k))[1] for i in range(c)]
             real = ws[0].nbytes
             fl = 2 * m * n * k
-            cfgs = [("auto", W4A4MatmulConfig())]
+            cfgs = [("auto", kcfg())]
             if extra and n * k >= 4096 * 14336 // (256 if SMOKE else 1) and n < 4 * k:
-                cfgs += [("ks2", W4A4MatmulConfig(k_splits=2)), ("ks4", W4A4MatmulConfig(
-                    k_splits=4)), ("stages2", W4A4MatmulConfig(max_concurrent_steps=2))]
+                cfgs += [("ks2", kcfg(k_splits=2)), ("ks4", kcfg(k_splits=4)),
+                         ("stages2", kcfg(max_concurrent_steps=2))]
             for tag, cfg in cfgs:
                 t, calls = time_chain(lambda x, w, cfg=cfg: w4a4_matmul(x, w, config=cfg), x, ws)
-                record(f"w4a4 f16 [{tag}] M={m} K={k} N={n}", t, calls, bytes_=nv_bytes, flops=fl,
+                record(f"w4a4 [{tag}] M={m} K={k} N={n}", t, calls, bytes_=nv_bytes, flops=fl,
                        note=f"kernel reads {real / 1e6:.1f} MB (f16 scales)")
             if extra or m == 16:
-                t, calls = time_chain(lambda x, w: w4a4_matmul(x, w, rac=aq.RACConfig()), x, ws)
-                record(f"w4a4+RAC0.5 f16 M={m} K={k} N={n}", t, calls, bytes_=nv_bytes, flops=fl)
+                t, calls = time_chain(lambda x, w: w4a4_matmul(x, w, rac=aq.RACConfig(),
+                                                               config=kcfg()), x, ws)
+                record(f"w4a4+RAC0.5 M={m} K={k} N={n}", t, calls, bytes_=nv_bytes, flops=fl)
             del ws
             if extra and n * k >= 4096 * 14336 // (256 if SMOKE else 1) and n < 4 * k and m == 16:
                 ws = [nvfp4_weight(100 + i, (n, k), "bfloat16")[1] for i in range(c)]
                 t, calls = time_chain(lambda x, w: w4a4_matmul(
-                    x, w, config=W4A4MatmulConfig(mma_dtype="bfloat16")), x, ws)
+                    x, w, config=kcfg(mma_dtype="bfloat16")), x, ws)
                 record(f"w4a4 bf16-mma M={m} K={k} N={n}", t, calls, bytes_=nv_bytes, flops=fl)
-                t, calls = time_chain(lambda x, w: w4a16_matmul(x, w), x, ws)
+                t, calls = time_chain(lambda x, w: w4a16_matmul(
+                    x, w, config=kcfg(mma_dtype="bfloat16")), x, ws)
                 record(f"w4a16 M={m} K={k} N={n}", t, calls, bytes_=nv_bytes, flops=fl)
                 del ws
             c = copies_for(n * k * 2)
@@ -310,11 +340,12 @@ def bench_grouped(tokens_list=(1, 16, 64, 256), e=128, k=2048, n=768, top_k=8, p
         touched = int((np.asarray(gs) > 0).sum())
         x = rand(70, (m, k))
         fl = 2 * m * n * k
-        t, calls = time_chain(lambda x, w, gs=gs: w4a4_grouped_matmul(x, w, gs), x, ws)
+        t, calls = time_chain(lambda x, w, gs=gs: w4a4_grouped_matmul(x, w, gs, config=kcfg()),
+                              x, ws)
         record(f"grouped w4a4 tokens={tokens} rows={m} experts={touched}", t, calls,
                bytes_=touched * per_expert, flops=fl)
-        t, calls = time_chain(lambda x, w, gs=gs: w4a4_grouped_matmul(x, w, gs,
-                                                                      rac=aq.RACConfig()), x, ws)
+        t, calls = time_chain(lambda x, w, gs=gs: w4a4_grouped_matmul(
+            x, w, gs, rac=aq.RACConfig(), config=kcfg()), x, ws)
         record(f"grouped w4a4+RAC0.5 tokens={tokens}", t, calls, bytes_=touched * per_expert,
                flops=fl)
         wb = [rand(500 + i, (e, k, n)) for i in range(2)]
@@ -344,15 +375,15 @@ def bench_prefill():
     x = rand(80, (m, k))
     fl = 2 * m * n * k
     ws = [nvfp4_weight(600 + i, (n, k))[1] for i in range(2)]
-    for tag, cfg in (("bm128", W4A4MatmulConfig()),
-                     ("bm256", W4A4MatmulConfig(block_m=256, max_concurrent_steps=2))):
+    for tag, cfg in (("bm64", kcfg()), ("bm32", kcfg(block_m=32))):
         try:
             t, calls = time_chain(lambda x, w, cfg=cfg: w4a4_matmul(x, w, config=cfg), x, ws,
                                   reps=1)
             record(f"w4a4 prefill [{tag}] M={m} K={k} N={n}", t, calls, flops=fl)
         except Exception as err:  # noqa: BLE001
             log(f"  {tag} failed: {type(err).__name__}: {str(err)[:300]}")
-    t, calls = time_chain(lambda x, w: w4a4_matmul(x, w, rac=aq.RACConfig()), x, ws, reps=1)
+    t, calls = time_chain(lambda x, w: w4a4_matmul(x, w, rac=aq.RACConfig(), config=kcfg()), x,
+                          ws, reps=1)
     record(f"w4a4+RAC0.5 prefill M={m} K={k} N={n}", t, calls, flops=fl)
     del ws
     wb = [rand(700, (k, n))]
