@@ -1,0 +1,413 @@
+"""Rollout throughput of a Qwen3-30B-A3B-shaped MoE: prefill, decode, end to end, per precision.
+
+    python scripts/bench_rollout.py --quick --out $OUT          # one H200, a few minutes
+    python scripts/bench_rollout.py --batches 32,128,256 --prompts 256,1024 --new-tokens 1024
+    python scripts/bench_rollout.py --tiny --quick              # CPU dry run of every code path
+
+What it does, in one process (results are appended to ``OUT/rollout.jsonl`` as they come, and a
+table is printed last):
+
+1. random bf16 weights initialised on the device (one jitted init, stacked leaves generated one
+   layer at a time so no f32 or full-size temporary exists; never built on the host);
+2. the HBM copy bandwidth (the floor's denominator);
+3. per precision (bf16, fp8, nvfp4, nvfp4_rac, and bf16_mgpu = bf16 with jax's Pallas
+   ``ragged_dot_mgpu`` for the expert matmuls): ``sync`` (compile, then timed) and its identity
+   check, the weight bytes, then per (batch, prompt): prefill tokens/s, decode tokens/s over
+   ``--decode-steps`` steps of a cache sized for ``--new-tokens`` (the attention reads every
+   slot of the preallocated cache, so a step costs the same at any position), end to end
+   (prefill + new_tokens decode steps), and the decode floor (bytes that must move / measured
+   bandwidth);
+4. the largest batch at 1k context per precision, computed from the device memory, the weight
+   bytes, the KV bytes per sequence and the decode program's temporary bytes per row;
+5. the decode time split attention / MoE / rest from bf16 variants: MoE layers replaced by a
+   16-wide dense MLP (48 and 1 layers);
+6. XLA ``ragged_dot`` against ``ragged_dot_mgpu`` on the expert shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from quads_jax import models
+from quads_jax.models import ModelConfig
+from quads_jax.quant import ops
+from quads_jax.quant.recipe import get_recipe
+from quads_jax.sampler import engine
+from quads_jax.sampler.sync import check_sync, sync, weight_bytes
+
+PRECISIONS = {
+    "bf16": "bf16",
+    "fp8": "rollout_fp8",
+    "nvfp4": "rollout_nvfp4",
+    "nvfp4_rac": "rollout_quads",
+    "bf16_mgpu": "bf16",
+}
+QWEN3_30B_A3B = dict(
+    vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+    num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+    num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=40960,
+    rope_theta=1e6, dtype="bfloat16", param_dtype="bfloat16",
+)
+TINY = dict(QWEN3_30B_A3B, vocab_size=512, hidden_size=64, moe_intermediate_size=32,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            num_experts=8, num_experts_per_tok=2, max_position_embeddings=4096)
+
+
+# ------------------------------------------------------------------------------ helpers
+class Clock:
+    """Wall time since start, and whether the time budget still allows new work."""
+
+    def __init__(self, budget_s: float):
+        self.t0, self.budget_s = time.perf_counter(), budget_s
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def allows(self, what: str) -> bool:
+        if self.elapsed() < self.budget_s:
+            return True
+        print(f"[budget] {self.elapsed():.0f} s used of {self.budget_s:.0f}: skipping {what}",
+              flush=True)
+        return False
+
+
+def timed(fn, reps: int) -> list[float]:
+    """Seconds of ``reps`` calls of ``fn()`` (each blocked until ready)."""
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def record(out_dir: str, row: dict) -> None:
+    row = dict(row, elapsed_s=round(row.get("elapsed_s", 0.0), 1))
+    print(json.dumps(row), flush=True)
+    if out_dir:
+        with open(os.path.join(out_dir, "rollout.jsonl"), "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def init_params_on_device(config: ModelConfig, rng: jax.Array) -> dict:
+    """Random weights made on the device in ``param_dtype``; norms are ones.
+
+    Same tree as ``models.init_params``; stacked leaves are generated one layer at a time
+    (``lax.map``), so the only large buffers are the outputs.
+    """
+    abstract = jax.eval_shape(functools.partial(models.init_params, config), rng)
+    leaves, treedef = jax.tree.flatten_with_path(abstract)
+    std, dtype = config.initializer_range, config.param_dtype
+
+    def make(key, path, leaf):
+        name = jax.tree_util.keystr(path)
+        if "norm" in name:
+            return jnp.ones(leaf.shape, dtype)
+        if len(leaf.shape) >= 3:
+            keys = jax.random.split(key, leaf.shape[0])
+            layer = lambda k: (jax.random.normal(k, leaf.shape[1:], dtype) * std).astype(dtype)
+            return jax.lax.map(layer, keys)
+        return (jax.random.normal(key, leaf.shape, dtype) * std).astype(dtype)
+
+    def build(rng):
+        keys = jax.random.split(rng, len(leaves))
+        return jax.tree.unflatten(treedef, [make(k, p, x) for k, (p, x) in zip(keys, leaves, strict=True)])
+
+    device = jax.devices()[0]
+    return jax.jit(build, out_shardings=jax.sharding.SingleDeviceSharding(device))(rng)
+
+
+def copy_bandwidth(nbytes: int) -> float:
+    """Device copy bandwidth in bytes/s (read + write counted), median of 5."""
+    x = jnp.arange(nbytes // 4, dtype=jnp.float32)
+    f = jax.jit(lambda a: a * 1.0001)
+    jax.block_until_ready(f(x))
+    t = statistics.median(timed(lambda: f(x), 5))
+    return 2 * x.nbytes / t
+
+
+# ------------------------------------------------------------------------------ mgpu bf16 arm
+def register_ragged_dot_mgpu() -> None:
+    """Run the bf16 expert matmuls with jax's Pallas ``ragged_dot_mgpu`` (Hopper)."""
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    def fn(x, w, group_sizes, *, recipe, site, interpret):
+        del recipe, site, interpret
+        n = w.shape[1]
+        block_n = 128 if n % 128 == 0 else 64
+        return ragged_dot_mgpu.ragged_dot(
+            x, w.astype(x.dtype), group_sizes=group_sizes, block_m=64, block_n=block_n,
+            block_k=64, max_concurrent_steps=4, grid_block_n=1, transpose_rhs=True)
+
+    ops.register_kernel("bf16", "grouped", fn)
+
+
+def bench_ragged_dot(config: ModelConfig, rows: list[int], reps: int) -> list[dict]:
+    """XLA ragged_dot vs ragged_dot_mgpu on the expert shapes (gate_up and down)."""
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+    out = []
+    for name, n, k in (("gate_up", 2 * i, h), ("down", h, i)):
+        w = jax.random.normal(jax.random.key(1), (e, n, k), jnp.bfloat16)
+        for m in rows:
+            x = jax.random.normal(jax.random.key(2), (m, k), jnp.bfloat16)
+            ids = jax.random.randint(jax.random.key(3), (m,), 0, e)
+            gs = jnp.bincount(ids, length=e).astype(jnp.int32)
+            xla = jax.jit(lambda x, w, gs: jax.lax.ragged_dot(
+                x, jnp.swapaxes(w, 1, 2), gs, preferred_element_type=jnp.float32
+            ).astype(jnp.bfloat16))
+            mg = jax.jit(lambda x, w, gs: ragged_dot_mgpu.ragged_dot(
+                x, w, group_sizes=gs, block_m=64, block_n=128, block_k=64,
+                max_concurrent_steps=4, grid_block_n=1, transpose_rhs=True))
+            ref = xla(x, w, gs)
+            got = mg(x, w, gs)
+            err = float(jnp.linalg.norm((got - ref).astype(jnp.float32))
+                        / jnp.linalg.norm(ref.astype(jnp.float32)))
+            args = (x, w, gs)
+            t_x = statistics.median(timed(lambda f=xla, a=args: f(*a), reps))
+            t_m = statistics.median(timed(lambda f=mg, a=args: f(*a), reps))
+            touched = int(jnp.sum(gs > 0))
+            out.append(dict(kind="ragged_dot", matmul=name, rows=m, n=n, k=k,
+                            xla_ms=t_x * 1e3, mgpu_ms=t_m * 1e3, speedup=t_x / t_m,
+                            rel_err=err, weight_bytes_touched=touched * n * k * 2,
+                            tflops_mgpu=2 * m * n * k / t_m / 1e12))
+    return out
+
+
+# ------------------------------------------------------------------------------ rollout cases
+def expert_bytes(tree) -> int:
+    return sum(weight_bytes(g["mlp"]["experts"]) for g in tree["layers"] if "experts" in g["mlp"])
+
+
+def matmul_flops_per_token(cfg: ModelConfig) -> float:
+    """2 x the weights one token multiplies with (attention, router, its top-k experts)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    attn = h * d * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
+    moe = cfg.num_experts * h + cfg.num_experts_per_tok * 3 * h * cfg.moe_intermediate_size
+    return 2.0 * cfg.num_hidden_layers * (attn + moe)
+
+
+def kv_bytes(config: ModelConfig, rows: int, slots: int) -> int:
+    return 2 * config.num_hidden_layers * rows * slots * config.num_key_value_heads * \
+        config.head_dim * 2
+
+
+def bench_case(params, cfg, recipe, batch, prompt, args, bandwidth) -> dict:
+    sc = engine.SamplerConfig(max_new_tokens=args.new_tokens, temperature=1.0)
+    prompts = jax.random.randint(jax.random.key(batch + prompt), (batch, prompt), 0, cfg.vocab_size)
+    mask = jnp.ones((batch, prompt), bool)
+    rng = jax.random.key(0)
+    static = dict(config=sc, model_config=cfg, recipe=recipe)
+    t = time.perf_counter()
+    pre = engine._prefill_jit.lower(params, prompts, mask, rng, **static).compile()
+    compile_prefill = time.perf_counter() - t
+    pre_times = []
+    for i in range(1 + args.prefill_reps):  # the first run is a warm-up unless it is slow
+        t = time.perf_counter()
+        state = jax.block_until_ready(pre(params, prompts, mask, rng))
+        pre_times.append(time.perf_counter() - t)
+        if i == 0 and pre_times[0] > args.slow_prefill_s:
+            break
+    t_pre = statistics.median(pre_times[1:] or pre_times)
+
+    # Decode donates its state: every run starts from a copy of the one prefilled state.
+    fresh = jax.jit(lambda s: jax.tree.map(jnp.copy, s))
+    t = time.perf_counter()
+    dec = engine._decode_jit.lower(params, state, jnp.int32(1), **static).compile()
+    compile_decode = time.perf_counter() - t
+    mem = dec.memory_analysis()
+    temp = int(getattr(mem, "temp_size_in_bytes", 0) or 0)
+    jax.block_until_ready(dec(params, fresh(state), jnp.int32(1)))  # warm-up
+    steps = min(args.decode_steps, args.new_tokens - 1)
+    times = []
+    for _ in range(args.reps):
+        start = jax.block_until_ready(fresh(state))
+        t = time.perf_counter()
+        out = jax.block_until_ready(dec(params, start, jnp.int32(steps)))
+        times.append(time.perf_counter() - t)
+    state = out
+    ran = int(state.step) - 1
+    t_step = statistics.median(times) / max(ran, 1)
+
+    slots = prompt + args.new_tokens - 1
+    touched = 1.0 - (1.0 - cfg.num_experts_per_tok / cfg.num_experts) ** batch
+    embed = params["embed"].size * params["embed"].dtype.itemsize
+    w_all, w_exp = weight_bytes(params), expert_bytes(params)
+    step_bytes = (w_all - w_exp - embed) + touched * w_exp + kv_bytes(cfg, batch, slots)
+    prefill_flops = matmul_flops_per_token(cfg) * batch * prompt + 4 * batch * prompt * slots * \
+        cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
+    e2e = t_pre + args.new_tokens * t_step
+    return dict(
+        batch=batch, prompt=prompt, new_tokens=args.new_tokens, decode_steps_timed=ran,
+        prefill_s=t_pre, prefill_tok_s=batch * prompt / t_pre,
+        prefill_floor_s=prefill_flops / args.bf16_flops,
+        decode_step_ms=t_step * 1e3, decode_tok_s=batch / t_step,
+        decode_floor_ms=step_bytes / bandwidth * 1e3,
+        decode_floor_ratio=(step_bytes / bandwidth) / t_step,
+        prefill_runs=len(pre_times),
+        e2e_s=e2e, e2e_tok_s=batch * args.new_tokens / e2e,
+        compile_prefill_s=compile_prefill, compile_decode_s=compile_decode,
+        decode_temp_bytes=temp,
+    )
+
+
+def largest_batch(cfg, weights: int, temp_per_row: float, context: int = 1024) -> int:
+    stats = jax.devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit", 0)
+    if not limit:
+        return -1
+    per_row = kv_bytes(cfg, 1, context) + temp_per_row
+    return int((limit - weights) // per_row)
+
+
+def bench_precision(name, params, cfg, cases, args, bandwidth, clock, out_dir) -> None:
+    recipe = get_recipe(PRECISIONS[name])
+    if name == "bf16_mgpu":
+        register_ragged_dot_mgpu()
+    t = time.perf_counter()
+    rollout = jax.block_until_ready(sync(params, recipe, model_config=cfg))
+    first = time.perf_counter() - t
+    del rollout
+    t_sync = statistics.median(timed(lambda: sync(params, recipe, model_config=cfg), 2))
+    rollout = sync(params, recipe, model_config=cfg)
+    t = time.perf_counter()
+    check_sync(params, rollout, recipe, model_config=cfg)
+    first_check = time.perf_counter() - t
+    t_check = statistics.median(timed(
+        lambda: check_sync(params, rollout, recipe, model_config=cfg), 2))
+    if name.startswith("bf16"):  # bit-identical to the bf16 master (checked): share its buffers
+        del rollout
+        rollout = params
+    wb = weight_bytes(rollout)
+    record(out_dir, dict(kind="sync", precision=name, sync_s=t_sync, sync_first_call_s=first,
+                         check_s=t_check, check_first_call_s=first_check, weight_bytes=wb,
+                         expert_bytes=expert_bytes(rollout), elapsed_s=clock.elapsed()))
+    for batch, prompt in cases:
+        if not clock.allows(f"{name} batch {batch} prompt {prompt}"):
+            return
+        try:
+            row = bench_case(rollout, cfg, recipe, batch, prompt, args, bandwidth)
+        except Exception as e:  # one failing case must not lose the others' numbers
+            record(out_dir, dict(kind="error", precision=name, batch=batch, prompt=prompt,
+                                 error=f"{type(e).__name__}: {str(e)[:400]}"))
+            continue
+        row["max_batch_1k_context"] = largest_batch(
+            cfg, wb, row["decode_temp_bytes"] / batch)
+        record(out_dir, dict(kind="rollout", precision=name, weight_bytes=wb, **row,
+                             elapsed_s=clock.elapsed()))
+
+
+def bench_split(cfg, batch, prompt, args, bandwidth, clock, out_dir) -> None:
+    """Decode step of bf16 variants without MoE (48 and 1 layers) -> attention / MoE / rest."""
+    recipe = get_recipe("bf16")
+    steps = {}
+    for layers in (cfg.num_hidden_layers, 1):
+        if not clock.allows(f"split variant with {layers} layers"):
+            return
+        variant = cfg.replace(num_hidden_layers=layers, mlp_only_layers=tuple(range(layers)),
+                              intermediate_size=16)
+        params = init_params_on_device(variant, jax.random.key(7))
+        steps[layers] = bench_case(params, variant, recipe, batch, prompt, args,
+                                   bandwidth)["decode_step_ms"]
+        del params
+    per_layer_attn = (steps[cfg.num_hidden_layers] - steps[1]) / (cfg.num_hidden_layers - 1)
+    record(out_dir, dict(kind="split", batch=batch, prompt=prompt,
+                         no_moe_step_ms=steps[cfg.num_hidden_layers], one_layer_step_ms=steps[1],
+                         attention_ms=per_layer_attn * cfg.num_hidden_layers,
+                         rest_ms=steps[1] - per_layer_attn, elapsed_s=clock.elapsed()))
+
+
+# ------------------------------------------------------------------------------ main
+def summary(out_dir: str) -> str:
+    rows = [json.loads(line) for line in open(os.path.join(out_dir, "rollout.jsonl"))]
+    lines = ["| precision | batch | prompt | prefill tok/s | decode tok/s | step ms | floor ms "
+             "| floor/step | e2e tok/s | max batch @1k |", "|" + "---|" * 10]
+    for r in rows:
+        if r["kind"] == "rollout":
+            lines.append(
+                f"| {r['precision']} | {r['batch']} | {r['prompt']} | {r['prefill_tok_s']:.0f} "
+                f"| {r['decode_tok_s']:.0f} | {r['decode_step_ms']:.2f} | "
+                f"{r['decode_floor_ms']:.2f} | {r['decode_floor_ratio']:.2f} | "
+                f"{r['e2e_tok_s']:.0f} | {r['max_batch_1k_context']} |")
+    for r in rows:
+        if r["kind"] == "sync":
+            lines.append(f"sync {r['precision']}: {r['sync_s']:.3f} s, check {r['check_s']:.3f}"
+                         f" s, weights {r['weight_bytes'] / 2**30:.2f} GiB")
+        elif r["kind"] in ("split", "ragged_dot", "error", "device"):
+            lines.append(json.dumps(r))
+    return "\n".join(lines)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true",
+                   help="batch 128, prompt 256, 16 timed decode steps, 2 reps")
+    p.add_argument("--tiny", action="store_true", help="a tiny model (CPU dry run)")
+    p.add_argument("--batches", default="32,128,256")
+    p.add_argument("--prompts", default="256,1024")
+    p.add_argument("--new-tokens", type=int, default=1024)
+    p.add_argument("--decode-steps", type=int, default=64, help="decode steps timed per case")
+    p.add_argument("--reps", type=int, default=3, help="timed decode runs per case")
+    p.add_argument("--prefill-reps", type=int, default=2, help="timed prefill runs per case")
+    p.add_argument("--slow-prefill-s", type=float, default=5.0,
+                   help="a first prefill slower than this is taken as the timing (no repeats)")
+    p.add_argument("--precisions", default="bf16,nvfp4,nvfp4_rac,fp8,bf16_mgpu")
+    p.add_argument("--split", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--ragged", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--budget-s", type=float, default=1e9, help="start no new case after this")
+    p.add_argument("--bf16-flops", type=float, default=790e12, help="measured bf16 rate (KINDS)")
+    p.add_argument("--commit", default="")
+    p.add_argument("--out", default=os.environ.get("OUT", "out/bench_rollout"))
+    args = p.parse_args(argv)
+    if args.quick:
+        args.batches, args.prompts, args.decode_steps, args.reps = "128", "256", 16, 2
+        args.prefill_reps = 1
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    clock = Clock(args.budget_s)
+    os.makedirs(args.out, exist_ok=True)
+    open(os.path.join(args.out, "rollout.jsonl"), "w").close()
+    cfg = ModelConfig(**(TINY if args.tiny else QWEN3_30B_A3B))
+    device = jax.devices()[0]
+    gpu = device.platform == "gpu"
+    bandwidth = copy_bandwidth(2**32 if gpu else 2**26)
+    record(args.out, dict(kind="device", device=str(device.device_kind), jax=jax.__version__,
+                          commit=args.commit, copy_bandwidth_TBps=bandwidth / 1e12,
+                          date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())))
+    t = time.perf_counter()
+    params = jax.block_until_ready(init_params_on_device(cfg, jax.random.key(0)))
+    record(args.out, dict(kind="init", seconds=time.perf_counter() - t,
+                          weight_bytes=weight_bytes(params), elapsed_s=clock.elapsed()))
+    cases = [(int(b), int(p)) for p in args.prompts.split(",") for b in args.batches.split(",")]
+    for name in args.precisions.split(","):
+        if name not in PRECISIONS:
+            raise ValueError(f"--precisions: {name!r} is not one of {sorted(PRECISIONS)}")
+        if name == "bf16_mgpu" and not gpu:
+            continue
+        if clock.allows(f"precision {name}"):
+            bench_precision(name, params, cfg, cases, args, bandwidth, clock, args.out)
+    del params
+    if args.split and clock.allows("time split"):
+        bench_split(cfg, *cases[0], args, bandwidth, clock, args.out)
+    if args.ragged and gpu and clock.allows("ragged_dot comparison"):
+        for row in bench_ragged_dot(cfg, [1024, 32768], 5):
+            record(args.out, row)
+    print(summary(args.out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
