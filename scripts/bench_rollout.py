@@ -10,9 +10,8 @@ table is printed last):
 1. random bf16 weights initialised on the device (one jitted init, stacked leaves generated one
    layer at a time so no f32 or full-size temporary exists; never built on the host);
 2. the HBM copy bandwidth (the floor's denominator);
-3. per precision (bf16, fp8, nvfp4, nvfp4_rac, and bf16_mgpu = bf16 with jax's Pallas
-   ``ragged_dot_mgpu`` for the expert matmuls): ``sync`` (compile, then timed) and its identity
-   check, the weight bytes, then per (batch, prompt): prefill tokens/s, decode tokens/s over
+3. per precision: ``sync`` (compile, then timed) and its identity check, the weight bytes, then
+   per (batch, prompt): prefill tokens/s, decode tokens/s over
    ``--decode-steps`` steps of a cache sized for ``--new-tokens`` (the attention reads every
    slot of the preallocated cache, so a step costs the same at any position), end to end
    (prefill + new_tokens decode steps), and the decode floor (bytes that must move / measured
@@ -21,7 +20,13 @@ table is printed last):
    bytes, the KV bytes per sequence and the decode program's temporary bytes per row;
 5. the decode time split attention / MoE / rest from bf16 variants: MoE layers replaced by a
    16-wide dense MLP (48 and 1 layers);
-6. XLA ``ragged_dot`` against ``ragged_dot_mgpu`` on the expert shapes.
+6. first of all, XLA ``ragged_dot`` (f32 and bf16 output) against ``ragged_dot_mgpu`` on the
+   expert shapes.
+
+Precisions: ``bf16`` (expert matmuls through XLA ragged_dot with a bf16 result, its cuDNN grouped
+GEMM), ``bf16_mgpu`` (jax's Pallas ``ragged_dot_mgpu``), ``fp8`` (E4M3 weights and activations,
+the grouped product through the same XLA path: no FP8 kernel exists yet), ``nvfp4`` and
+``nvfp4_rac`` (the Pallas W4A4 kernels, weights in their layout from ``sync``).
 """
 
 from __future__ import annotations
@@ -135,27 +140,59 @@ def copy_bandwidth(nbytes: int) -> float:
     return 2 * x.nbytes / t
 
 
-# ------------------------------------------------------------------------------ mgpu bf16 arm
-def register_ragged_dot_mgpu() -> None:
-    """Run the bf16 expert matmuls with jax's Pallas ``ragged_dot_mgpu`` (Hopper)."""
+# ------------------------------------------------------------------------------ expert-matmul arms
+# ops' jnp path asks ragged_dot for an f32 result; XLA on GPU then expands it to a dense,
+# num_experts-times redundant product (PALLAS_NOTES section 4), which cannot run a 30B prefill.
+# The arms below register XLA's best path (bf16 output -> cuDNN grouped GEMM), jax's Pallas
+# ragged_dot_mgpu, and FP8 weights through the same XLA path, as the "grouped" kernels of their
+# modes in ops' dispatch. Results are rounded to bf16 once, as ops does after its f32 product.
+def _xla_ragged(x, w, group_sizes):
+    return jax.lax.ragged_dot(x, jnp.swapaxes(w, 1, 2), group_sizes,
+                              preferred_element_type=jnp.bfloat16)
+
+
+def _mgpu_ragged(x, w, group_sizes):
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
-    def fn(x, w, group_sizes, *, recipe, site, interpret):
-        del recipe, site, interpret
-        n = w.shape[1]
-        block_n = 128 if n % 128 == 0 else 64
-        return ragged_dot_mgpu.ragged_dot(
-            x, w.astype(x.dtype), group_sizes=group_sizes, block_m=64, block_n=block_n,
-            block_k=64, max_concurrent_steps=4, grid_block_n=1, transpose_rhs=True)
+    block_n = 128 if w.shape[1] % 128 == 0 else 64
+    return ragged_dot_mgpu.ragged_dot(x, w, group_sizes=group_sizes, block_m=64, block_n=block_n,
+                                      block_k=64, max_concurrent_steps=4, grid_block_n=1,
+                                      transpose_rhs=True)
 
-    ops.register_kernel("bf16", "grouped", fn)
+
+def _bf16_kernel(ragged):
+    def fn(x, w, group_sizes, *, recipe, site, interpret):
+        return ragged(x, w.astype(x.dtype), group_sizes)
+
+    return fn
+
+
+def _fp8_kernel(x, w, group_sizes, *, recipe, site, interpret):
+    """W8A8 FP8 as ops' reference computes it, with the grouped product through ``_xla_ragged``."""
+    from quads_jax.quant import fp8
+
+    qx = fp8.quantize(x, granularity=recipe.fp8_act_granularity)
+    acc = _xla_ragged(qx.data.astype(jnp.bfloat16), w.data.astype(jnp.bfloat16), group_sizes)
+    rows = ops.expert_of_rows(group_sizes, x.shape[0])
+    w_rows = w.scale.reshape(w.shape[0], -1)[rows]
+    return acc.astype(jnp.float32) * qx.scale * w_rows
+
+
+def register_arm(name: str) -> None:
+    if name == "bf16":
+        ops.register_kernel("bf16", "grouped", _bf16_kernel(_xla_ragged))
+    elif name == "bf16_mgpu":
+        ops.register_kernel("bf16", "grouped", _bf16_kernel(_mgpu_ragged))
+    elif name == "fp8":
+        ops.register_kernel("w8a8_fp8", "grouped", _fp8_kernel)
 
 
 def bench_ragged_dot(config: ModelConfig, rows: list[int], reps: int) -> list[dict]:
-    """XLA ragged_dot vs ragged_dot_mgpu on the expert shapes (gate_up and down)."""
-    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
-
+    """XLA ragged_dot (bf16 and f32 output) vs ragged_dot_mgpu on the expert shapes."""
     e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+    xla_f32 = jax.jit(lambda x, w, gs: jax.lax.ragged_dot(
+        x, jnp.swapaxes(w, 1, 2), gs, preferred_element_type=jnp.float32))
+    xla, mg = jax.jit(_xla_ragged), jax.jit(_mgpu_ragged)
     out = []
     for name, n, k in (("gate_up", 2 * i, h), ("down", h, i)):
         w = jax.random.normal(jax.random.key(1), (e, n, k), jnp.bfloat16)
@@ -163,24 +200,19 @@ def bench_ragged_dot(config: ModelConfig, rows: list[int], reps: int) -> list[di
             x = jax.random.normal(jax.random.key(2), (m, k), jnp.bfloat16)
             ids = jax.random.randint(jax.random.key(3), (m,), 0, e)
             gs = jnp.bincount(ids, length=e).astype(jnp.int32)
-            xla = jax.jit(lambda x, w, gs: jax.lax.ragged_dot(
-                x, jnp.swapaxes(w, 1, 2), gs, preferred_element_type=jnp.float32
-            ).astype(jnp.bfloat16))
-            mg = jax.jit(lambda x, w, gs: ragged_dot_mgpu.ragged_dot(
-                x, w, group_sizes=gs, block_m=64, block_n=128, block_k=64,
-                max_concurrent_steps=4, grid_block_n=1, transpose_rhs=True))
-            ref = xla(x, w, gs)
-            got = mg(x, w, gs)
-            err = float(jnp.linalg.norm((got - ref).astype(jnp.float32))
-                        / jnp.linalg.norm(ref.astype(jnp.float32)))
-            args = (x, w, gs)
-            t_x = statistics.median(timed(lambda f=xla, a=args: f(*a), reps))
-            t_m = statistics.median(timed(lambda f=mg, a=args: f(*a), reps))
-            touched = int(jnp.sum(gs > 0))
-            out.append(dict(kind="ragged_dot", matmul=name, rows=m, n=n, k=k,
-                            xla_ms=t_x * 1e3, mgpu_ms=t_m * 1e3, speedup=t_x / t_m,
-                            rel_err=err, weight_bytes_touched=touched * n * k * 2,
-                            tflops_mgpu=2 * m * n * k / t_m / 1e12))
+            ref = xla_f32(x, w, gs)
+            row = dict(kind="ragged_dot", matmul=name, rows=m, n=n, k=k,
+                       expert_bytes=e * n * k * 2, flops=2 * m * n * k)
+            for label, f in (("xla_f32out", xla_f32), ("xla_bf16out", xla), ("mgpu", mg)):
+                try:
+                    got = f(x, w, gs).astype(jnp.float32)
+                    row[f"{label}_rel_err"] = float(jnp.linalg.norm(got - ref)
+                                                    / jnp.linalg.norm(ref))
+                    row[f"{label}_ms"] = statistics.median(
+                        timed(lambda f=f, a=(x, w, gs): f(*a), reps)) * 1e3
+                except Exception as err:  # record and go on: one path failing is a result
+                    row[f"{label}_error"] = f"{type(err).__name__}: {str(err)[:200]}"
+            out.append(row)
     return out
 
 
@@ -272,8 +304,8 @@ def largest_batch(cfg, weights: int, temp_per_row: float, context: int = 1024) -
 
 def bench_precision(name, params, cfg, cases, args, bandwidth, clock, out_dir) -> None:
     recipe = get_recipe(PRECISIONS[name])
-    if name == "bf16_mgpu":
-        register_ragged_dot_mgpu()
+    if jax.default_backend() == "gpu":
+        register_arm(name)
     t = time.perf_counter()
     rollout = jax.block_until_ready(sync(params, recipe, model_config=cfg))
     first = time.perf_counter() - t
@@ -387,6 +419,9 @@ def main(argv=None) -> int:
     record(args.out, dict(kind="device", device=str(device.device_kind), jax=jax.__version__,
                           commit=args.commit, copy_bandwidth_TBps=bandwidth / 1e12,
                           date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())))
+    if args.ragged and gpu:
+        for row in bench_ragged_dot(cfg, [1024, 32768], 5):
+            record(args.out, row)
     t = time.perf_counter()
     params = jax.block_until_ready(init_params_on_device(cfg, jax.random.key(0)))
     record(args.out, dict(kind="init", seconds=time.perf_counter() - t,
@@ -401,10 +436,9 @@ def main(argv=None) -> int:
             bench_precision(name, params, cfg, cases, args, bandwidth, clock, args.out)
     del params
     if args.split and clock.allows("time split"):
+        if gpu:
+            register_arm("bf16")
         bench_split(cfg, *cases[0], args, bandwidth, clock, args.out)
-    if args.ragged and gpu and clock.allows("ragged_dot comparison"):
-        for row in bench_ragged_dot(cfg, [1024, 32768], 5):
-            record(args.out, row)
     print(summary(args.out), flush=True)
     return 0
 
