@@ -235,7 +235,9 @@ def kv_bytes(config: ModelConfig, rows: int, slots: int) -> int:
 
 
 def bench_case(params, cfg, recipe, batch, prompt, args, bandwidth) -> dict:
-    sc = engine.SamplerConfig(max_new_tokens=args.new_tokens, temperature=1.0)
+    chunk = args.prefill_chunk if args.prefill_chunk and batch % args.prefill_chunk == 0 else 0
+    sc = engine.SamplerConfig(max_new_tokens=args.new_tokens, temperature=1.0,
+                              prefill_chunk=chunk)
     prompts = jax.random.randint(jax.random.key(batch + prompt), (batch, prompt), 0, cfg.vocab_size)
     mask = jnp.ones((batch, prompt), bool)
     rng = jax.random.key(0)
@@ -398,6 +400,8 @@ def parse_args(argv):
     p.add_argument("--ragged", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--budget-s", type=float, default=1e9, help="start no new case after this")
     p.add_argument("--bf16-flops", type=float, default=790e12, help="measured bf16 rate (KINDS)")
+    p.add_argument("--prefill-chunk", type=int, default=32,
+                   help="prompts per prefill pass (bounds attention-score memory); 0: all")
     p.add_argument("--commit", default="")
     p.add_argument("--out", default=os.environ.get("OUT", "out/bench_rollout"))
     args = p.parse_args(argv)

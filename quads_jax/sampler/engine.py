@@ -50,6 +50,8 @@ class SamplerConfig:
       pad_token_id: written after a sequence ends and in the prompt padding.
       return_expert_ids: also return the routed expert ids of every token (router replay).
       kv_cache_dtype: "model" (the model's compute dtype), "bfloat16" or "float32".
+      prefill_chunk: prefill this many prompts per pass (0: all at once); must divide the
+        batch. Bounds prefill memory (attention scores) for large batches of long prompts.
     """
 
     max_new_tokens: int = 128
@@ -62,6 +64,7 @@ class SamplerConfig:
     pad_token_id: int = 0
     return_expert_ids: bool = False
     kv_cache_dtype: str = "model"
+    prefill_chunk: int = 0
 
     def __post_init__(self) -> None:
         name = "SamplerConfig"
@@ -74,6 +77,9 @@ class SamplerConfig:
         check(name, "stop_token_ids", ids, ok, "a tuple of token ids >= 0")
         pad = self.pad_token_id
         check(name, "pad_token_id", pad, isinstance(pad, int) and pad >= 0, "a token id >= 0")
+        chunk = self.prefill_chunk
+        check(name, "prefill_chunk", chunk, isinstance(chunk, int) and chunk >= 0,
+              "an int >= 0 (0: the whole batch at once)")
         check(name, "kv_cache_dtype", self.kv_cache_dtype, self.kv_cache_dtype in KV_CACHE_DTYPES,
               f"one of {list(KV_CACHE_DTYPES)}")
 
@@ -198,12 +204,16 @@ def _mask_ids(ids: jax.Array, valid: jax.Array) -> jax.Array:
     return jnp.where(valid[None, :, :, None], ids.astype(jnp.int32), -1)
 
 
-def _prefill(params, prompts, prompt_mask, rng, config, model_config, recipe) -> DecodeState:
+def _prefill_rows(params, prompts, prompt_mask, config, model_config, recipe):
+    """Prefill ``prompts [b, P]`` into a fresh cache of ``P + max_new_tokens - 1`` slots.
+
+    Returns ``(cache, logits [b, V] f32 of the last prompt token, expert ids
+    [n_moe, b, P, k] with -1 on padding, or None)``.
+    """
     models = _models()
     batch, width = prompts.shape
-    n, max_new = config.n_samples, config.max_new_tokens
     positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1, dtype=jnp.int32) - 1, 0)
-    cache = models.KVCache.init(model_config, batch, width + max_new - 1,
+    cache = models.KVCache.init(model_config, batch, width + config.max_new_tokens - 1,
                                 _cache_dtype(config, model_config))
     run = functools.partial(models.forward, model_config, params, recipe=recipe,
                             return_router=config.return_expert_ids)
@@ -216,10 +226,60 @@ def _prefill(params, prompts, prompt_mask, rng, config, model_config, recipe) ->
     tail = run(prompts[:, -1:], attention_mask=prompt_mask[:, -1:], positions=positions[:, -1:],
                cache=cache)
     id_parts.append(tail.expert_ids)
-    cache = _repeat_rows(tail.cache, n)
-    logits = jnp.repeat(tail.logits[:, -1], n, axis=0)
+    ids = None
+    if config.return_expert_ids:
+        ids = _mask_ids(jnp.concatenate(id_parts, axis=2), prompt_mask)
+    return tail.cache, tail.logits[:, -1], ids
+
+
+def _prefill_batch(params, prompts, prompt_mask, config, model_config, recipe):
+    """All rows, ``prefill_chunk`` prompts at a time; each prompt's cache repeated n times.
+
+    Returns ``(cache with B*n rows, logits [B*n, V], expert ids [n_moe, B, P, k] or None)``.
+    """
+    batch, n = prompts.shape[0], config.n_samples
+    chunk = config.prefill_chunk or batch
+    if chunk >= batch:
+        cache, logits, ids = _prefill_rows(params, prompts, prompt_mask, config, model_config,
+                                           recipe)
+        return _repeat_rows(cache, n), jnp.repeat(logits, n, axis=0), ids
+    # Chunks write into one preallocated cache in place: peak memory is one chunk's
+    # activations (attention scores grow with rows x prompt x slots) plus the full cache.
+    part = jax.eval_shape(lambda p, m: _prefill_rows(params, p, m, config, model_config, recipe),
+                          prompts[:chunk], prompt_mask[:chunk])
+    c = part[0]
+    cache = dataclasses.replace(
+        c, k=jnp.zeros((c.k.shape[0], batch * n) + c.k.shape[2:], c.k.dtype),
+        v=jnp.zeros((c.v.shape[0], batch * n) + c.v.shape[2:], c.v.dtype),
+        mask=jnp.zeros((batch * n,) + c.mask.shape[1:], bool), length=jnp.int32(0))
+    logits = jnp.zeros((batch * n,) + part[1].shape[1:], part[1].dtype)
+    ids = None if part[2] is None else jnp.zeros(
+        part[2].shape[:1] + (batch,) + part[2].shape[2:], jnp.int32)
+    put = jax.lax.dynamic_update_slice_in_dim
+
+    def body(i, carry):
+        cache, logits, ids = carry
+        rows = lambda a: jax.lax.dynamic_slice_in_dim(a, i * chunk, chunk, axis=0)
+        c, lg, id_ = _prefill_rows(params, rows(prompts), rows(prompt_mask), config,
+                                   model_config, recipe)
+        c, at = _repeat_rows(c, n), i * chunk * n
+        cache = dataclasses.replace(cache, k=put(cache.k, c.k, at, axis=1),
+                                    v=put(cache.v, c.v, at, axis=1),
+                                    mask=put(cache.mask, c.mask, at, axis=0), length=c.length)
+        logits = put(logits, jnp.repeat(lg, n, axis=0), at, axis=0)
+        if ids is not None:
+            ids = put(ids, id_, i * chunk, axis=1)
+        return cache, logits, ids
+
+    return jax.lax.fori_loop(0, batch // chunk, body, (cache, logits, ids))
+
+
+def _prefill(params, prompts, prompt_mask, rng, config, model_config, recipe) -> DecodeState:
+    n, max_new = config.n_samples, config.max_new_tokens
+    cache, logits, ids = _prefill_batch(params, prompts, prompt_mask, config, model_config,
+                                        recipe)
     prompt_length = jnp.repeat(jnp.sum(prompt_mask, axis=1, dtype=jnp.int32), n)
-    rows = batch * n
+    rows = prompts.shape[0] * n
 
     rng, key = jax.random.split(rng)
     token, logp = sample_tokens(key, logits, config.sampling)
@@ -232,9 +292,8 @@ def _prefill(params, prompts, prompt_mask, rng, config, model_config, recipe) ->
     logprobs = jnp.zeros((rows, max_new), jnp.float32).at[:, 0].set(logp)
 
     expert_ids = prompt_ids = None
-    if config.return_expert_ids:
-        ids = jnp.concatenate(id_parts, axis=2) if len(id_parts) > 1 else id_parts[0]
-        prompt_ids = jnp.repeat(_mask_ids(ids, prompt_mask), n, axis=1)
+    if ids is not None:
+        prompt_ids = jnp.repeat(ids, n, axis=1)
         expert_ids = jnp.full(ids.shape[:1] + (rows, max_new) + ids.shape[3:], -1, jnp.int32)
     return DecodeState(
         cache=cache, step=jnp.int32(1), last_token=token, prompt_length=prompt_length,
@@ -334,6 +393,9 @@ def _check_inputs(prompts, prompt_mask, config: SamplerConfig, model_config):
     batch, width = prompts.shape
     if batch == 0 or width == 0:
         raise ValueError(f"prompts: shape {(batch, width)} is empty; need >= 1 prompt of >= 1 token")
+    if config.prefill_chunk and batch % config.prefill_chunk:
+        raise ValueError(f"prompts: batch {batch} is not a multiple of SamplerConfig."
+                         f"prefill_chunk={config.prefill_chunk}")
     if prompt_mask is None:
         prompt_mask = np.ones((batch, width), bool)
     if tuple(prompt_mask.shape) != (batch, width):

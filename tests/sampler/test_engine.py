@@ -144,6 +144,25 @@ def test_stop_tokens_end_rows_and_the_loop_exits_early(model, greedy):
         assert np.all(got[r, length[r]:] == 0) and resp[r].sum() == length[r]
 
 
+def test_chunked_prefill_with_groups_equals_one_pass(model, greedy):
+    cfg, params = model
+    tokens, mask = engine.left_pad(PROMPTS)
+    sc = SamplerConfig(max_new_tokens=NEW, greedy=True, return_expert_ids=True, n_samples=2,
+                       prefill_chunk=2)
+    out = engine.generate(params, tokens, jax.random.key(1), sc, model_config=cfg,
+                          prompt_mask=mask)
+    # Greedy samples of one group are identical, and equal the one-pass, n=1 rollout.
+    for got, want in ((out.tokens, greedy.tokens), (out.expert_ids, greedy.expert_ids),
+                      (out.response_mask, greedy.response_mask)):
+        axis = 1 if got.ndim == 4 else 0
+        np.testing.assert_array_equal(np.asarray(got), np.repeat(np.asarray(want), 2, axis=axis))
+    np.testing.assert_allclose(np.asarray(out.logprobs), np.repeat(greedy.logprobs, 2, axis=0),
+                               atol=1e-5)
+    with pytest.raises(ValueError, match="batch 4 is not a multiple of SamplerConfig"):
+        engine.generate(params, tokens, jax.random.key(1), SamplerConfig(prefill_chunk=3),
+                        model_config=cfg, prompt_mask=mask)
+
+
 def _generate(model, prompts, mask=None, **kwargs):
     cfg, params = model
     return engine.generate(params, prompts, jax.random.key(0), SamplerConfig(**kwargs),
