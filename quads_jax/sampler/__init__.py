@@ -1,5 +1,6 @@
 """The rollout engine: sampling, the jitted prefill + decode loop, and the weight sync."""
 
+from quads_jax.sampler.compaction import generate_compacting
 from quads_jax.sampler.engine import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -27,6 +28,7 @@ __all__ = [
     "decode",
     "finish",
     "generate",
+    "generate_compacting",
     "left_pad",
     "prefill",
     "sample_tokens",

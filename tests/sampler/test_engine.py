@@ -7,6 +7,7 @@ import pytest
 
 from quads_jax import models
 from quads_jax.sampler import engine
+from quads_jax.sampler.compaction import generate_compacting
 from quads_jax.sampler.engine import FINISH_LENGTH, FINISH_STOP, SamplerConfig
 from quads_jax.testing import tiny_config
 
@@ -120,7 +121,8 @@ def test_stop_tokens_end_rows_and_the_loop_exits_early(model, greedy):
     cfg, params = model
     width = max(len(p) for p in PROMPTS)
     ref = np.asarray(greedy.tokens)[:, width:]
-    stops = tuple(sorted({int(t) for t in ref[:, 1]}))  # every row meets one by index 1
+    # Rows end at different steps, every one by index 5.
+    stops = tuple(sorted({int(ref[0, 1]), int(ref[1, 2]), int(ref[2, 3]), int(ref[3, 5])}))
     sc = SamplerConfig(max_new_tokens=NEW, greedy=True, stop_token_ids=stops, pad_token_id=0)
     tokens, mask = engine.left_pad(PROMPTS)
     state = engine.prefill(params, tokens, jax.random.key(1), sc, model_config=cfg,
@@ -142,6 +144,16 @@ def test_stop_tokens_end_rows_and_the_loop_exits_early(model, greedy):
     for r in range(len(PROMPTS)):
         np.testing.assert_array_equal(got[r, :length[r]], ref[r, :length[r]])
         assert np.all(got[r, length[r]:] == 0) and resp[r].sum() == length[r]
+
+    # Compaction: finished rows leave the batch; the rollout is the same.
+    compact, sizes = generate_compacting(params, tokens, jax.random.key(1), sc, model_config=cfg,
+                                         prompt_mask=mask, segment_steps=1, min_rows=1)
+    for x, y in zip(jax.tree.leaves(compact), jax.tree.leaves(out), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5)
+    running = [int(np.sum(length > s)) for s in range(1, len(sizes) + 1)]
+    assert sizes[0] == 4 and sizes == sorted(sizes, reverse=True)
+    assert all(size >= r for size, r in zip(sizes, running, strict=True)), (sizes, running)
+    assert min(sizes) < 4, f"no compaction happened: lengths {length}, sizes {sizes}"
 
 
 def test_chunked_prefill_with_groups_equals_one_pass(model, greedy):
