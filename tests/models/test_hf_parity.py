@@ -68,53 +68,33 @@ def _inputs():
     return tokens, mask, positions
 
 
-@pytest.fixture(scope="module")
-def parity(tmp_path_factory):
-    tmp = str(tmp_path_factory.mktemp("hf"))
-    tokens, mask, positions = _inputs()
-    inputs = {"tokens": tokens.tolist(), "attention_mask": mask.astype(int).tolist(),
-              "positions": positions.tolist()}
-    jobs = [{"op": "build", "name": n, "dir": os.path.join(tmp, n), "config": c, "seed": i}
-            for i, (n, c) in enumerate(CONFIGS.items())]
-    hf = _run_oracle(tmp, jobs, inputs, "build")
-    ours, exported = {}, []
-    forward = jit_forward()
-    for n in CONFIGS:
-        config, params = load_hf(os.path.join(tmp, n))
-        config = config.replace(dtype=jnp.float32)
-        out = forward(config, params, jnp.asarray(tokens), attention_mask=jnp.asarray(mask))
-        ours[n] = (out, config, params)
-        save_hf(config, params, os.path.join(tmp, f"{n}_export"))
-        exported.append({"op": "score", "name": f"{n}_export", "dir": os.path.join(tmp, f"{n}_export")})
-    hf.update(_run_oracle(tmp, exported, inputs, "export"))
-    return hf, ours, mask, tmp
-
-
 def _max_diff(a, b, mask):
     return float(np.max(np.abs(np.asarray(a) - np.asarray(b)) * mask[..., None]))
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_logits_match_transformers(parity, name):
-    hf, ours, mask, _ = parity
-    out = ours[name][0]
+def test_logits_aux_loss_and_export_round_trip(tmp_path, name):
+    """One config per test (xdist runs them in parallel), two oracle calls each."""
+    tmp = str(tmp_path)
+    tokens, mask, positions = _inputs()
+    inputs = {"tokens": tokens.tolist(), "attention_mask": mask.astype(int).tolist(),
+              "positions": positions.tolist()}
+    src, dst = os.path.join(tmp, name), os.path.join(tmp, f"{name}_export")
+    build = {"op": "build", "name": "hf", "dir": src, "config": CONFIGS[name], "seed": 1}
+    hf = _run_oracle(tmp, [build], inputs, "build")
+
+    config, params = load_hf(src)
+    config = config.replace(dtype=jnp.float32)
+    out = jit_forward()(config, params, jnp.asarray(tokens), attention_mask=jnp.asarray(mask))
     assert out.logits.dtype == jnp.float32
-    assert np.abs(hf[f"{name}/logits"]).max() > 0.1  # a model that says something
-    assert _max_diff(out.logits, hf[f"{name}/logits"], mask) < 1e-4
+    assert np.abs(hf["hf/logits"]).max() > 0.1  # a model that says something
+    assert _max_diff(out.logits, hf["hf/logits"], mask) < 1e-4
+    np.testing.assert_allclose(float(out.aux_loss), hf["hf/aux_loss"], rtol=1e-5)
 
-
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_aux_loss_matches_transformers(parity, name):
-    hf, ours, _, _ = parity
-    np.testing.assert_allclose(float(ours[name][0].aux_loss), hf[f"{name}/aux_loss"], rtol=1e-5)
-
-
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_export_round_trip(parity, name):
-    hf, ours, mask, tmp = parity
-    assert _max_diff(hf[f"{name}_export/logits"], hf[f"{name}/logits"], mask) < 1e-5
-    config, params = ours[name][1], ours[name][2]
-    config2, params2 = load_hf(os.path.join(tmp, f"{name}_export"))
+    save_hf(config, params, dst)
+    exported = _run_oracle(tmp, [{"op": "score", "name": "hf", "dir": dst}], inputs, "export")
+    assert _max_diff(exported["hf/logits"], hf["hf/logits"], mask) < 1e-5
+    config2, params2 = load_hf(dst)
     assert config2.replace(dtype=jnp.float32) == config
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                  params, params2)

@@ -163,22 +163,23 @@ def test_expert_ids_and_aux_loss(params):
     assert float(z.aux_loss) > float(out.aux_loss)
 
 
-def test_keep_first_layers_bf16_splits_scans_and_matches(params):
+def test_keep_first_layers_bf16_splits_scans_and_matches():
+    two = CFG32.replace(num_hidden_layers=2, mlp_only_layers=())  # one group of 2 MoE layers
+    params = init_params(two, jax.random.key(4))
     _, tok, mask = _batch()
-    rec = get_recipe("trainer_qat", keep_first_n_bf16=3)  # layer 2 bf16, layer 3 QAT
-    a = FWD(CFG32, params, jnp.asarray(tok), attention_mask=jnp.asarray(mask), recipe=rec)
-    split = split_layer_groups(CFG32, params, rec)
-    assert [g["input_norm"].shape[0] for g in split["layers"]] == [1, 1, 1, 1]
-    b = FWD(CFG32, split, jnp.asarray(tok), attention_mask=jnp.asarray(mask), recipe=rec)
+    rec = get_recipe("trainer_qat", keep_first_n_bf16=1)  # layer 0 bf16, layer 1 QAT
+    a = FWD(two, params, jnp.asarray(tok), attention_mask=jnp.asarray(mask), recipe=rec)
+    split = split_layer_groups(two, params, rec)
+    assert [g["input_norm"].shape[0] for g in split["layers"]] == [1, 1]
+    b = FWD(two, split, jnp.asarray(tok), attention_mask=jnp.asarray(mask), recipe=rec)
     np.testing.assert_array_equal(np.asarray(a.logits), np.asarray(b.logits))
-    # Manually fake-quantize layer 3's experts: bf16 recipe must give the same logits.
-    manual = jax.tree.map(lambda x: x, split)
-    ex = manual["layers"][3]["mlp"]["experts"]
+    # Manually fake-quantize layer 1's experts: the bf16 recipe must give the same logits.
+    ex = split["layers"][1]["mlp"]["experts"]
     ex["gate_up"] = nvfp4.qdq(ex["gate_up"], scale_mode="expert")
     ex["down"] = nvfp4.qdq(ex["down"], scale_mode="expert")
-    c = FWD(CFG32, manual, jnp.asarray(tok), attention_mask=jnp.asarray(mask))
+    c = FWD(two, split, jnp.asarray(tok), attention_mask=jnp.asarray(mask))
     np.testing.assert_allclose(np.asarray(a.logits), np.asarray(c.logits), atol=1e-5)
-    plain = FWD(CFG32, params, jnp.asarray(tok), attention_mask=jnp.asarray(mask))
+    plain = FWD(two, params, jnp.asarray(tok), attention_mask=jnp.asarray(mask))
     assert float(jnp.abs(plain.logits - a.logits).max()) > 1e-3
 
 
@@ -215,25 +216,27 @@ def test_unrolled_and_remat_match_scan(params):
                  grad(p1, False), grad(p1, True))
 
 
-def test_collect_site_inputs_and_static_rac_calibration(params):
+def test_collect_site_inputs_and_static_rac_calibration():
     from quads_jax.models import collect_site_inputs
     from quads_jax.models.transformer import layer_matmul_sites
     from quads_jax.quant import ops, rac
 
+    cfg = CFG32.replace(num_hidden_layers=3, mlp_only_layers=(1,))  # moe, dense, moe
+    params = init_params(cfg, jax.random.key(5))
     _, tok, mask = _batch()
     online = get_recipe("rollout_quads", backend="reference")
     run = jax.jit(collect_site_inputs, static_argnums=0, static_argnames="recipe")
-    out, inputs = run(CFG32, params, jnp.asarray(tok), attention_mask=jnp.asarray(mask),
+    out, inputs = run(cfg, params, jnp.asarray(tok), attention_mask=jnp.asarray(mask),
                       recipe=online)
-    want = {s for i in range(4) for s in layer_matmul_sites(CFG32, i)} | {"lm_head"}
+    want = {s for i in range(3) for s in layer_matmul_sites(cfg, i)} | {"lm_head"}
     assert set(inputs) == want
-    x, gs = inputs["layers.3.mlp.experts.down"]
+    x, gs = inputs["layers.2.mlp.experts.down"]
     assert x.shape == (tok.size * 2, 32) and int(gs.sum()) == tok.size * 2
     assert inputs["layers.1.mlp.gate_up"][1] is None
     # Static calibration on this very batch must reproduce online_batch selection exactly.
     static = online.replace(rac_selection="static")
-    calibrated = split_layer_groups(CFG32, params, static)
-    for g, (_, start, stop) in zip(calibrated["layers"], CFG32.layer_groups, strict=True):
+    calibrated = split_layer_groups(cfg, params, static)
+    for g, (_, start, stop) in zip(calibrated["layers"], cfg.layer_groups, strict=True):
         if "experts" not in g["mlp"]:
             continue
         for name in ("gate_up", "down"):
@@ -245,6 +248,6 @@ def test_collect_site_inputs_and_static_rac_calibration(params):
                                                    num_experts=8))
             g["mlp"]["experts"][name] = rac.CalibratedWeight(
                 g["mlp"]["experts"][name], rac_blocks=jnp.stack(blocks))
-    got = FWD(CFG32, calibrated, jnp.asarray(tok), attention_mask=jnp.asarray(mask),
+    got = FWD(cfg, calibrated, jnp.asarray(tok), attention_mask=jnp.asarray(mask),
               recipe=static)
     np.testing.assert_allclose(np.asarray(got.logits), np.asarray(out.logits), atol=1e-5)
