@@ -3,6 +3,7 @@
 from quads_jax.models.config import ModelConfig
 from quads_jax.models.hf import load_hf, read_config, save_hf
 from quads_jax.models.kv_cache import KVCache
+from quads_jax.models.nnx_model import Qwen3MoeForCausalLM
 from quads_jax.models.transformer import (
     ForwardOutput,
     collect_site_inputs,
@@ -18,6 +19,7 @@ __all__ = [
     "collect_site_inputs",
     "KVCache",
     "ModelConfig",
+    "Qwen3MoeForCausalLM",
     "forward",
     "init_params",
     "layer_matmul_sites",

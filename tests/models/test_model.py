@@ -251,3 +251,22 @@ def test_collect_site_inputs_and_static_rac_calibration():
     got = FWD(cfg, calibrated, jnp.asarray(tok), attention_mask=jnp.asarray(mask),
               recipe=static)
     np.testing.assert_allclose(np.asarray(got.logits), np.asarray(out.logits), atol=1e-5)
+
+
+def test_nnx_module_holds_the_same_tree():
+    from flax import nnx
+
+    from quads_jax.models import Qwen3MoeForCausalLM
+
+    one = CFG32.replace(num_hidden_layers=1, mlp_only_layers=())
+    p1 = init_params(one, jax.random.key(1))
+    model = Qwen3MoeForCausalLM(one, params=p1)
+    assert jax.tree.structure(model.pure_params()) == jax.tree.structure(p1)
+    assert len(nnx.state(model, nnx.Param).flat_state()) == len(jax.tree.leaves(p1))
+    tok = jnp.asarray([[5, 6, 7]], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(model(tok).logits),
+                                  np.asarray(forward(one, p1, tok).logits))
+    fresh = Qwen3MoeForCausalLM(one, rngs=nnx.Rngs(0))
+    assert jax.tree.structure(fresh.pure_params()) == jax.tree.structure(p1)
+    with pytest.raises(ValueError, match="rngs"):
+        Qwen3MoeForCausalLM(one)
