@@ -262,7 +262,7 @@ def test_nnx_module_holds_the_same_tree():
     p1 = init_params(one, jax.random.key(1))
     model = Qwen3MoeForCausalLM(one, params=p1)
     assert jax.tree.structure(model.pure_params()) == jax.tree.structure(p1)
-    assert len(nnx.state(model, nnx.Param).flat_state()) == len(jax.tree.leaves(p1))
+    assert len(nnx.to_flat_state(nnx.state(model, nnx.Param))) == len(jax.tree.leaves(p1))
     tok = jnp.asarray([[5, 6, 7]], jnp.int32)
     np.testing.assert_array_equal(np.asarray(model(tok).logits),
                                   np.asarray(forward(one, p1, tok).logits))
