@@ -67,8 +67,7 @@ class MetricsLogger:
             from tensorboardX import SummaryWriter
 
             self._tb = SummaryWriter(os.path.join(run_dir, "tb"))
-        self._start = time.perf_counter()
-        self._first_step: int | None = None
+        self._phase_first: dict[str, tuple[int, float]] = {}
         self._phase_total: dict[str, int] = {}
         self._rich = None
         if console:
@@ -79,7 +78,7 @@ class MetricsLogger:
     def set_total(self, phase: str, total_steps: int) -> None:
         """Tell the logger how many steps ``phase`` has (for its ETA)."""
         self._phase_total[phase] = total_steps
-        self._start, self._first_step = time.perf_counter(), None
+        self._phase_first.pop(phase, None)
 
     def log(self, step: int, metrics: Mapping[str, Any], *, phase: str = "rl") -> None:
         """Record ``metrics`` of ``step`` (``phase`` tags SFT / RL / eval records)."""
@@ -95,15 +94,14 @@ class MetricsLogger:
             self._print(step, row, phase)
 
     def _print(self, step: int, row: Mapping[str, Any], phase: str) -> None:
-        if self._first_step is None:
-            self._first_step, self._start = step, time.perf_counter()
-            eta = "?"
-        else:
-            done = step - self._first_step
-            total = self._phase_total.get(phase, self.total_steps)
-            per = (time.perf_counter() - self._start) / max(done, 1)
-            eta = f"{max(total - step, 0) * per:5.0f}s"
         total = self._phase_total.get(phase, self.total_steps)
+        first = self._phase_first.get(phase)
+        if first is None:  # the ETA of each phase counts from its own first logged step
+            self._phase_first[phase] = (step, time.perf_counter())
+            eta = "    ?"
+        else:
+            per = (time.perf_counter() - first[1]) / max(step - first[0], 1)
+            eta = f"{max(total - step, 0) * per:4.0f}s"
         width = 12
         filled = int(width * min(step / max(total, 1), 1.0))
         bar = "#" * filled + "." * (width - filled)
@@ -113,7 +111,7 @@ class MetricsLogger:
         )
         line = f"{phase:>4} [{bar}] {step:>4}/{total:<4} eta {eta} {shown}"
         if self._rich is not None:
-            self._rich.print(line, markup=False)
+            self._rich.print(line, markup=False, soft_wrap=True)
         else:
             print(line, flush=True)
 

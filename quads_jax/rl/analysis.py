@@ -1,8 +1,10 @@
 """Layer-wise NVFP4 error analysis on a fixed probe batch (QUADS_SPEC section 7).
 
-For every routed-expert ``gate_up`` weight ``W [N, K]`` (all MoE layers, up to ``max_experts``
-experts each) and probe activations ``X [M, K]``, relative Frobenius errors against
-``Y = X W^T`` (f32):
+The probe batch (held-out prompts) runs through the model once with the trainer recipe and
+once with the rollout recipe, recording the input of every matmul site
+(``models.collect_site_inputs``). For every routed-expert ``gate_up`` weight ``W [N, K]`` of
+every MoE layer (experts that received probe rows, at most ``max_experts`` per layer) and its
+real trainer-side input rows ``X [m, K]``, relative Frobenius errors against ``Y = X W^T``:
 
 * ``analysis/weight_only_err``   ``|X qdq(W)^T - Y| / |Y|``
 * ``analysis/act_only_err``      ``|dq(Q(X)) W^T - Y| / |Y|``
@@ -11,13 +13,14 @@ experts each) and probe activations ``X [M, K]``, relative Frobenius errors agai
   activations (selection, score and ratio of the rollout recipe)
 * ``analysis/rac_captured_energy`` ``|R_S|^2 / |R|^2``
 * ``analysis/act_ftz_rate``      fraction of non-zero activations that quantize to 0
-* ``analysis/act_bin_flip_rate`` fraction of activation E2M1 codes that differ between the
-  trainer's input (f32 arithmetic) and the same input recomputed in bf16 arithmetic, the way a
-  second engine recomputes it online (the spec's diagnosis: tiny differences, whole-bin flips)
 
-Probe activations: the exact input of layer 0's projections, ``rms_norm(embed[tokens])`` with
-layer 0's ``input_norm`` over the real tokens of held-out prompts. Deeper layers see different
-activations; using one probe for all keeps the numbers comparable across steps and arms.
+and, on the token-aligned inputs of each layer's ``q_proj`` (expert rows are sorted by the
+routing, which itself differs between the two engines):
+
+* ``analysis/act_bin_flip_rate`` fraction of E2M1 activation codes that differ between the
+  trainer's and the rollout's input of the same site (the spec's diagnosis: small upstream
+  differences flip whole bins).
+
 """
 
 from __future__ import annotations
@@ -29,32 +32,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from quads_jax import models
 from quads_jax.quant import metrics as qmetrics
 from quads_jax.quant import nvfp4, ops, rac
+from quads_jax.sampler import left_pad
 
 
-def probe_batch(tokenizer: Any, examples: Sequence[Any], max_prompts: int = 16) -> np.ndarray:
-    """Token ids of the probe prompts, concatenated: int32 ``[M]`` (real tokens only)."""
-    ids = [i for ex in examples[:max_prompts] for i in tokenizer.encode(ex.prompt, add_bos=True)]
-    return np.asarray(ids, np.int32)
+def probe_batch(
+    tokenizer: Any, examples: Sequence[Any], max_prompts: int = 16
+) -> tuple[np.ndarray, np.ndarray]:
+    """The fixed probe: BOS + prompt (+ demonstration when known) of the first held-out
+    examples, left-padded: ``(tokens int32 [B, P], mask bool [B, P])``."""
+    rows = [tokenizer.encode(ex.prompt + ex.demonstration, add_bos=True)
+            for ex in examples[:max_prompts]]
+    return left_pad(rows, tokenizer.pad_id)
 
 
-def _rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    var = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
-    return x * jax.lax.rsqrt(var + jnp.asarray(eps, x.dtype)) * w.astype(x.dtype)
-
-
-def _probe_activations(params: dict, model_config: Any, tokens: np.ndarray, dtype) -> jax.Array:
-    emb = params["embed"][tokens].astype(dtype)
-    norm = params["layers"][0]["input_norm"][0]
-    return _rms_norm(emb, norm, model_config.rms_norm_eps).astype(jnp.float32)
-
-
-def _rel(y, y_hat):
-    return qmetrics.rel_fro_error(y, y_hat)
-
-
-def _gemm_errors(x: jax.Array, x_other: jax.Array, w: jax.Array, recipe) -> dict[str, jax.Array]:
+def _gemm_errors(x: jax.Array, w: jax.Array, recipe) -> dict[str, jax.Array]:
+    """Error metrics of one expert GEMM: ``x [m, K]`` f32 real input rows, ``w [N, K]``."""
     w = w.astype(jnp.float32)
     y = x @ w.T
     wq = nvfp4.qdq(w)
@@ -62,38 +57,75 @@ def _gemm_errors(x: jax.Array, x_other: jax.Array, w: jax.Array, recipe) -> dict
     xq = nvfp4.dequantize(qx, jnp.float32)
     r = x - xq
     mask = rac.block_mask(x, r, recipe)
-    r_s = rac.masked_residual(r, mask)
-    rq = nvfp4.dequantize(ops.act_quantize(r_s, recipe), jnp.float32)
-    codes = nvfp4.unpack_codes(qx.packed)
-    codes_other = nvfp4.unpack_codes(ops.act_quantize(x_other, recipe).packed)
+    rq = nvfp4.dequantize(ops.act_quantize(rac.masked_residual(r, mask), recipe), jnp.float32)
     return {
-        "analysis/weight_only_err": _rel(y, x @ wq.T),
-        "analysis/act_only_err": _rel(y, xq @ w.T),
-        "analysis/w4a4_err": _rel(y, xq @ wq.T),
-        "analysis/w4a4_rac_err": _rel(y, (xq + rq) @ wq.T),
+        "analysis/weight_only_err": qmetrics.rel_fro_error(y, x @ wq.T),
+        "analysis/act_only_err": qmetrics.rel_fro_error(y, xq @ w.T),
+        "analysis/w4a4_err": qmetrics.rel_fro_error(y, xq @ wq.T),
+        "analysis/w4a4_rac_err": qmetrics.rel_fro_error(y, (xq + rq) @ wq.T),
         "analysis/rac_captured_energy": rac.captured_energy(r, mask),
         "analysis/act_ftz_rate": qmetrics.flush_to_zero_rate(x, xq),
-        "analysis/act_bin_flip_rate": jnp.mean((codes != codes_other).astype(jnp.float32)),
     }
 
 
+def _flip_rate(x_trainer: jax.Array, x_rollout: jax.Array, recipe) -> jax.Array:
+    a = nvfp4.unpack_codes(ops.act_quantize(x_trainer, recipe).packed)
+    b = nvfp4.unpack_codes(ops.act_quantize(x_rollout, recipe).packed)
+    return jnp.mean((a != b).astype(jnp.float32))
+
+
+def _layer_weights(model_config: Any, params: dict, layer: int) -> dict:
+    for g, (_, start, stop) in enumerate(model_config.layer_groups):
+        if start <= layer < stop:
+            return jax.tree.map(lambda x, i=layer - start: x[i], params["layers"][g])
+    raise ValueError(f"layer={layer} is outside the model's {model_config.num_hidden_layers}")
+
+
 def layer_error_analysis(
-    params: dict, model_config: Any, recipe: Any, probe_tokens: np.ndarray, max_experts: int = 8
+    params: dict,
+    model_config: Any,
+    trainer_recipe: Any,
+    rollout_recipe: Any,
+    probe: tuple[np.ndarray, np.ndarray],
+    max_experts: int = 8,
 ) -> dict[str, float]:
-    """Mean of each ``analysis/*`` metric over MoE layers and experts (see module docstring)."""
-    x = _probe_activations(params, model_config, probe_tokens, jnp.float32)
-    x_other = _probe_activations(params, model_config, probe_tokens, jnp.bfloat16)
+    """Mean of each ``analysis/*`` metric over MoE layers and experts (module docstring).
+
+    Args:
+      params: master params; probe: ``(tokens int32 [B, P], mask bool [B, P])``.
+    """
+    tokens, mask = (jnp.asarray(a) for a in probe)
+    real = np.asarray(mask).reshape(-1)
+    collect = jax.jit(models.collect_site_inputs, static_argnums=0, static_argnames="recipe")
+    _, trainer_in = collect(model_config, params, tokens, attention_mask=mask,
+                            recipe=trainer_recipe)
+    _, rollout_in = collect(model_config, params, tokens, attention_mask=mask,
+                            recipe=rollout_recipe)
+    errors = jax.jit(_gemm_errors, static_argnums=2)
     rows: list[dict[str, jax.Array]] = []
-    errors = jax.jit(_gemm_errors, static_argnums=3)
-    for group in params["layers"]:
-        experts = group.get("mlp", {}).get("experts")
-        if experts is None:
+    flips = []
+    for site, (x, group_sizes) in trainer_in.items():
+        layer = int(site.split(".")[1]) if site.startswith("layers.") else -1
+        if site.endswith("attn.q_proj"):
+            xt = x.reshape(-1, x.shape[-1])[real].astype(jnp.float32)
+            xr = rollout_in[site][0].reshape(-1, x.shape[-1])[real].astype(jnp.float32)
+            flips.append(jax.jit(_flip_rate, static_argnums=2)(xt, xr, rollout_recipe))
+        if not site.endswith("experts.gate_up") or group_sizes is None:
             continue
-        w = experts["gate_up"]  # [n_layers_in_group, E, 2I, D]
-        for layer in range(w.shape[0]):
-            for e in range(min(w.shape[1], max_experts)):
-                rows.append(errors(x, x_other, w[layer, e], recipe))
-    if not rows:
-        return {}
-    rows = jax.device_get(rows)
-    return {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
+        w = _layer_weights(model_config, params, layer)["mlp"]["experts"]["gate_up"]
+        sizes = np.asarray(group_sizes)
+        offsets = np.concatenate([[0], np.cumsum(sizes)])
+        x = np.asarray(x, np.float32).reshape(-1, x.shape[-1])
+        for e in [int(i) for i in np.argsort(-sizes)[:max_experts] if sizes[i] > 0]:
+            # zero-pad every expert's rows to one height: one compiled program for all experts;
+            # zero rows add nothing to any metric (errors, energies, FTZ count only non-zeros).
+            padded = np.zeros_like(x)
+            padded[: sizes[e]] = x[offsets[e]:offsets[e + 1]]
+            rows.append(errors(jnp.asarray(padded), w[e], rollout_recipe))
+    out = {}
+    if rows:
+        rows = jax.device_get(rows)
+        out = {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
+    if flips:
+        out["analysis/act_bin_flip_rate"] = float(np.mean(jax.device_get(flips)))
+    return out

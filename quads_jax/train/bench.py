@@ -25,11 +25,11 @@ from quads_jax import config as cfglib
 from quads_jax import models
 from quads_jax.quant.recipe import get_recipe
 from quads_jax.rl.grpo import GRPOConfig
+from quads_jax.tokenizers import CharTokenizer
 from quads_jax.train.config import TrainConfig
 from quads_jax.train.loop import make_apply_fn
 from quads_jax.train.state import OptimizerConfig, create_train_state, make_optimizer
 from quads_jax.train.step import make_update_fn, rl_loss_fn, split_minibatches
-from quads_jax.tokenizers import CharTokenizer
 
 
 def active_params(c) -> int:

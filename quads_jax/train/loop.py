@@ -254,6 +254,7 @@ class Trainer:
             state, sh, update = self._state_and_update(params, c.optimizer, rl_loss,
                                                        total_updates)
         rollout_params = self.sync(state.params)
+        self.logger.set_total("eval", c.rl.steps)
         if not resumed:
             before = self.evaluate(rollout_params, 0)
             self.logger.log(0, before, phase="eval")
@@ -275,7 +276,8 @@ class Trainer:
                 if analysis_probe is None:
                     analysis_probe = probe_batch(self.tokenizer, self.eval_examples)
                 metrics.update(layer_error_analysis(
-                    state.params, self.model_config, self.rollout_recipe, analysis_probe))
+                    state.params, self.model_config, self.trainer_recipe, self.rollout_recipe,
+                    analysis_probe))
             if rl_step % c.rl.eval_every == 0 or rl_step == c.rl.steps:
                 metrics.update(self.evaluate(rollout_params, rl_step))
             self.logger.log(rl_step, metrics, phase="rl")
