@@ -13,12 +13,11 @@ import jax.numpy as jnp
 
 from pallas_kernels.w4a4_grouped import _check_group_sizes, grouped_block_m, row_experts, tile_plan
 from pallas_kernels.w4a4_matmul import (
-    MAX_BLOCK_M,
     W4A4MatmulConfig,
     _check,
-    _round_up,
     as_kernel_weights,
     combine,
+    run_dense,
     run_tiles,
 )
 from quads_jax.quant import nvfp4
@@ -46,14 +45,7 @@ def w4a16_matmul(
         raise ValueError("w_q: stacked experts; use w4a16_grouped_matmul")
     _check(x, w)
     m = x.shape[0]
-    block_m = config.block_m or (_round_up(m, 8) if m <= MAX_BLOCK_M else MAX_BLOCK_M)
-    t = -(-m // block_m)
-    rows = jnp.arange(t * block_m, dtype=jnp.int32)
-    row_index = jnp.where(rows < m, rows, m).reshape(t, block_m)
-    parts = run_tiles(
-        (x.astype(jnp.bfloat16),), row_index, w, jnp.zeros((t,), jnp.int32),
-        jnp.full((1,), t, jnp.int32), block_m, config, interpret,
-    )[:m]
+    parts = run_dense((x.astype(jnp.bfloat16),), w, config, interpret)
     ones = jnp.ones((m,), jnp.float32)
     g_w = jnp.broadcast_to(w.global_scale[0], (m,))
     return combine(parts, (ones,), g_w, w.n, w.code_factor).astype(x.dtype)

@@ -89,6 +89,15 @@ def _static_rows(scale, rexp: jax.Array, e: int):
     return jnp.asarray(scale, jnp.float32).reshape(e)[jnp.minimum(rexp, e - 1)]
 
 
+def _grouped_acts(x, rexp, e, act_scale_mode, rac, rac_blocks, act_global_scale):
+    """Quantized activations of sorted rows; RAC's online_batch selection is per expert."""
+    return aq.nvfp4_quantize(
+        x, act_scale_mode=act_scale_mode, rac_config=rac,
+        row_expert=jnp.minimum(rexp, e - 1), num_experts=e, static_blocks=rac_blocks,
+        static_scale=_static_rows(act_global_scale, rexp, e),
+    )
+
+
 def w4a4_grouped_matmul(
     x_sorted: jax.Array,
     w_q,
@@ -120,11 +129,7 @@ def w4a4_grouped_matmul(
     m, e = x_sorted.shape[0], w.num_experts
     gs = _check_group_sizes(group_sizes, e, m)
     rexp = row_experts(gs, m)
-    acts = aq.nvfp4_quantize(
-        x_sorted, act_scale_mode=act_scale_mode, rac_config=rac,
-        row_expert=jnp.minimum(rexp, e - 1), num_experts=e, static_blocks=rac_blocks,
-        static_scale=_static_rows(act_global_scale, rexp, e),
-    )
+    acts = _grouped_acts(x_sorted, rexp, e, act_scale_mode, rac, rac_blocks, act_global_scale)
     b_rows, row_scales = aq.kernel_operands(acts, w.mma_dtype)
     block_m = config.block_m or grouped_block_m(m, e)
     row_index, tile_expert, num_tiles, row_slot = tile_plan(gs, m, block_m)
@@ -149,11 +154,7 @@ def w4a4_grouped_matmul_reference(
     m, e = x_sorted.shape[0], w_q.shape[0]
     gs = _check_group_sizes(group_sizes, e, m)
     rexp = row_experts(gs, m)
-    acts = aq.nvfp4_quantize(
-        x_sorted, act_scale_mode=act_scale_mode, rac_config=rac,
-        row_expert=jnp.minimum(rexp, e - 1), num_experts=e, static_blocks=rac_blocks,
-        static_scale=_static_rows(act_global_scale, rexp, e),
-    )
+    acts = _grouped_acts(x_sorted, rexp, e, act_scale_mode, rac, rac_blocks, act_global_scale)
     wd = nvfp4.dequantize(w_q, jnp.float32)  # [E, N, K]
     a = sum(aq.dequantized_sum(acts))
     y = jax.lax.ragged_dot(a, jnp.swapaxes(wd, 1, 2), gs, precision=jax.lax.Precision.HIGHEST)

@@ -116,6 +116,18 @@ def run_tiles(
     return jnp.transpose(out, (0, 3, 1, 2)).reshape(t_max * block_m, len(b_rows), -1)
 
 
+def run_dense(b_rows: tuple[jax.Array, ...], w: W4A4Weights, config, interpret: bool):
+    """Dense rows ``[M, K]`` in consecutive token tiles through the kernel: ``[M, A, Np]``."""
+    m = b_rows[0].shape[0]
+    block_m = config.block_m or (_round_up(m, 8) if m <= MAX_BLOCK_M else MAX_BLOCK_M)
+    t = -(-m // block_m)
+    rows = jnp.arange(t * block_m, dtype=jnp.int32)
+    row_index = jnp.where(rows < m, rows, m).reshape(t, block_m)
+    tile_expert, num_tiles = jnp.zeros((t,), jnp.int32), jnp.full((1,), t, jnp.int32)
+    out = run_tiles(b_rows, row_index, w, tile_expert, num_tiles, block_m, config, interpret)
+    return out[:m]
+
+
 def combine(parts: jax.Array, row_scales: tuple[jax.Array, ...], g_w: jax.Array, n: int, factor):
     """``sum_a parts[:, a, :n] * g_a[:, None]``, times ``g_w`` (per row ``[M]``) and ``factor``."""
     y = sum(parts[:, a, :n] * g[:, None] for a, g in enumerate(row_scales))
@@ -166,14 +178,7 @@ def w4a4_matmul(
                              static_blocks=rac_blocks, static_scale=act_global_scale)
     b_rows, row_scales = aq.kernel_operands(acts, w.mma_dtype)
     m = x.shape[0]
-    block_m = config.block_m or (_round_up(m, 8) if m <= MAX_BLOCK_M else MAX_BLOCK_M)
-    t = -(-m // block_m)
-    rows = jnp.arange(t * block_m, dtype=jnp.int32)
-    row_index = jnp.where(rows < m, rows, m).reshape(t, block_m)
-    parts = run_tiles(
-        b_rows, row_index, w, jnp.zeros((t,), jnp.int32), jnp.full((1,), t, jnp.int32),
-        block_m, config, interpret,
-    )[:m]
+    parts = run_dense(b_rows, w, config, interpret)
     g_w = jnp.broadcast_to(w.global_scale[0], (m,))
     return combine(parts, row_scales, g_w, w.n, w.code_factor).astype(x.dtype)
 

@@ -1,0 +1,29 @@
+"""kernel_backend wires the kernels into quads_jax.quant.ops (recipe.backend="interpret")."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.layout import W4A4Weights
+from quads_jax.quant import kernel_backend, ops
+from quads_jax.quant.recipe import QuantRecipe
+
+
+def test_registered_modes():
+    got = set(ops.registered_kernels())
+    for mode in ("w4a4_nvfp4", "w4a4_nvfp4_rac", "w4a16_nvfp4"):
+        assert {(mode, "dense"), (mode, "grouped")} <= got
+
+
+def test_ops_linear_interpret_matches_reference_path():
+    site = "layers.0.mlp.experts.down"
+    w = jax.random.normal(jax.random.key(0), (128, 256))
+    x = jax.random.normal(jax.random.key(1), (3, 256))
+    rules = ((site, "w4a4_nvfp4_rac"),)
+    packed = ops.quantize_weight(w, "w4a4_nvfp4_rac")
+    prepared = kernel_backend.prepare_weights(packed, "w4a4_nvfp4_rac")
+    assert isinstance(prepared, W4A4Weights) and prepared.shape == (128, 256)
+    ref = ops.linear(x, packed, site, QuantRecipe(rules=rules, backend="reference"))
+    got = ops.linear(x, prepared, site, QuantRecipe(rules=rules, backend="interpret"))
+    err = np.max(np.abs(np.asarray(got) - np.asarray(ref))) / np.max(np.abs(np.asarray(ref)))
+    assert got.shape == (3, 128) and got.dtype == jnp.float32 and err < 1e-5

@@ -1,0 +1,56 @@
+"""The kernels' weight layout (split-nibble uint16 codes, transposed block scales)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.layout import (
+    W4A4Weights,
+    dequantize_w4a4_weights,
+    prepare_w4a4_weights,
+    split_nibble_pack,
+    split_nibble_unpack,
+)
+from quads_jax.quant import nvfp4
+
+
+def test_split_nibble_round_trip_and_block_property():
+    codes = jax.random.randint(jax.random.key(0), (3, 128), 0, 16).astype(jnp.uint8)
+    words = split_nibble_pack(codes)
+    assert words.dtype == jnp.uint16 and words.shape == (3, 32)
+    np.testing.assert_array_equal(split_nibble_unpack(words), codes)
+    # Nibble i of the 16 words of a 64-column group is exactly the scale block 4g + i.
+    w = np.asarray(words)
+    for g in range(2):
+        for i in range(4):
+            got = (w[:, 16 * g : 16 * g + 16] >> (4 * i)) & 0xF
+            np.testing.assert_array_equal(got, np.asarray(codes)[:, 64 * g + 16 * i :][:, :16])
+
+
+@pytest.mark.parametrize("mma_dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("decode", ["normal", "subnormal"])
+@pytest.mark.parametrize("shape", [(200, 304), (2, 130, 256)])
+def test_prepare_dequantizes_to_the_nvfp4_values(shape, mma_dtype, decode):
+    x = jax.random.normal(jax.random.key(1), shape) * 3
+    q = nvfp4.quantize(x, scale_mode="expert" if len(shape) == 3 else "tensor")
+    w = prepare_w4a4_weights(q, mma_dtype=mma_dtype, decode=decode)
+    assert isinstance(w, W4A4Weights) and w.shape == shape and w.stacked == (len(shape) == 3)
+    assert w.codes.shape[1] % 128 == 0 and w.codes.shape[2] % 64 == 0  # padded to the tiles
+    unit = nvfp4.NVFP4Tensor(q.packed, q.scales, jnp.ones_like(q.global_scale))
+    want = nvfp4.dequantize(unit, jnp.float32).reshape((-1,) + shape[-2:])
+    np.testing.assert_array_equal(dequantize_w4a4_weights(w), want)
+    np.testing.assert_array_equal(w.global_scale, jnp.reshape(q.global_scale, -1) * jnp.ones(
+        w.num_experts))
+
+
+def test_prepare_rejects_bad_weights():
+    x = jax.random.normal(jax.random.key(2), (4, 128, 64))
+    with pytest.raises(ValueError, match="global_scale"):
+        prepare_w4a4_weights(nvfp4.quantize(x, scale_mode="row"))
+    with pytest.raises(ValueError, match="NVFP4Tensor"):
+        prepare_w4a4_weights(x)
+    with pytest.raises(ValueError, match="mma_dtype"):
+        prepare_w4a4_weights(nvfp4.quantize(x[0]), mma_dtype="float32")
+    with pytest.raises(ValueError, match="decode"):
+        prepare_w4a4_weights(nvfp4.quantize(x[0]), decode="fast")

@@ -1,0 +1,129 @@
+"""The Mosaic GPU kernels in the CPU GPU-interpreter against float64 products of the
+dequantized operands (exact up to f32 accumulation order: rel err < 1e-5)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import nvfp4_quantize as aq
+from pallas_kernels.layout import prepare_w4a4_weights
+from pallas_kernels.w4a4_grouped import (
+    row_experts,
+    tile_plan,
+    w4a4_grouped_matmul,
+    w4a4_grouped_matmul_reference,
+)
+from pallas_kernels.w4a4_matmul import W4A4MatmulConfig, w4a4_matmul, w4a4_matmul_reference
+from pallas_kernels.w4a16_matmul import w4a16_grouped_matmul, w4a16_matmul
+from quads_jax.quant import nvfp4
+
+CFG = dict(a_via_smem=True, num_sms=4, max_concurrent_steps=2)
+
+
+def _rel(y, want):
+    y, want = np.asarray(y, np.float64), np.asarray(want, np.float64)
+    return np.max(np.abs(y - want)) / np.max(np.abs(want))
+
+
+def _f64_product(acts, wq, row_expert=None):
+    a = sum(np.asarray(v, np.float64) for v in aq.dequantized_sum(acts))
+    wd = np.asarray(nvfp4.dequantize(wq, jnp.float32), np.float64)
+    if row_expert is None:
+        return a @ wd.T
+    return np.einsum("mk,mnk->mn", a, wd[np.asarray(row_expert)])
+
+
+@pytest.mark.parametrize(
+    "m,n,k,rac,mode,mma,decode,ks",
+    [
+        (5, 200, 288, False, "per_token", "float16", "normal", 1),
+        (9, 136, 512, True, "per_batch", "bfloat16", "subnormal", 2),
+    ],
+)
+def test_dense_w4a4(m, n, k, rac, mode, mma, decode, ks):
+    x = jax.random.normal(jax.random.key(m), (m, k)) * 2
+    wq = nvfp4.quantize(jax.random.normal(jax.random.key(n), (n, k)))
+    w = prepare_w4a4_weights(wq, mma_dtype=mma, decode=decode)
+    racc = aq.RACConfig(rac_ratio=0.5) if rac else None
+    cfg = W4A4MatmulConfig(k_splits=ks, mma_dtype=mma, **CFG)
+    y = w4a4_matmul(x, w, act_scale_mode=mode, rac=racc, config=cfg, interpret=True)
+    assert y.shape == (m, n) and y.dtype == x.dtype
+    acts = aq.nvfp4_quantize(x, act_scale_mode=mode, rac_config=racc)
+    want = _f64_product(acts, wq)
+    assert _rel(y, want) < 1e-5
+    assert _rel(w4a4_matmul_reference(x, wq, act_scale_mode=mode, rac=racc), want) < 1e-5
+
+
+@pytest.mark.parametrize("sizes,extra,rac", [((4, 0, 9), 2, False), ((0, 0, 17), 0, True)])
+def test_grouped_w4a4_zero_and_uneven_groups(sizes, extra, rac):
+    e, n, k = len(sizes), 128, 256
+    gs = jnp.asarray(sizes, jnp.int32)
+    m = int(gs.sum()) + extra  # rows past the groups come out as zeros
+    x = jax.random.normal(jax.random.key(3), (m, k))
+    wq = nvfp4.quantize(jax.random.normal(jax.random.key(4), (e, n, k)), scale_mode="expert")
+    racc = aq.RACConfig() if rac else None
+    cfg = W4A4MatmulConfig(block_m=8, **CFG)
+    y = w4a4_grouped_matmul(x, wq, gs, rac=racc, config=cfg, interpret=True)
+    rexp = jnp.minimum(row_experts(gs, m), e - 1)
+    acts = aq.nvfp4_quantize(x, rac_config=racc, row_expert=rexp, num_experts=e)
+    want = _f64_product(acts, wq, rexp)
+    want[int(gs.sum()):] = 0.0
+    assert _rel(y, want) < 1e-5
+    np.testing.assert_array_equal(np.asarray(y)[int(gs.sum()):], 0.0)
+    ref = w4a4_grouped_matmul_reference(x, wq, gs, rac=racc)
+    assert _rel(ref, want) < 1e-5
+
+
+def test_w4a16_dense_and_grouped():
+    k, n = 256, 128
+    x = jax.random.normal(jax.random.key(5), (6, k)).astype(jnp.bfloat16)
+    wq = nvfp4.quantize(jax.random.normal(jax.random.key(6), (2, n, k)), scale_mode="expert")
+    w = prepare_w4a4_weights(wq, mma_dtype="bfloat16")
+    cfg = W4A4MatmulConfig(mma_dtype="bfloat16", **CFG)
+    xf = np.asarray(x, np.float64)
+    wd = np.asarray(nvfp4.dequantize(wq), np.float64)
+    gs = jnp.asarray([2, 4], jnp.int32)
+    yg = w4a16_grouped_matmul(x.astype(jnp.float32), w, gs, config=cfg, interpret=True)
+    want = np.concatenate([xf[:2] @ wd[0].T, xf[2:] @ wd[1].T])
+    assert _rel(yg, want) < 1e-5
+    w0 = prepare_w4a4_weights(nvfp4.NVFP4Tensor(wq.packed[0], wq.scales[0],
+                                                 wq.global_scale[0, 0, 0]), mma_dtype="bfloat16")
+    yd = w4a16_matmul(x.astype(jnp.float32), w0, config=cfg, interpret=True)
+    assert _rel(yd, xf @ wd[0].T) < 1e-5
+
+
+def test_tile_plan_covers_every_row_once():
+    gs = jnp.asarray([3, 0, 20, 1, 0], jnp.int32)
+    m, bm = 27, 8
+    row_index, tile_expert, num_tiles, row_slot = tile_plan(gs, m, bm)
+    nt = int(num_tiles[0])
+    assert nt == 1 + 3 + 1
+    flat = np.asarray(row_index).reshape(-1)
+    live = flat[: nt * bm][flat[: nt * bm] < m]
+    np.testing.assert_array_equal(np.sort(live), np.arange(24))
+    np.testing.assert_array_equal(flat[np.asarray(row_slot)[:24]], np.arange(24))
+    assert np.all(np.asarray(row_slot)[24:] == row_index.size)
+    np.testing.assert_array_equal(np.asarray(tile_expert)[:nt], [0, 2, 2, 2, 3])
+
+
+def test_bad_inputs_raise():
+    wq = nvfp4.quantize(jnp.ones((128, 64)))
+    wg = nvfp4.quantize(jnp.ones((2, 128, 64)), scale_mode="expert")
+    with pytest.raises(ValueError, match="K=32"):
+        w4a4_matmul(jnp.ones((4, 32)), wq)
+    with pytest.raises(ValueError, match="dtype"):
+        w4a4_matmul(jnp.ones((4, 64), jnp.int32), wq)
+    with pytest.raises(ValueError, match="w4a4_grouped_matmul"):
+        w4a4_matmul(jnp.ones((4, 64)), wg)
+    with pytest.raises(ValueError, match="group_sizes"):
+        w4a4_grouped_matmul(jnp.ones((4, 64)), wg, jnp.asarray([3, 2]))
+    with pytest.raises(ValueError, match="group_sizes"):
+        w4a4_grouped_matmul(jnp.ones((4, 64)), wg, jnp.asarray([4]))
+    with pytest.raises(ValueError, match="block_m"):
+        W4A4MatmulConfig(block_m=12)
+    with pytest.raises(ValueError, match="k_splits"):
+        w4a4_matmul(jnp.ones((4, 64)), wq, config=W4A4MatmulConfig(k_splits=3, **CFG),
+                    interpret=True)
+    with pytest.raises(ValueError, match="W4A16 needs"):
+        w4a16_matmul(jnp.ones((4, 64)), prepare_w4a4_weights(wq, mma_dtype="float16"))

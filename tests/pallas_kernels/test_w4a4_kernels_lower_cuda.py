@@ -1,0 +1,53 @@
+"""Every Mosaic GPU kernel variant lowers for cuda (jax.export under an abstract H200), so
+GPU-lowering errors (8-bit shifts, Blackwell-only casts, pallas_call + MGPU) fail CI."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import export
+from jax.sharding import AbstractDevice, AbstractMesh
+
+from pallas_kernels import nvfp4_quantize as aq
+from pallas_kernels.layout import prepare_w4a4_weights
+from pallas_kernels.w4a4_grouped import w4a4_grouped_matmul
+from pallas_kernels.w4a4_matmul import W4A4MatmulConfig, w4a4_matmul
+from quads_jax.quant import nvfp4
+
+H200 = AbstractMesh((), (), abstract_device=AbstractDevice(
+    device_kind="NVIDIA H200", platform="gpu", num_cores=132))
+
+
+def _export(fn, *args):
+    with jax.sharding.use_abstract_mesh(H200):
+        exp = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
+            export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2")])(*args)
+    text = exp.mlir_module()
+    assert "mosaic_gpu" in text
+    return text
+
+
+@pytest.mark.parametrize(
+    "mma,decode,a_via_smem,rac,block_m",
+    [
+        ("float16", "normal", False, False, 16),
+        ("float16", "normal", False, True, 64),
+        ("bfloat16", "normal", False, False, 8),
+        ("float16", "subnormal", False, False, 16),
+        ("float16", "normal", True, True, 16),
+    ],
+)
+def test_dense_lowers_for_cuda(mma, decode, a_via_smem, rac, block_m):
+    wq = nvfp4.quantize(jax.random.normal(jax.random.key(0), (256, 512)))
+    w = prepare_w4a4_weights(wq, mma_dtype=mma, decode=decode)
+    cfg = W4A4MatmulConfig(block_m=block_m, a_via_smem=a_via_smem, mma_dtype=mma, k_splits=2)
+    racc = aq.RACConfig() if rac else None
+    x = jnp.ones((block_m, 512), jnp.bfloat16)
+    _export(lambda x, w: w4a4_matmul(x, w, rac=racc, config=cfg), x, w)
+
+
+def test_grouped_lowers_for_cuda():
+    wq = nvfp4.quantize(jax.random.normal(jax.random.key(1), (4, 128, 256)), scale_mode="expert")
+    w = prepare_w4a4_weights(wq)
+    x = jnp.ones((24, 256), jnp.bfloat16)
+    gs = jnp.asarray([8, 0, 10, 6], jnp.int32)
+    _export(lambda x, w, gs: w4a4_grouped_matmul(x, w, gs, rac=aq.RACConfig()), x, w, gs)
