@@ -98,8 +98,13 @@ def _uses_kernel_layout(action: str, recipe: QuantRecipe, kernel_layout: bool | 
 
 
 def _per_layer(fn, stacked: bool):
-    """``fn`` over one matrix (or stack of experts); vmapped over the layer axis when stacked."""
-    return jax.vmap(fn) if stacked else fn
+    """``fn`` of one layer's weight, mapped over the layer axis of a stacked leaf.
+
+    ``lax.map`` runs one layer at a time: every quantity is per matrix (or per row), so the
+    result is the same as on the whole stack, and the temporaries are one layer's, not the 30B
+    model's.
+    """
+    return (lambda *xs: jax.lax.map(lambda x: fn(*x), xs)) if stacked else fn
 
 
 def _convert(leaf, action: str, recipe: QuantRecipe, dtype, layout: bool, stacked: bool):
@@ -107,11 +112,12 @@ def _convert(leaf, action: str, recipe: QuantRecipe, dtype, layout: bool, stacke
         return leaf
     if action == CAST:
         return leaf.astype(dtype)
-    q = ops.quantize_weight(leaf, action, recipe)
-    if layout:
-        prepare = _kernel_backend().prepare_weights
-        q = _per_layer(lambda w: prepare(w, action, recipe), stacked)(q)
-    return q
+
+    def one(w):
+        q = ops.quantize_weight(w, action, recipe)
+        return _kernel_backend().prepare_weights(q, action, recipe) if layout else q
+
+    return _per_layer(one, stacked)(leaf)
 
 
 @functools.partial(jax.jit, static_argnames=("plan", "recipe", "dtype"))
@@ -215,13 +221,27 @@ def _views(master_leaves, rollout_leaves, actions, recipe, dtype):
 
 
 @functools.partial(jax.jit, static_argnames=("actions", "recipe", "dtype"))
-def _mismatch_counts(master_leaves, rollout_leaves, *, actions, recipe, dtype):
+def _view_bits(master_leaves, rollout_leaves, *, actions, recipe, dtype):
+    return [(_bits(want), _bits(got.astype(want.dtype)))
+            for want, got in _views(master_leaves, rollout_leaves, actions, recipe, dtype)]
+
+
+def _count_mismatches(master, rollout, action, recipe, dtype) -> jax.Array:
+    want = _trainer_view(master, action, recipe, dtype)
+    got = _rollout_view(rollout, want)
+    if want.shape != got.shape or want.dtype != got.dtype:
+        return jnp.int32(-1)
+    return jnp.sum(_bits(want) != _bits(got), dtype=jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("plan", "recipe", "dtype"))
+def _mismatch_counts(master_leaves, rollout_leaves, *, plan, recipe, dtype):
     out = []
-    for want, got in _views(master_leaves, rollout_leaves, actions, recipe, dtype):
-        if want.shape != got.shape or want.dtype != got.dtype:
-            out.append(jnp.int32(-1))
-        else:
-            out.append(jnp.sum(_bits(want) != _bits(got), dtype=jnp.int32))
+    for m, r, (action, _, stacked) in zip(master_leaves, rollout_leaves, plan, strict=True):
+        count = functools.partial(_count_mismatches, action=action, recipe=recipe, dtype=dtype)
+        per_layer = _per_layer(count, stacked and action not in (KEEP, CAST))(m, r)
+        # -1 (a shape or dtype mismatch) in any layer stays visible after the sum.
+        out.append(jnp.where(jnp.any(per_layer < 0), -1, jnp.sum(per_layer)))
     return out
 
 
@@ -259,16 +279,16 @@ def check_sync(
         missing = sorted(set(paths) ^ set(got_paths))
         raise SyncMismatchError(f"rollout_params: tree structure differs from sync(params) at "
                                 f"{missing[:4]} (expected {len(paths)} leaves)")
-    actions = tuple(_flat_actions(split, recipe, model_config))
+    plan = _plan(split, recipe, model_config, kernel_layout=False)
+    actions = tuple(a for a, _, _ in plan)
     masters = [x for _, x in master_leaves]
     rollouts = [x for _, x in rollout_flat]
     dtype = jnp.dtype(model_config.dtype)
     if full:
         counts = []
-        for path, action, (want, got) in zip(
-            paths, actions, _views(masters, rollouts, actions, recipe, dtype), strict=True
-        ):
-            want, got = np.asarray(_bits(want)), np.asarray(_bits(jnp.asarray(got, want.dtype)))
+        bits = _view_bits(masters, rollouts, actions=actions, recipe=recipe, dtype=dtype)
+        for path, action, (want, got) in zip(paths, actions, bits, strict=True):
+            want, got = np.asarray(want), np.asarray(got)
             if want.shape != got.shape:
                 raise SyncMismatchError(f"rollout leaf {path} ({action}): shape {got.shape} != "
                                         f"{want.shape}")
@@ -281,7 +301,7 @@ def check_sync(
                     f"{want[idx]:#x}")
             counts.append(0)
     else:
-        counts = [int(c) for c in _mismatch_counts(masters, rollouts, actions=actions,
+        counts = [int(c) for c in _mismatch_counts(masters, rollouts, plan=plan,
                                                    recipe=recipe, dtype=dtype)]
         for path, action, c in zip(paths, actions, counts, strict=True):
             if c:
