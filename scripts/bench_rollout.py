@@ -178,7 +178,12 @@ def _fp8_kernel(x, w, group_sizes, *, recipe, site, interpret):
     return acc.astype(jnp.float32) * qx.scale * w_rows
 
 
+BF16_PATH = {"path": "xla"}  # set from the ragged_dot comparison: the faster decode path
+
+
 def register_arm(name: str) -> None:
+    if name == "bf16" and BF16_PATH["path"] == "mgpu":
+        name = "bf16_mgpu"
     if name == "bf16":
         ops.register_kernel("bf16", "grouped", _bf16_kernel(_xla_ragged))
     elif name == "bf16_mgpu":
@@ -323,7 +328,7 @@ def bench_precision(name, params, cfg, cases, args, bandwidth, clock, out_dir) -
         del rollout
         rollout = params
     wb = weight_bytes(rollout)
-    record(out_dir, dict(kind="sync", precision=name, sync_s=t_sync, sync_first_call_s=first,
+    record(out_dir, dict(kind="sync", precision=name, bf16_path=BF16_PATH["path"], sync_s=t_sync, sync_first_call_s=first,
                          check_s=t_check, check_first_call_s=first_check, weight_bytes=wb,
                          expert_bytes=expert_bytes(rollout), elapsed_s=clock.elapsed()))
     for batch, prompt in cases:
@@ -395,7 +400,8 @@ def parse_args(argv):
     p.add_argument("--prefill-reps", type=int, default=2, help="timed prefill runs per case")
     p.add_argument("--slow-prefill-s", type=float, default=5.0,
                    help="a first prefill slower than this is taken as the timing (no repeats)")
-    p.add_argument("--precisions", default="bf16,nvfp4,nvfp4_rac,fp8,bf16_mgpu")
+    p.add_argument("--precisions", default="nvfp4_rac,bf16,fp8,nvfp4,bf16_mgpu",
+                   help="bf16 takes the faster of XLA / mgpu expert matmuls (decode shapes)")
     p.add_argument("--split", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--ragged", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--budget-s", type=float, default=1e9, help="start no new case after this")
@@ -408,6 +414,7 @@ def parse_args(argv):
     if args.quick:
         args.batches, args.prompts, args.decode_steps, args.reps = "128", "256", 16, 2
         args.prefill_reps = 1
+        args.precisions = "nvfp4_rac,bf16,fp8,nvfp4"
     return args
 
 
@@ -424,8 +431,15 @@ def main(argv=None) -> int:
                           commit=args.commit, copy_bandwidth_TBps=bandwidth / 1e12,
                           date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())))
     if args.ragged and gpu:
-        for row in bench_ragged_dot(cfg, [1024, 32768], 5):
+        rows = bench_ragged_dot(cfg, [1024, 32768], 5)
+        for row in rows:
             record(args.out, row)
+        decode = [r for r in rows if r["rows"] == 1024]
+        xla = sum(r.get("xla_bf16out_ms", float("inf")) for r in decode)
+        mgpu = sum(r.get("mgpu_ms", float("inf")) for r in decode)
+        BF16_PATH["path"] = "mgpu" if mgpu < xla else "xla"
+        record(args.out, dict(kind="bf16_path", path=BF16_PATH["path"], decode_xla_ms=xla,
+                              decode_mgpu_ms=mgpu))
     t = time.perf_counter()
     params = jax.block_until_ready(init_params_on_device(cfg, jax.random.key(0)))
     record(args.out, dict(kind="init", seconds=time.perf_counter() - t,
