@@ -11,8 +11,8 @@ Kernel layout of a weight ``[..., N, K]`` (``...`` = nothing for dense, ``E`` fo
 * ``decode`` (static): how the kernel turns a 4-bit code into an f16 value.
   "normal" builds the exact f16 of ``e2m1(c)`` with integer ops (a select for the E2M1
   subnormal 0.5), so no f16 subnormal ever occurs. "subnormal" places the code bits straight into
-  an f16 (``e2m1 * 2^-14``; code 1 lands on an f16 subnormal): two fewer integer ops, but exact
-  only where the GPU keeps f16 subnormals (the H200 check failed with it: flushed to zero).
+  an f16 (``e2m1 * 2^-14``; code 1 lands on an f16 subnormal): fewer integer ops, exact only
+  where the generated code keeps f16 subnormals (not yet established on the H200).
 * ``global_scale`` float32 ``[E]``: the NVFP4 decode scale ``g`` of each matrix.
 
 ``Np`` and ``Kp`` are N and K padded with zero codes and zero scales to the kernel tiles
@@ -134,6 +134,10 @@ def prepare_w4a4_weights(
     if w_q.ndim not in (2, 3):
         raise ValueError(f"w_q: shape {w_q.shape} must be [N, K] or [E, N, K]")
     stacked = w_q.ndim == 3
+    # Barrier: keep XLA:GPU from collapsing a quantize's f32 -> e4m3 with our e4m3 -> f32 (it
+    # would store unrounded scales when both run in one program; nvfp4_quantize.materialize).
+    w_q = nvfp4.NVFP4Tensor(*jax.lax.optimization_barrier(
+        (w_q.packed, w_q.scales, jnp.asarray(w_q.global_scale))), w_q.dtype)
     packed = w_q.packed if stacked else w_q.packed[None]
     scales = w_q.scales if stacked else w_q.scales[None]
     e, n, k = packed.shape[0], packed.shape[1], packed.shape[2] * 2
