@@ -56,11 +56,14 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.
     qg = q.reshape(b, t, kvh, h // kvh, d)
     k = k.astype(q.dtype)
     v = v.astype(q.dtype)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None  # no TF32
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, precision=precision,
+                        preferred_element_type=jnp.float32)
     scores = scores * jnp.float32(d**-0.5)
     scores = jnp.where(allowed[:, None, None, :, :], scores, MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, precision=precision,
+                     preferred_element_type=jnp.float32)
     return out.astype(q.dtype).reshape(b, t, h * d)
 
 

@@ -105,14 +105,16 @@ def moe_dense_reference(config: ModelConfig, p: dict, x: jax.Array) -> jax.Array
     """
     routing = route(config, p["router"], x, "reference.router", QuantRecipe())
     e = config.num_experts
+    weights = routing.weights.astype(x.dtype).astype(jnp.float32)
     combine = jnp.sum(
-        jax.nn.one_hot(routing.expert_ids, e, dtype=jnp.float32) * routing.weights[..., None],
-        axis=1,
+        jax.nn.one_hot(routing.expert_ids, e, dtype=jnp.float32) * weights[..., None], axis=1
     )  # [N, E]
     w_gu = p["experts"]["gate_up"].astype(x.dtype)
     w_d = p["experts"]["down"].astype(x.dtype)
-    gu = jnp.einsum("nh,eih->eni", x, w_gu, preferred_element_type=jnp.float32)
+    hi = jax.lax.Precision.HIGHEST
+    gu = jnp.einsum("nh,eih->eni", x, w_gu, precision=hi, preferred_element_type=jnp.float32)
     hidden = swiglu(gu.astype(x.dtype))
-    out = jnp.einsum("eni,ehi->enh", hidden, w_d, preferred_element_type=jnp.float32)
-    y = jnp.einsum("enh,ne->nh", out.astype(x.dtype).astype(jnp.float32), combine)
+    out = jnp.einsum("eni,ehi->enh", hidden, w_d, precision=hi,
+                     preferred_element_type=jnp.float32)
+    y = jnp.einsum("enh,ne->nh", out.astype(x.dtype).astype(jnp.float32), combine, precision=hi)
     return y.astype(x.dtype)

@@ -157,14 +157,23 @@ def expert_of_rows(group_sizes: jax.Array, num_rows: int) -> jax.Array:
     return jnp.minimum(idx, group_sizes.shape[0] - 1).astype(jnp.int32)
 
 
+def precision_for(dtype) -> jax.lax.Precision:
+    """HIGHEST for float32 operands (a GPU would otherwise run them as TF32 / bf16 passes, and
+    "float32 router logits" would not be float32); DEFAULT for bf16, which is exact anyway."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
 def _matmul(a: jax.Array, b: jax.Array, group_sizes: jax.Array | None) -> jax.Array:
     """``a [M, K] @ b.T`` with f32 accumulation; ``b [N, K]`` or grouped ``[E, N, K]``."""
+    precision = precision_for(a.dtype)
     if group_sizes is None:
         return jax.lax.dot_general(
-            a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+            a, b, (((1,), (1,)), ((), ())), precision=precision,
+            preferred_element_type=jnp.float32,
         )
     return jax.lax.ragged_dot(
-        a, jnp.swapaxes(b, -1, -2), group_sizes, preferred_element_type=jnp.float32
+        a, jnp.swapaxes(b, -1, -2), group_sizes, precision=precision,
+        preferred_element_type=jnp.float32,
     )
 
 

@@ -158,8 +158,8 @@ def test_fake_quant_modes_have_straight_through_gradients(data):
         gx, gw = jax.grad(f, argnums=(0, 1))(x, w)
         w_hat = nvfp4.qdq(w)
         x_hat = nvfp4.qdq(x, scale_mode="row") if x_quant else x
-        np.testing.assert_allclose(gw, ct.T @ x_hat, rtol=1e-5, atol=1e-5)  # dL/dW at qdq(W)
-        np.testing.assert_allclose(gx, ct @ w_hat, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(gw, f64(ct).T @ f64(x_hat), rtol=1e-5, atol=1e-5)  # at qdq(W)
+        np.testing.assert_allclose(gx, f64(ct) @ f64(w_hat), rtol=1e-5, atol=1e-5)
         y = ops.linear(x, w, SITE, recipe_for(mode))
         np.testing.assert_allclose(f64(y), f64(x_hat) @ f64(w_hat).T, rtol=1e-5, atol=1e-5)
 

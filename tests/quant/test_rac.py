@@ -15,6 +15,11 @@ SITE = "layers.1.mlp.experts.down"
 M, K, N = 12, 128, 16
 
 
+def f64(a) -> np.ndarray:
+    """float64 host copy: reference products must not run as TF32 on a GPU."""
+    return np.asarray(a, np.float64)
+
+
 def rec(**kw) -> QuantRecipe:
     return QuantRecipe(rules=(("*", "w4a4_nvfp4_rac"),), backend="reference", **kw)
 
@@ -72,12 +77,12 @@ def test_shared_residual_scale_and_bf16_format(xw):
     r = nvfp4.residual(x, qx)
     mask = rac.block_mask(x, r, rec())
     r_s = rac.masked_residual(r, mask)
-    wq = nvfp4.dequantize(nvfp4.quantize(w), jnp.float32)
-    y0 = nvfp4.dequantize(qx) @ wq.T
+    wq = f64(nvfp4.dequantize(nvfp4.quantize(w), jnp.float32))
+    y0 = f64(nvfp4.dequantize(qx)) @ wq.T
     shared = nvfp4.quantize(r_s, global_scale=qx.global_scale, scale_mode="row")
     np.testing.assert_allclose(ops.linear(x, w, SITE, rec(rac_residual_scale="shared")),
-                               y0 + nvfp4.dequantize(shared) @ wq.T, rtol=1e-5, atol=1e-5)
-    bf16 = r_s.astype(jnp.bfloat16).astype(jnp.float32) @ wq.T
+                               y0 + f64(nvfp4.dequantize(shared)) @ wq.T, rtol=1e-5, atol=1e-5)
+    bf16 = f64(r_s.astype(jnp.bfloat16).astype(jnp.float32)) @ wq.T
     np.testing.assert_allclose(ops.linear(x, w, SITE, rec(rac_residual_format="bf16")),
                                y0 + bf16, rtol=1e-5, atol=1e-5)
 
