@@ -454,7 +454,8 @@ def bench_prefill():
     x = rand(80, (m, k))
     fl = 2 * m * n * k
     ws = [nvfp4_weight(600 + i, (n, k))[1] for i in range(2)]
-    for tag, cfg in (("bm64", kcfg()), ("bm32", kcfg(block_m=32))):
+    for tag, cfg in (("kernel bm64", kcfg(prefill_min_rows=None)),
+                     ("decoded weight + XLA GEMM", kcfg())):
         try:
             t, calls = time_chain(lambda x, w, cfg=cfg: w4a4_matmul(x, w, config=cfg), x, ws,
                                   reps=1)

@@ -55,6 +55,18 @@ def test_dense_w4a4(m, n, k, rac, mode, mma, decode, ks):
     assert _rel(w4a4_matmul_reference(x, wq, act_scale_mode=mode, rac=racc), want) < 1e-5
 
 
+@pytest.mark.parametrize("rac", [False, True])
+def test_dense_prefill_path_is_exact(rac):
+    m, n, k = 40, 136, 288
+    x = jax.random.normal(jax.random.key(7), (m, k)) * 3
+    wq = nvfp4.quantize(jax.random.normal(jax.random.key(8), (n, k)))
+    racc = aq.RACConfig() if rac else None
+    cfg = W4A4MatmulConfig(prefill_min_rows=32)
+    y = w4a4_matmul(x, wq, rac=racc, config=cfg)  # no kernel: runs on any backend
+    want = _f64_product(aq.nvfp4_quantize(x, rac_config=racc), wq)
+    assert _rel(y, want) < 1e-5
+
+
 @pytest.mark.parametrize("sizes,extra,rac", [((4, 0, 9), 2, False), ((0, 0, 17), 0, True)])
 def test_grouped_w4a4_zero_and_uneven_groups(sizes, extra, rac):
     e, n, k = len(sizes), 128, 256
