@@ -240,8 +240,10 @@ def _mismatch_counts(master_leaves, rollout_leaves, *, plan, recipe, dtype):
     for m, r, (action, _, stacked) in zip(master_leaves, rollout_leaves, plan, strict=True):
         count = functools.partial(_count_mismatches, action=action, recipe=recipe, dtype=dtype)
         per_layer = _per_layer(count, stacked and action not in (KEEP, CAST))(m, r)
-        # -1 (a shape or dtype mismatch) in any layer stays visible after the sum.
-        out.append(jnp.where(jnp.any(per_layer < 0), -1, jnp.sum(per_layer)))
+        # Summed in float32: a 30B leaf has more elements than int32 counts (exact up to 2^24,
+        # and 0 is exact); -1 (a shape or dtype mismatch) in any layer stays visible.
+        total = jnp.sum(per_layer.astype(jnp.float32))
+        out.append(jnp.where(jnp.any(per_layer < 0), -1.0, total))
     return out
 
 
