@@ -1,45 +1,99 @@
-"""Arithmetic shared by every quantizer: exact division by a constant, straight-through gradient."""
+"""Exact arithmetic shared by every quantizer, immune to XLA's floating-point rewrites.
 
-import functools
+Two XLA rewrites silently change quantizers inside jitted programs:
+
+* ``a / c`` with a constant (or broadcast scalar) ``c`` becomes ``a * (1 / c)``, which rounds
+  twice: ``amax / 2688`` then differs by an ulp for ~5% of values (breaking the idempotence of
+  ``qdq``), and ties such as ``amax_b / 6 == 2^-10`` stop rounding to even.
+* XLA:GPU's ``SimplifyFPConversions`` (on by default through ``--xla_allow_excess_precision``)
+  folds ``f32 -> float8_e4m3fn -> f32`` into nothing, so ``s.astype(e4m3).astype(f32)`` inside
+  one program returns the *unrounded* ``s``: codes would be computed from a scale that is not
+  the stored one (found on the H200; see docs/BENCHMARKS.md).
+
+So division by a constant is done on the integer significand (exact, correctly rounded, the
+same on every backend), and E4M3 rounding is done with power-of-two scaling and
+``round-half-even`` (exact f32 operations), so the value is already on the E4M3 grid before any
+cast, and a folded cast changes nothing.
+"""
+
+from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+_U = jnp.uint32
 
 
-@functools.cache
-def _divider(c: float):
-    """A jitted, vmap-safe ``a -> a / c`` for one constant ``c``."""
-
-    @jax.custom_batching.custom_vmap
-    def divide(a):
-        return a / jax.lax.optimization_barrier(jnp.full(a.shape, c, jnp.float32))
-
-    @divide.def_vmap
-    def _rule(axis_size, in_batched, a):
-        # Elementwise: divide the whole batched array at once, so the divisor keeps a's full
-        # shape (a broadcast scalar divisor is what XLA rewrites into a reciprocal multiply).
-        return divide(a), in_batched[0]
-
-    @jax.custom_jvp
-    def divide_differentiable(a):
-        return divide(a)
-
-    @divide_differentiable.defjvp
-    def _jvp(primals, tangents):
-        return divide_differentiable(primals[0]), tangents[0] / c
-
-    return jax.jit(divide_differentiable)
+def _odd_part(c: float) -> tuple[int, int]:
+    """``c = odd * 2^shift`` for a positive integer-valued constant ``c``."""
+    ci = int(c)
+    if ci != c or ci <= 0:
+        raise ValueError(f"divide_by_constant: c={c!r} must be a positive integer value")
+    shift = 0
+    while ci % 2 == 0:
+        ci //= 2
+        shift += 1
+    if ci >= 64:
+        raise ValueError(f"divide_by_constant: c={c!r} has odd part {ci} >= 64; not supported")
+    return ci, shift
 
 
 def divide_by_constant(a: jax.Array, c: float) -> jax.Array:
-    """``a / c`` in float32 with one correctly rounded division.
+    """Correctly rounded float32 ``a / c`` for a constant positive integer ``c`` (odd part < 64).
 
-    XLA rewrites ``a / broadcast(s)`` into ``a * broadcast(1 / s)`` (also for a non-constant
-    scalar ``s``), which rounds twice: ``amax / 2688`` then drifts by an ulp for ~5% of values,
-    and E4M3 ties such as ``2^-10`` stop rounding to even. Here the divisor is a full-shape array
-    behind an optimization barrier, also under ``vmap`` (custom rule), so no rewrite applies.
+    Long division of the 24-bit significand by the odd part of ``c`` in uint32, round half to
+    even with the remainder as sticky bit; the power-of-two part goes to the exponent. Results
+    below the float32 normal range (``|a| < ~1e-35``) fall back to a float division.
     """
-    return _divider(float(c))(jnp.asarray(a).astype(jnp.float32))
+    odd, shift = _odd_part(c)
+    a = jnp.asarray(a, jnp.float32)
+    bits = lax.bitcast_convert_type(jnp.abs(a), _U)
+    biased = (bits >> _U(23)).astype(jnp.int32)
+    m = (bits & _U(0x7FFFFF)) | _U(0x800000)  # normal inputs only (others fall back)
+    n = m << _U(6)  # < 2^30
+    q = n // _U(odd)
+    rem = n - q * _U(odd)
+    # q has 24 + d significant bits (d >= 1 because odd < 64); keep 24, round half to even.
+    d = (_U(32) - lax.clz(q)) - _U(24)
+    kept = q >> d
+    low = q & ((_U(1) << d) - _U(1))
+    half = _U(1) << (d - _U(1))
+    round_up = (low > half) | ((low == half) & ((rem > 0) | ((kept & _U(1)) == 1)))
+    kept = kept + round_up.astype(_U)
+    carry = kept >> _U(24)  # rounding overflowed to 2^24
+    kept = kept >> carry
+    # value = kept * 2^(d + carry - 6 + (biased - 150) - shift); biased exponent of the result:
+    e_out = d.astype(jnp.int32) + carry.astype(jnp.int32) + biased - 6 - shift
+    out_bits = (e_out.astype(_U) << _U(23)) | (kept & _U(0x7FFFFF))
+    exact = lax.bitcast_convert_type(out_bits, jnp.float32)
+    exact = jnp.where(a < 0, -exact, exact)
+    ok = (biased >= 1) & (biased <= 254) & (e_out >= 1) & (e_out <= 254)
+    fallback = a / np.float32(c)
+    return jnp.where(a == 0, jnp.zeros_like(a), jnp.where(ok, exact, fallback))
+
+
+E4M3_MAX = 448.0
+
+
+def round_to_e4m3(y: jax.Array) -> jax.Array:
+    """Round float32 ``y`` to the nearest float8_e4m3fn value (half to even), as float32.
+
+    ``|y|`` above 448 saturates to 448; NaN stays NaN (Inf becomes 448: callers mark non-finite
+    inputs themselves). Exact: ``|y| * 2^-k`` is a power-of-two scaling, ``round`` is
+    round-half-even, and the result is on the E4M3 grid, so casting it to float8_e4m3fn (folded
+    away or not) changes nothing.
+    """
+    y = jnp.asarray(y, jnp.float32)
+    a = jnp.minimum(jnp.abs(y), E4M3_MAX)
+    exp = (lax.bitcast_convert_type(a, _U) >> _U(23)).astype(jnp.int32) - 127
+    k = jnp.maximum(exp, -6) - 3  # E4M3: 3 mantissa bits; subnormal spacing 2^-9 below 2^-6
+    ulp = lax.bitcast_convert_type(((k + 127).astype(_U)) << _U(23), jnp.float32)
+    inv_ulp = lax.bitcast_convert_type(((127 - k).astype(_U)) << _U(23), jnp.float32)
+    r = jnp.minimum(jnp.round(a * inv_ulp) * ulp, E4M3_MAX)
+    r = jnp.where(y < 0, -r, r)
+    return jnp.where(jnp.isnan(y), jnp.nan, r)
 
 
 @jax.custom_vjp

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from quads_jax.quant.arith import divide_by_constant, straight_through
+from quads_jax.quant.arith import divide_by_constant, round_to_e4m3, straight_through
 
 BLOCK_SIZE = 16
 E2M1_MAX = 6.0
@@ -218,8 +218,10 @@ def block_scales_and_reciprocals(x_blocks: jax.Array, g: jax.Array) -> tuple[jax
     # A true division by 6: ties such as amax_b * enc / 6 == 2^-10 must round half to even.
     s = jnp.clip(divide_by_constant(amax_b * enc, E2M1_MAX), 0.0, E4M3_MAX)
     s = jnp.where(finite, s, jnp.nan)
-    s_e4m3 = s.astype(jnp.float8_e4m3fn)
-    s_f32 = s_e4m3.astype(jnp.float32)
+    # Round with exact arithmetic rather than through the cast: XLA:GPU folds the cast chain
+    # f32 -> e4m3 -> f32 inside a jitted program (see quant/arith.py).
+    s_f32 = round_to_e4m3(s)
+    s_e4m3 = s_f32.astype(jnp.float8_e4m3fn)
     denom = s_f32 * g
     # `denom > 0` is False for NaN scales too, so non-finite blocks get r_b = 0.
     r = jnp.where(denom > 0, jnp.float32(1.0) / jnp.where(denom > 0, denom, 1.0), 0.0)
