@@ -28,8 +28,7 @@ def test_split_nibble_round_trip_and_block_property():
             np.testing.assert_array_equal(got, np.asarray(codes)[:, 64 * g + 16 * i :][:, :16])
 
 
-@pytest.mark.parametrize("mma_dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("decode", ["normal", "subnormal"])
+@pytest.mark.parametrize("mma_dtype,decode", [("float16", "normal"), ("bfloat16", "subnormal")])
 @pytest.mark.parametrize("shape", [(200, 304), (2, 130, 256)])
 def test_prepare_dequantizes_to_the_nvfp4_values(shape, mma_dtype, decode):
     x = jax.random.normal(jax.random.key(1), shape) * 3

@@ -31,8 +31,7 @@ def _export(fn, *args):
     [
         ("float16", "normal", False, False, 16),
         ("float16", "normal", False, True, 64),
-        ("bfloat16", "normal", False, False, 8),
-        ("float16", "subnormal", False, False, 16),
+        ("bfloat16", "subnormal", False, False, 8),
         ("float16", "normal", True, True, 16),
     ],
 )
