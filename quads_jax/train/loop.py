@@ -34,7 +34,7 @@ from quads_jax.sampler import SamplerConfig, check_sync, sync
 from quads_jax.train import mesh as mesh_lib
 from quads_jax.train.checkpoint import Checkpointer
 from quads_jax.train.config import TrainConfig
-from quads_jax.train.rollout import evaluate_pass_at_1, rollout_and_score
+from quads_jax.train.rollout import evaluate_pass_at_1, prompt_width, rollout_and_score
 from quads_jax.train.sft import run_sft
 from quads_jax.train.state import (
     create_train_state,
@@ -113,6 +113,7 @@ class Trainer:
         self.mesh = mesh_lib.make_mesh(c.mesh)
         self.splits = make_task(c.task)
         self.eval_examples = self.splits.eval[: c.rl.eval_prompts]
+        self.prompt_width = prompt_width(self.tokenizer, self.splits.train + self.splits.eval)
         self.sampler_config = SamplerConfig(
             max_new_tokens=c.rollout.max_new_tokens, n_samples=c.grpo.num_generations,
             temperature=c.rollout.temperature, top_k=c.rollout.top_k, top_p=c.rollout.top_p,
@@ -154,7 +155,7 @@ class Trainer:
     def _score_kwargs(self) -> dict[str, Any]:
         return dict(tokenizer=self.tokenizer, model_config=self.model_config,
                     recipe=self.rollout_recipe, reward_config=self.config.reward,
-                    task_name=self.config.task.name)
+                    task_name=self.config.task.name, width=self.prompt_width)
 
     def evaluate(self, rollout_params, step: int) -> dict[str, float]:
         """pass@1 over k samples on the held-out prompts (deterministic key per step)."""

@@ -19,10 +19,27 @@ from quads_jax.rl.tasks import Example
 from quads_jax.sampler import FINISH_LENGTH, Rollout, SamplerConfig, generate, left_pad
 
 
-def encode_prompts(tokenizer: Any, examples: Sequence[Example]) -> tuple[np.ndarray, np.ndarray]:
-    """BOS + prompt ids, left-padded: ``(tokens int32 [B, P], mask bool [B, P])``."""
+def prompt_width(tokenizer: Any, examples: Sequence[Example]) -> int:
+    """The longest BOS + prompt of ``examples``: pad every batch to it, so that the sampler and
+    the trainer see one shape per run (no recompilation when a batch's prompts are shorter)."""
+    return max(len(tokenizer.encode(ex.prompt, add_bos=True)) for ex in examples)
+
+
+def encode_prompts(
+    tokenizer: Any, examples: Sequence[Example], width: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """BOS + prompt ids, left-padded to ``width`` (default: the longest in the batch):
+    ``(tokens int32 [B, P], mask bool [B, P])``."""
     rows = [tokenizer.encode(ex.prompt, add_bos=True) for ex in examples]
-    return left_pad(rows, tokenizer.pad_id)
+    tokens, mask = left_pad(rows, tokenizer.pad_id)
+    if width is not None:
+        if width < tokens.shape[1]:
+            raise ValueError(f"width={width} is shorter than the longest prompt "
+                             f"({tokens.shape[1]} tokens)")
+        extra = width - tokens.shape[1]
+        tokens = np.pad(tokens, ((0, 0), (extra, 0)), constant_values=tokenizer.pad_id)
+        mask = np.pad(mask, ((0, 0), (extra, 0)), constant_values=False)
+    return tokens, mask
 
 
 def decode_responses(tokenizer: Any, rollout: Rollout) -> list[str]:
@@ -66,9 +83,11 @@ def rollout_and_score(
     sampler_config: SamplerConfig,
     reward_config: RewardConfig,
     task_name: str,
+    width: int | None = None,
 ) -> ScoredRollout:
-    """Sample ``sampler_config.n_samples`` responses per example and score them."""
-    prompts, prompt_mask = encode_prompts(tokenizer, examples)
+    """Sample ``sampler_config.n_samples`` responses per example and score them (prompts
+    left-padded to ``width`` when given)."""
+    prompts, prompt_mask = encode_prompts(tokenizer, examples, width)
     start = time.perf_counter()
     rollout = generate(rollout_params, prompts, rng, sampler_config, model_config=model_config,
                        recipe=recipe, prompt_mask=prompt_mask)

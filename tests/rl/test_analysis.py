@@ -11,7 +11,7 @@ from quads_jax.testing import char_tokenizer, tiny_config
 
 
 def test_layer_error_analysis():
-    mc = tiny_config(dtype="float32")
+    mc = tiny_config(dtype="float32", num_hidden_layers=2)  # layer 0 MoE, layer 1 dense
     params = models.init_params(mc, jax.random.key(0))
     probe = probe_batch(char_tokenizer(), make_task(TaskConfig(num_train=4, num_eval=8)).eval)
     out = layer_error_analysis(params, mc, get_recipe("trainer_qat"),
