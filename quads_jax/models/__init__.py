@@ -1,6 +1,5 @@
 """The Qwen3-MoE model family: config, parameters, the functional forward, KV cache, HF I/O."""
 
-from quads_jax.models.calibration import calibrate_static
 from quads_jax.models.config import ModelConfig
 from quads_jax.models.hf import load_hf, read_config, save_hf
 from quads_jax.models.kv_cache import KVCache
@@ -16,7 +15,6 @@ from quads_jax.models.transformer import (
 )
 
 __all__ = [
-    "calibrate_static",
     "ForwardOutput",
     "collect_site_inputs",
     "KVCache",
