@@ -19,8 +19,17 @@ The jnp code of each mode below is the ground truth for the Pallas kernels. Exac
 Kernel hook: ``register_kernel(mode, "dense"|"grouped", fn)``. With ``recipe.backend == "auto"``
 on a GPU, or ``"interpret"`` anywhere, a registered kernel replaces the jnp path; it is called as
 ``fn(x, w, *, recipe, site, interpret)`` / ``fn(x, w, group_sizes, *, recipe, site, interpret)``
-with ``x`` 2-D ``[M, K]``. ``quads_jax.quant.kernel_backend`` (the kernels' module) is imported
-lazily the first time a kernel could run.
+with ``x`` 2-D ``[M, K]``; its result (any float dtype) is cast to ``x.dtype`` (or ``linear``'s
+``out_dtype``) here. ``quads_jax.quant.kernel_backend`` (the kernels' module) is imported lazily
+the first time a kernel could run.
+
+RAC details the kernels must match (QUADS_SPEC section 4, ``rac.py``): residual
+``R = x - dq(Q(x))`` in f32; online_batch scores per 16-block summed over the GEMM's rows (per
+expert for grouped GEMMs); the residual is re-quantized with its own per-row global scale
+("separate"; per-tensor under ``act_scale_mode="per_batch"``) or with ``Q(x)``'s ("shared");
+``y = y0 + y1`` in f32. float32 operands run at HIGHEST precision (no TF32).
+
+``record_inputs()`` lets ``models.collect_site_inputs`` see every site's matmul input.
 """
 
 from __future__ import annotations
