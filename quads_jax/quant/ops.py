@@ -71,12 +71,12 @@ def _load_kernel_module() -> None:
     global _kernel_module_loaded
     if _kernel_module_loaded:
         return
-    _kernel_module_loaded = True
     try:
         importlib.import_module(_KERNEL_MODULE)
     except ModuleNotFoundError as e:
         if e.name != _KERNEL_MODULE:  # a missing dependency *inside* the module is a real error
             raise
+    _kernel_module_loaded = True  # after success or "no such module": a real error repeats
 
 
 def _kernel_for(mode: str, kind: str, recipe: QuantRecipe) -> Callable | None:
