@@ -1,5 +1,6 @@
 """The rollout engine: sampling, the jitted prefill + decode loop, and the weight sync."""
 
+from quads_jax.sampler.calibration import calibrate
 from quads_jax.sampler.compaction import generate_compacting
 from quads_jax.sampler.engine import (
     FINISH_LENGTH,
@@ -24,6 +25,7 @@ __all__ = [
     "SamplerConfig",
     "SamplingParams",
     "SyncMismatchError",
+    "calibrate",
     "check_sync",
     "decode",
     "finish",

@@ -40,6 +40,7 @@ from quads_jax import models
 from quads_jax.quant import fp8, nvfp4, ops
 from quads_jax.quant.rac import CalibratedWeight
 from quads_jax.quant.recipe import FP8_WEIGHT_MODES, NVFP4_WEIGHT_MODES, QuantRecipe
+from quads_jax.sampler.calibration import calibrate, needs_calibration
 
 KEEP, CAST = "keep", "cast"
 # Sites that run in float32 whatever the compute dtype (the forward casts their input to f32).
@@ -142,7 +143,7 @@ def _plan(params, recipe, model_config, kernel_layout):
 
 
 def sync(params: dict, recipe: QuantRecipe, *, model_config,
-         kernel_layout: bool | None = None) -> dict:
+         kernel_layout: bool | None = None, calibration_tokens=None) -> dict:
     """The rollout tree for ``recipe`` from master ``params`` (see the module docstring).
 
     Args:
@@ -151,6 +152,9 @@ def sync(params: dict, recipe: QuantRecipe, *, model_config,
       model_config: the ``ModelConfig``.
       kernel_layout: store NVFP4 leaves in the Pallas kernels' layout; None: where a kernel
         will run them (GPU, backend not "reference").
+      calibration_tokens: int ``[B, T]`` unpadded token ids; required when the recipe has a
+        static RAC selection or activation scale (``calibration.calibrate``): the W4A4 leaves
+        are then ``CalibratedWeight`` wrappers holding the calibrated blocks / scales.
 
     Returns:
       a tree of the same structure (layer groups split where the recipe's modes change) whose
@@ -158,18 +162,38 @@ def sync(params: dict, recipe: QuantRecipe, *, model_config,
     """
     if not isinstance(recipe, QuantRecipe):
         raise ValueError(f"recipe: expected a QuantRecipe, got {type(recipe).__name__}")
-    if recipe.rac_selection == "static" or recipe.act_scale_mode == "static":
-        raise ValueError(
-            f"recipe {recipe.name!r}: rac_selection={recipe.rac_selection!r}, act_scale_mode="
-            f"{recipe.act_scale_mode!r}: static calibration needs per-site calibration "
-            "activations, which quads_jax.models.forward does not expose yet; use "
-            "rac_selection='online_batch' and act_scale_mode='per_token' or 'per_batch'"
-        )
+    calibration = None
+    if needs_calibration(recipe):
+        if calibration_tokens is None:
+            raise ValueError(
+                f"calibration_tokens: None, but recipe {recipe.name!r} has rac_selection="
+                f"{recipe.rac_selection!r}, act_scale_mode={recipe.act_scale_mode!r}; static "
+                "calibration needs a calibration batch of token ids [batch, length]")
+        calibration = calibrate(params, recipe, model_config=model_config,
+                                tokens=calibration_tokens)
     params = models.split_layer_groups(model_config, params, recipe)
     leaves, treedef = jax.tree.flatten(params)
     plan = _plan(params, recipe, model_config, kernel_layout)
     out = _convert_all(leaves, plan=plan, recipe=recipe, dtype=jnp.dtype(model_config.dtype))
+    if calibration is not None:
+        sites = jax.tree.leaves(models.param_sites(model_config, params),
+                                is_leaf=lambda x: isinstance(x, str | tuple))
+        out = [_with_calibration(q, site, calibration) for q, site in zip(out, sites, strict=True)]
     return jax.tree.unflatten(treedef, out)
+
+
+def _with_calibration(leaf, site, calibration: dict):
+    """Wrap a packed leaf with its calibrated blocks / scales (stacked over its layers)."""
+    layer_sites = (site,) if isinstance(site, str) else site
+    if layer_sites[0] not in calibration:
+        return leaf
+    blocks, scales = zip(*(calibration[s] for s in layer_sites), strict=True)
+    stack = (lambda xs: jnp.stack(xs)) if isinstance(site, tuple) else (lambda xs: xs[0])
+    return CalibratedWeight(
+        leaf,
+        rac_blocks=None if blocks[0] is None else stack(blocks),
+        act_global_scale=None if scales[0] is None else stack(scales),
+    )
 
 
 # ------------------------------------------------------------------------------ identity check
