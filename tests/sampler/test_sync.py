@@ -128,23 +128,24 @@ def test_synced_weights_give_the_logits_of_on_the_fly_quantization():
 
 
 def test_static_calibration_wraps_w4a4_leaves_with_calibrated_blocks_and_scales():
-    cfg = tiny_config(dtype="float32")  # f32 activations: jitted and eager agree to ~1 ulp
+    # Two MoE layers, f32 activations (two compiled programs then agree to ~1 ulp).
+    cfg = tiny_config(dtype="float32", num_hidden_layers=2, mlp_only_layers=())
     params = models.init_params(cfg, jax.random.key(0))
     recipe = get_recipe("rollout_quads", rac_selection="static", act_scale_mode="static")
     tokens = jax.random.randint(jax.random.key(1), (3, 12), 3, cfg.vocab_size)
     rollout = sync(params, recipe, model_config=cfg, calibration_tokens=tokens)
-    leaf = rollout["layers"][-1]["mlp"]["experts"]["gate_up"]  # layers 2 and 3
+    leaf = rollout["layers"][0]["mlp"]["experts"]["gate_up"]  # layers 0 and 1
     assert isinstance(leaf, CalibratedWeight) and isinstance(leaf.weight, nvfp4.NVFP4Tensor)
     e, k = cfg.num_experts, cfg.hidden_size
     assert leaf.rac_blocks.shape == (2, e, k // 16) and leaf.act_global_scale.shape == (2, e)
     assert isinstance(rollout["layers"][0]["attn"]["q_proj"], jax.Array)  # bf16 site: no wrap
 
-    # Recompute layer 3's calibration from the model's own site inputs, eagerly. The sync ran
-    # jitted, so activations may differ in the last ulp (fusion order) and a near-tie between
-    # two blocks' scores may flip: most blocks and all scales (to 1e-5) must agree.
+    # Recompute layer 1's calibration from the model's own site inputs in another program:
+    # activations may differ in the last ulp (fusion order) and a near-tie between two
+    # blocks' scores may flip, so most blocks and all scales (to 1e-5) must agree.
     online = recipe.replace(rac_selection="online_batch", act_scale_mode="per_token")
-    _, inputs = models.collect_site_inputs(cfg, params, tokens, recipe=online)
-    x, gs = inputs["layers.3.mlp.experts.gate_up"]
+    collect = jax.jit(lambda p, t: models.collect_site_inputs(cfg, p, t, recipe=online)[1])
+    x, gs = collect(params, tokens)["layers.1.mlp.experts.gate_up"]
     rows = ops.expert_of_rows(gs, x.shape[0])
     want = rac.calibrate_blocks(x, online, row_expert=rows, num_experts=e)
     assert np.mean(np.asarray(leaf.rac_blocks[1]) == np.asarray(want)) >= 0.9
@@ -154,8 +155,6 @@ def test_static_calibration_wraps_w4a4_leaves_with_calibrated_blocks_and_scales(
                                rtol=1e-5)
 
     check_sync(params, rollout, recipe, model_config=cfg, full=True)
-    logits = models.forward(cfg, rollout, tokens[:1], recipe=recipe).logits
-    assert np.all(np.isfinite(np.asarray(logits)))
 
 
 def test_sync_input_errors(model):
