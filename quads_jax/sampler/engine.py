@@ -13,6 +13,11 @@
    soon as every row has hit a stop token or ``max_new_tokens``. Finished rows feed masked
    slots (``attention_mask`` False) so they never change what others see.
 
+With ``prefill_chunk`` the prompts are prefilled that many at a time into the one preallocated
+cache (bounded attention-score memory for large batches of long prompts). Rows that finish
+early still ride along in this loop; ``quads_jax.sampler.compaction.generate_compacting`` drops
+them from the batch between decode segments.
+
 ``prefill`` and ``decode`` are also exposed as two jitted calls over a ``DecodeState`` (the
 decode call donates the state, so the cache is updated in place across the boundary): the
 benchmark times them apart, and a caller can decode in segments.
