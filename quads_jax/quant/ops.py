@@ -139,8 +139,10 @@ def _fp8_weight(w, site: str, recipe: QuantRecipe) -> fp8.FP8Tensor:
     return fp8.quantize(w, granularity=recipe.fp8_weight_granularity)
 
 
-def _fake_quant_weight(w, mode: str, site: str, recipe: QuantRecipe) -> jax.Array:
-    """Forward ``qdq(W)``, straight-through gradient for master weights."""
+def fake_quant_weight(w, mode: str, site: str, recipe: QuantRecipe) -> jax.Array:
+    """The trainer's view of a weight for an NVFP4 / FP8 ``mode``: ``qdq(W)`` forward with a
+    straight-through gradient for a master weight, the dequantized value for a packed leaf.
+    The weight sync's identity check compares against exactly this function."""
     if isinstance(w, nvfp4.NVFP4Tensor):
         return nvfp4.dequantize(w, jnp.float32)
     if isinstance(w, fp8.FP8Tensor):
@@ -258,10 +260,10 @@ def _reference(x, w, mode, site, recipe, group_sizes) -> jax.Array:
             )
         return _matmul(x, w.astype(x.dtype), group_sizes)
     if mode in ("w_fakequant_nvfp4", "w_fakequant_fp8", "w4a16_nvfp4"):
-        w_hat = _fake_quant_weight(w, mode, site, recipe)
+        w_hat = fake_quant_weight(w, mode, site, recipe)
         return _matmul(x, w_hat.astype(x.dtype), group_sizes)
     if mode == "a_fakequant_nvfp4_w_fakequant_nvfp4":
-        w_hat = _fake_quant_weight(w, mode, site, recipe)
+        w_hat = fake_quant_weight(w, mode, site, recipe)
         x_hat = nvfp4.fake_quant(x, scale_mode="row")
         return _matmul(x_hat, w_hat.astype(x.dtype), group_sizes)
     if mode in ("w4a4_nvfp4", "w4a4_nvfp4_rac"):

@@ -204,7 +204,7 @@ def _trainer_view(master, action: str, recipe: QuantRecipe, dtype) -> jax.Array:
     if action == CAST:
         return master.astype(dtype)
     # The trainer's own fake-quant (forward value == qdq), not a re-implementation.
-    return ops._fake_quant_weight(master, action, "sync", recipe)
+    return ops.fake_quant_weight(master, action, "sync", recipe)
 
 
 def _kernel_layout_values(w, like: jax.Array) -> jax.Array:
