@@ -37,10 +37,9 @@ CONFIGS = {
 def _oracle_python() -> str:
     exe = os.environ.get("QUADS_ORACLE_PYTHON")
     if not exe:
-        for cand in (os.path.join(REPO, ".venv-oracle", "bin", "python"),
-                     "/tmp/venvoracle/bin/python"):
-            if os.path.exists(cand):
-                return cand
+        cand = os.path.join(REPO, ".venv-oracle", "bin", "python")
+        if os.path.exists(cand):
+            return cand
         pytest.fail("QUADS_ORACLE_PYTHON is not set and no oracle venv exists (make oracle)")
     return exe
 
