@@ -74,6 +74,17 @@ def divide_by_constant(a: jax.Array, c: float) -> jax.Array:
     return jnp.where(a == 0, jnp.zeros_like(a), jnp.where(ok, exact, fallback))
 
 
+def decode_scale_from_amax(amax: jax.Array, target: float) -> jax.Array:
+    """The float32 decode scale ``amax / target`` (one correct rounding), 1 where amax is 0.
+
+    ``target`` is the largest code magnitude the scale maps ``amax`` to: 2688 (= 6 * 448) for
+    the NVFP4 global scale, 448 for FP8 E4M3. A single rounding makes re-quantizing ``qdq(x)``
+    recover the same scale, so ``qdq`` is idempotent bit for bit.
+    """
+    amax = jnp.asarray(amax, jnp.float32)
+    return jnp.where(amax > 0, divide_by_constant(amax, target), jnp.float32(1.0))
+
+
 E4M3_MAX = 448.0
 
 

@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from quads_jax.quant.arith import divide_by_constant, round_to_e4m3, straight_through
+from quads_jax.quant import arith
+from quads_jax.quant.arith import round_to_e4m3, straight_through
 
 E4M3_MAX = 448.0
 BLOCK = 128
@@ -102,8 +103,7 @@ def _grouped(x: jax.Array, granularity: str) -> tuple[jax.Array, tuple[int, ...]
 
 def decode_scale_from_amax(amax: jax.Array) -> jax.Array:
     """``amax / 448`` (one correctly rounded division), 1 where amax is 0."""
-    amax = amax.astype(jnp.float32)
-    return jnp.where(amax > 0, divide_by_constant(amax, E4M3_MAX), jnp.float32(1.0))
+    return arith.decode_scale_from_amax(amax, E4M3_MAX)
 
 
 def encode(x: jax.Array, scale: jax.Array) -> jax.Array:

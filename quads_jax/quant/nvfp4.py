@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from quads_jax.quant import arith
 from quads_jax.quant.arith import divide_by_constant, round_to_e4m3, straight_through
 
 BLOCK_SIZE = 16
@@ -136,12 +137,9 @@ def _finite_amax(x: jax.Array, scale_mode: ScaleMode) -> jax.Array:
 def decode_scale_from_amax(amax: jax.Array) -> jax.Array:
     """``g = amax / 2688``, and 1 where amax is 0. float32, same shape as ``amax``.
 
-    One correctly rounded division (TE writes ``1 / (2688 / amax)``, which can differ by an ulp):
-    with a single rounding, re-quantizing ``qdq(x)`` recovers the same ``g``, so ``qdq`` is
-    idempotent bit for bit.
+    One correctly rounded division (TE writes ``1 / (2688 / amax)``, which can differ by an ulp).
     """
-    amax = amax.astype(jnp.float32)
-    return jnp.where(amax > 0, divide_by_constant(amax, GLOBAL_AMAX_TARGET), jnp.float32(1.0))
+    return arith.decode_scale_from_amax(amax, GLOBAL_AMAX_TARGET)
 
 
 def compute_global_scale(x: jax.Array, scale_mode: ScaleMode = "tensor") -> jax.Array:
