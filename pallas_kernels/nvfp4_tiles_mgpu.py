@@ -26,7 +26,12 @@ import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+from jax._src.lib.mlir import ir
+from jax.experimental import mosaic as _mosaic  # noqa: F401  (registers the dialect)
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from pallas_kernels.layout import K_TILE, N_TILE, W4A4Weights
 
@@ -35,6 +40,12 @@ NUM_COMPUTE_WGS = N_TILE // WG_ROWS
 KW_TILE = K_TILE // 4  # uint16 words per row per step
 CHUNK = 64  # K columns per wgmma (128-byte swizzle of 16-bit values)
 SMEM_BYTES = 232448 - 4096  # H100/H200 per-block shared memory, minus barriers and slack
+DECODE_IMPLS = ("jnp", "ptx")
+# Time attribution only (scripts/kernel_probe.py): each ablation skips part of the work, so its
+# results are WRONG. no_decode: the raw code words bitcast to the MMA dtype; one_mma: the four
+# decoded chunks of a step summed and multiplied once; no_compute: the pipeline streams its
+# tiles and the body does nothing.
+ABLATIONS = (None, "no_decode", "one_mma", "no_compute")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,12 +59,21 @@ class TileGemmConfig:
       a_via_smem: stage the decoded weight tile through SMEM before the wgmma (the GPU
         interpreter cannot run wgmma with A in registers; slower on the device).
       num_sms: persistent CTAs; None = the device's SM count.
+      decode_impl: "jnp" (array ops on uint16 values; what the GPU interpreter runs) or "ptx"
+        (the same bits from 32-bit PTX on each register's pair of words; device only, and only
+        for the "subnormal" decode, whose bits need no select).
+      mma_overlap: wgmma groups left in flight while the next chunk is decoded (0: wait for
+        every chunk's product before decoding the next).
+      ablation: None, or one of ``ABLATIONS`` (time attribution; wrong results).
     """
 
     k_splits: int = 1
     max_concurrent_steps: int = 4
     a_via_smem: bool = False
     num_sms: int | None = None
+    decode_impl: str = "jnp"
+    mma_overlap: int = 0
+    ablation: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.k_splits, int) or self.k_splits < 1:
@@ -64,6 +84,12 @@ class TileGemmConfig:
             )
         if self.num_sms is not None and (not isinstance(self.num_sms, int) or self.num_sms < 1):
             raise ValueError(f"TileGemmConfig.num_sms={self.num_sms!r}: need None or an int >= 1")
+        if self.decode_impl not in DECODE_IMPLS:
+            raise ValueError(f"TileGemmConfig.decode_impl={self.decode_impl!r}: one of {DECODE_IMPLS}")
+        if self.mma_overlap not in (0, 1):
+            raise ValueError(f"TileGemmConfig.mma_overlap={self.mma_overlap!r}: 0 or 1")
+        if self.ablation not in ABLATIONS:
+            raise ValueError(f"TileGemmConfig.ablation={self.ablation!r}: one of {ABLATIONS}")
 
 
 def _num_sms() -> int:
@@ -91,7 +117,40 @@ def _code_to_f16(c: jax.Array, decode: str) -> jax.Array:
     return lax.bitcast_convert_type(bits | sign, jnp.float16)
 
 
-def _decode_chunk(w16: jax.Array, scales, rows, g: int, mma_dtype, decode: str) -> jax.Array:
+def _nibble_shifts(i: int) -> tuple[str, str]:
+    """PTX moving nibble ``i`` of each 16-bit word to f16 bits sign<<15 | magnitude<<9."""
+    sign, mag = 12 - 4 * i, 9 - 4 * i
+    return (f"shl.b32 s, $1, {sign};" if sign else "mov.b32 s, $1;",
+            f"shl.b32 m, $1, {mag};" if mag >= 0 else f"shr.b32 m, $1, {-mag};")
+
+
+def _codes_to_f16_ptx(words: jax.Array, nibble: int) -> jax.Array:
+    """uint16 ``[64, n]`` words (WGMMA layout) -> float16 ``[64, n]`` "subnormal" values of
+    nibble ``nibble``: each 32-bit register holds two words, decoded with four 32-bit ops
+    (Mosaic GPU lowers 16-bit shifts one half at a time, with unpack/repack around them)."""
+    layout = plgpu.Layout.WGMMA
+    sign_op, mag_op = _nibble_shifts(nibble)
+    asm = (f"{{ .reg .b32 s, m; {sign_op} {mag_op} and.b32 s, s, 0x80008000; "
+           "and.b32 m, m, 0x0E000E00; or.b32 $0, s, m; }")
+
+    @plgpu.inline_mgpu(
+        arg_types=(layout,),
+        return_type=plgpu.ShapeDtypeStruct(words.shape, jnp.float16, layout=layout),
+    )
+    def decode(_, w):
+        i32 = ir.IntegerType.get_signless(32)
+        regs = np.empty_like(w.registers)
+        for idx, reg in np.ndenumerate(w.registers):
+            shape = ir.VectorType(reg.type).shape
+            out = mgpu_utils.inline_ptx(asm, mgpu_utils.bitcast(reg, i32), result_types=i32)
+            regs[idx] = mgpu_utils.bitcast(out, ir.VectorType.get(shape, ir.F16Type.get()))
+        return mgpu.FragmentedArray(_registers=regs, _layout=w.layout, _is_signed=None)
+
+    return decode(words)
+
+
+def _decode_chunk(w16: jax.Array, scales, rows, g: int, mma_dtype, decode: str,
+                  config: TileGemmConfig) -> jax.Array:
     """Decode K columns [64g, 64g + 64) of a 64-row uint16 tile to ``[64, 64]`` MMA values.
 
     ``w16``: uint16 ``[64, 64]`` words of the step; ``scales``: SMEM ref ``[16, 128]`` of the
@@ -100,8 +159,14 @@ def _decode_chunk(w16: jax.Array, scales, rows, g: int, mma_dtype, decode: str) 
     pieces = []
     words = w16[:, 16 * g : 16 * g + 16]
     for i in range(4):
-        c = (words >> jnp.uint16(4 * i)) & jnp.uint16(0xF) if i else words & jnp.uint16(0xF)
-        v = _code_to_f16(c, decode)
+        if config.ablation == "no_decode":
+            pieces.append(lax.bitcast_convert_type(words, mma_dtype))
+            continue
+        if config.decode_impl == "ptx":
+            v = _codes_to_f16_ptx(words, i)
+        else:
+            c = (words >> jnp.uint16(4 * i)) & jnp.uint16(0xF) if i else words & jnp.uint16(0xF)
+            v = _code_to_f16(c, decode)
         if mma_dtype != jnp.float16:
             v = v.astype(mma_dtype)
         s = scales[4 * g + i, rows]
@@ -137,6 +202,12 @@ def nvfp4_tile_gemm(
     if block_m % 8 or not 8 <= block_m <= 256:
         raise ValueError(f"block_m={block_m}: the wgmma N side needs a multiple of 8 in [8, 256]")
     k_steps_total = k_pad // K_TILE
+    if config.decode_impl == "ptx" and (interpret or w.decode != "subnormal"
+                                         or mma_dtype != jnp.float16):
+        raise ValueError(
+            f"decode_impl='ptx' needs the device (interpret={interpret}), decode='subnormal' "
+            f"(got {w.decode!r}) and float16 MMA (got {mma_dtype.name})"
+        )
     if k_steps_total % config.k_splits:
         raise ValueError(
             f"TileGemmConfig.k_splits={config.k_splits} does not divide the {k_steps_total} "
@@ -224,16 +295,27 @@ def nvfp4_tile_gemm(
 
                 def mma_body(_, w_smem, s_smem, *refs):
                     b_smems, accs = refs[:num_acc], refs[num_acc]
+                    if config.ablation == "no_compute":
+                        return accs
                     w16 = w_smem[rows]
-                    for g in range(K_TILE // CHUNK):
-                        a = _decode_chunk(w16, s_smem, rows, g, mma_dtype, w.decode)
+                    n_chunks = K_TILE // CHUNK
+                    total = None
+                    for g in range(n_chunks):
+                        a = _decode_chunk(w16, s_smem, rows, g, mma_dtype, w.decode, config)
+                        last = g == n_chunks - 1
+                        if config.ablation == "one_mma":  # one product of the summed chunks
+                            total = a if total is None else total + a
+                            if not last:
+                                continue
+                            a = total
                         if a_smem is not None:
                             a_smem[wg] = a
                             plgpu.commit_smem()
                             a = a_smem.at[wg]
                         for b_smem, acc in zip(b_smems, accs, strict=True):
                             plgpu.wgmma(acc, a, b_smem.at[:, pl.ds(g * CHUNK, CHUNK)].T)
-                        plgpu.wgmma_wait(0)
+                        plgpu.wgmma_wait(0 if last or a_smem is not None
+                                         else config.mma_overlap * num_acc)
                     return accs
 
                 @pl.when(t < num_tiles_gmem[0])

@@ -40,6 +40,7 @@ class W4A4MatmulConfig:
         weight is decoded to its exact bf16/f16 values once per call (an XLA fusion, ~5% of a
         compute-bound GEMM at M = 8192) and multiplied by XLA's GEMM (PALLAS_NOTES 6.4; the
         product is the same exact-operand f32-accumulated W4A4). None = always the kernel.
+      decode_impl, mma_overlap: see ``nvfp4_tiles_mgpu.TileGemmConfig``.
     """
 
     block_m: int | None = None
@@ -49,6 +50,8 @@ class W4A4MatmulConfig:
     num_sms: int | None = None
     mma_dtype: str = "float16"
     prefill_min_rows: int | None = 2048
+    decode_impl: str = "jnp"
+    mma_overlap: int = 0
 
     def __post_init__(self):
         bm = self.block_m
@@ -60,10 +63,18 @@ class W4A4MatmulConfig:
             raise ValueError(
                 f"W4A4MatmulConfig.mma_dtype={self.mma_dtype!r}: one of ('float16', 'bfloat16')"
             )
-        TileGemmConfig(1, self.max_concurrent_steps, self.a_via_smem, self.num_sms)
+        self.tile_config(1, self.num_sms)
         p = self.prefill_min_rows
         if p is not None and (not isinstance(p, int) or p < 1):
             raise ValueError(f"W4A4MatmulConfig.prefill_min_rows={p!r}: None or an int >= 1")
+
+
+    def tile_config(self, k_splits: int, num_sms: int | None) -> TileGemmConfig:
+        """The tile kernel's config for a call with ``k_splits`` on ``num_sms`` SMs."""
+        return TileGemmConfig(
+            k_splits=k_splits, max_concurrent_steps=self.max_concurrent_steps,
+            a_via_smem=self.a_via_smem, num_sms=num_sms, decode_impl=self.decode_impl,
+            mma_overlap=self.mma_overlap)
 
 
 def _round_up(v: int, m: int) -> int:
@@ -118,7 +129,7 @@ def run_tiles(
     k_splits = config.k_splits or auto_k_splits(
         t_max * (w.codes.shape[1] // N_TILE), k_steps, num_sms
     )
-    tcfg = TileGemmConfig(k_splits, config.max_concurrent_steps, config.a_via_smem, num_sms)
+    tcfg = config.tile_config(k_splits, num_sms)
     out = nvfp4_tile_gemm(tuple(tiles), w, tile_expert, num_tiles, config=tcfg, interpret=interpret)
     out = jnp.sum(out, axis=1)  # [T, A, Np, bm]
     return jnp.transpose(out, (0, 3, 1, 2)).reshape(t_max * block_m, len(b_rows), -1)

@@ -1,0 +1,172 @@
+"""Where the NVFP4 tile kernel's time goes, on one GPU: checks, ablations, decode variants, dumps.
+
+    PYTHONPATH=. python3 scripts/kernel_probe.py --out $OUT            # checks + timings
+    PYTHONPATH=. python3 scripts/kernel_probe.py --dump DIR            # compile 3 variants only
+                                                                       # (with MOSAIC_GPU_DUMP_*)
+
+Decode shape M=16, K=4096, N=14336 (a 4096 x 14336 projection at a decode step of 16 tokens).
+The tile kernel is timed alone (its B operand pre-made, no XLA work around it), rotating over
+enough weight copies to stream from HBM, many calls unrolled in one jitted program
+(``bench_kernels.time_chain``). Ablations (``TileGemmConfig.ablation``) skip decode, MMA or all
+compute: the differences say what each part costs. Correctness runs first, with XLA's default
+flags (``--xla_allow_excess_precision`` left on: the quantizer must be right under it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_kernels as bk  # noqa: E402
+
+from pallas_kernels import nvfp4_quantize as aq  # noqa: E402
+from pallas_kernels.layout import prepare_w4a4_weights  # noqa: E402
+from pallas_kernels.nvfp4_tiles_mgpu import TileGemmConfig, nvfp4_tile_gemm  # noqa: E402
+from pallas_kernels.w4a4_grouped import w4a4_grouped_matmul  # noqa: E402
+from pallas_kernels.w4a4_matmul import W4A4MatmulConfig, w4a4_matmul  # noqa: E402
+from quads_jax.quant import nvfp4  # noqa: E402
+
+M, K, N = 16, 4096, 14336
+# (name, layout decode, TileGemmConfig overrides)
+TILE_VARIANTS = (
+    ("jnp normal s4", "normal", dict()),
+    ("jnp subnormal s4", "subnormal", dict()),
+    ("ptx subnormal s4", "subnormal", dict(decode_impl="ptx")),
+    ("ptx subnormal s2", "subnormal", dict(decode_impl="ptx", max_concurrent_steps=2)),
+    ("ptx subnormal s6", "subnormal", dict(decode_impl="ptx", max_concurrent_steps=6)),
+    ("ptx subnormal overlap1 s4", "subnormal", dict(decode_impl="ptx", mma_overlap=1)),
+    ("ptx subnormal ks2 s4", "subnormal", dict(decode_impl="ptx", k_splits=2)),
+    ("ablate no_decode s4", "normal", dict(ablation="no_decode")),
+    ("ablate one_mma (jnp normal) s4", "normal", dict(ablation="one_mma")),
+    ("ablate one_mma (ptx) s4", "subnormal", dict(ablation="one_mma", decode_impl="ptx")),
+    ("ablate no_compute s4", "normal", dict(ablation="no_compute")),
+    ("ablate no_compute s2", "normal", dict(ablation="no_compute", max_concurrent_steps=2)),
+)
+E2E_VARIANTS = (
+    ("jnp normal", "normal", dict()),
+    ("jnp subnormal", "subnormal", dict()),
+    ("ptx subnormal", "subnormal", dict(decode_impl="ptx")),
+    ("ptx subnormal overlap1", "subnormal", dict(decode_impl="ptx", mma_overlap=1)),
+)
+
+
+def weights(key, shape, decode):
+    q = nvfp4.quantize(bk.rand(key, shape, jnp.float32),
+                       scale_mode="expert" if len(shape) == 3 else "tensor")
+    return q, prepare_w4a4_weights(q, mma_dtype="float16", decode=decode)
+
+
+def tile_op(cfg):
+    te, nt = jnp.zeros((1,), jnp.int32), jnp.ones((1,), jnp.int32)
+    return lambda b, w: nvfp4_tile_gemm((b,), w, te, nt, config=cfg)
+
+
+def run_checks():
+    bk.log("== checks (default XLA flags; fresh inputs; poisoned outputs)")
+    bk.run_diagnostics()
+    racc = aq.RACConfig()
+    x = bk.rand(9, (M, K), jnp.float32)
+    e, ke, ne = 128, 2048, 768
+    gs = bk.routing(64, 64, e, 8, True)
+    xg = bk.rand(41, (int(gs.sum()) + 3, ke), jnp.float32)
+    for name, decode, kw in E2E_VARIANTS:
+        wq, ww = weights(19, (N, K), decode)
+        cfg = W4A4MatmulConfig(**kw)
+        for r in (None, racc):
+            bk.check(f"{name}: dense w4a4{'+RAC' if r else ''} M={M} K={K} N={N}",
+                     jax.jit(lambda x=x, ww=ww, r=r, cfg=cfg: w4a4_matmul(x, ww, rac=r,
+                                                                           config=cfg)),
+                     lambda x=x, wq=wq, r=r: bk.deq_ref(x, wq, r), (M, N))
+        wq, ww = weights(40, (e, ne, ke), decode)
+        for r in (None, racc):
+            bk.check(f"{name}: grouped w4a4{'+RAC' if r else ''} E={e} rows={xg.shape[0]}",
+                     jax.jit(lambda x=xg, gs=gs, ww=ww, r=r, cfg=cfg: w4a4_grouped_matmul(
+                         x, ww, gs, rac=r, config=cfg)),
+                     lambda x=xg, gs=gs, wq=wq, r=r: bk.deq_ref(x, wq, r, gs), (xg.shape[0], ne))
+
+
+def run_timings():
+    bk.measure_floors()
+    bw = bk.RESULTS["floors"]["read_bw"]
+    nv_bytes = N * K * 0.5625
+    bk.log(f"== tile kernel alone, M={M} K={K} N={N}; floor {nv_bytes / bw * 1e6:.1f} us "
+           f"(0.5625 B/param at {bw / 1e12:.2f} TB/s)")
+    c = bk.copies_for(N * K * 0.625)
+    x = bk.rand(60, (M, K))
+    ws = {d: [weights(100 + i, (N, K), d)[1] for i in range(c)] for d in ("normal", "subnormal")}
+    b = aq.mma_operand(nvfp4.quantize(x, scale_mode="row"), jnp.float16)[0].reshape(1, M, K)
+    for name, decode, kw in TILE_VARIANTS:
+        try:
+            t, calls = bk.time_chain(tile_op(TileGemmConfig(**kw)), b, ws[decode])
+            bk.record(f"tile {name}", t, calls, bytes_=nv_bytes, flops=2 * M * N * K)
+        except Exception as err:  # noqa: BLE001  (one variant failing must not stop the run)
+            bk.log(f"  tile {name} FAILED: {type(err).__name__}: {str(err)[:400]}")
+    bk.log("== full w4a4_matmul (activation quantization + kernel + epilogue)")
+    for name, decode, kw in E2E_VARIANTS[::2]:
+        for r in (None, aq.RACConfig()):
+            cfg = W4A4MatmulConfig(**kw)
+            try:
+                t, calls = bk.time_chain(
+                    lambda x, w, cfg=cfg, r=r: w4a4_matmul(x, w, rac=r, config=cfg), x, ws[decode])
+                bk.record(f"w4a4 {name}{' +RAC0.5' if r else ''}", t, calls, bytes_=nv_bytes,
+                          flops=2 * M * N * K)
+            except Exception as err:  # noqa: BLE001
+                bk.log(f"  w4a4 {name} FAILED: {type(err).__name__}: {str(err)[:400]}")
+    del ws
+    wb = [bk.rand(200 + i, (K, N)) for i in range(bk.copies_for(N * K * 2))]
+    t, calls = bk.time_chain(lambda x, w: jnp.dot(x, w), x, wb)
+    bk.record(f"XLA bf16 M={M} K={K} N={N}", t, calls, bytes_=N * K * 2, flops=2 * M * N * K)
+    del wb
+    w8 = [bk.fp8_weight(300 + i, N, K) for i in range(bk.copies_for(N * K))]
+    t, calls = bk.time_chain(bk.xla_fp8, x, w8)
+    bk.record(f"XLA fp8 M={M} K={K} N={N}", t, calls, bytes_=N * K, flops=2 * M * N * K)
+
+
+def run_dump():
+    """Compile (and run once) three variants, so MOSAIC_GPU_DUMP_* writes their PTX/SASS."""
+    b = jnp.ones((1, M, K), jnp.float16)
+    for name, decode, kw in (("jnp normal", "normal", {}), ("ptx", "subnormal",
+                             {"decode_impl": "ptx"}), ("no_decode", "normal",
+                                                       {"ablation": "no_decode"})):
+        w = weights(1, (N, K), decode)[1]
+        t0 = time.time()
+        jax.block_until_ready(jax.jit(tile_op(TileGemmConfig(**kw)))(b, w))
+        bk.log(f"compiled {name} in {time.time() - t0:.1f} s")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="/tmp/probe_out")
+    p.add_argument("--dump", action="store_true", help="compile 3 variants only (for dumps)")
+    p.add_argument("--no-checks", action="store_true")
+    args = p.parse_args(argv)
+    bk.log(jax.devices())
+    if args.dump:
+        run_dump()
+        return 0
+    start = time.time()
+    try:
+        if not args.no_checks:
+            run_checks()
+        run_timings()
+    finally:
+        bk.write_outputs(args.out)
+        os.replace(os.path.join(args.out, "bench_kernels.json"),
+                   os.path.join(args.out, "kernel_probe.json"))
+        os.replace(os.path.join(args.out, "bench_kernels.md"),
+                   os.path.join(args.out, "kernel_probe.md"))
+        bk.log(f"total {time.time() - start:.0f} s")
+        with open(os.path.join(args.out, "kernel_probe.json")) as f:
+            json.load(f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
