@@ -50,7 +50,7 @@ class W4A4MatmulConfig:
     num_sms: int | None = None
     mma_dtype: str = "float16"
     prefill_min_rows: int | None = 2048
-    decode_impl: str = "jnp"
+    decode_impl: str = "auto"
     mma_overlap: int = 0
 
     def __post_init__(self):
@@ -118,7 +118,7 @@ def run_tiles(
     ``row_index``: int32 ``[T, block_m]`` source row of each tile slot (``M`` = a zero row).
     """
     dtype = jnp.dtype(w.mma_dtype)
-    k_pad = w.codes.shape[2] * 4
+    k_pad = w.k_pad
     tiles = []
     for b in b_rows:
         b = jnp.pad(b.astype(dtype), ((0, 1), (0, k_pad - b.shape[1])))
@@ -127,7 +127,7 @@ def run_tiles(
     num_sms = config.num_sms or _num_sms()
     k_steps = k_pad // K_TILE
     k_splits = config.k_splits or auto_k_splits(
-        t_max * (w.codes.shape[1] // N_TILE), k_steps, num_sms
+        t_max * (w.n_pad // N_TILE), k_steps, num_sms
     )
     tcfg = config.tile_config(k_splits, num_sms)
     out = nvfp4_tile_gemm(tuple(tiles), w, tile_expert, num_tiles, config=tcfg, interpret=interpret)

@@ -149,13 +149,17 @@ def routing(key, tokens, e, top_k, skew=False):
 
 # ----------------------------------------------------------------------------- floors
 def measure_floors():
+    """Read bandwidth: the best of three XLA BF16 GEMV probes (the first also lifts the clocks
+    from idle); the BF16 matmul rate; the chain's per-step overhead."""
     log("== floors")
     x = rand(1, (16, S(4096, 8, 256)))
     w = rand(2, (S(4096, 8, 256), S(57344, 64, 128)))
-    t, n = time_chain(lambda x, w: jnp.dot(x, w), x, [w])
-    bw = w.size * 2 / t
-    RESULTS["floors"]["read_bw"] = bw
-    log(f"  XLA bf16 16x4096 @ 4096x57344: {t * 1e6:.1f} us -> {bw / 1e12:.2f} TB/s")
+    best = 0.0
+    for _ in range(3):
+        t, n = time_chain(lambda x, w: jnp.dot(x, w), x, [w])
+        best = max(best, w.size * 2 / t)
+        log(f"  XLA bf16 16x4096 @ 4096x57344: {t * 1e6:.1f} us -> {w.size * 2 / t / 1e12:.2f} TB/s")
+    RESULTS["floors"]["read_bw"] = best
     d = S(8192, 32, 256)
     a = rand(3, (d, d))
     b = rand(4, (d, d))

@@ -11,6 +11,8 @@ from pallas_kernels.layout import (
     prepare_w4a4_weights,
     split_nibble_pack,
     split_nibble_unpack,
+    tile_rows,
+    untile_rows,
 )
 from quads_jax.quant import nvfp4
 
@@ -35,7 +37,8 @@ def test_prepare_dequantizes_to_the_nvfp4_values(shape, mma_dtype, decode):
     q = nvfp4.quantize(x, scale_mode="expert" if len(shape) == 3 else "tensor")
     w = prepare_w4a4_weights(q, mma_dtype=mma_dtype, decode=decode)
     assert isinstance(w, W4A4Weights) and w.shape == shape and w.stacked == (len(shape) == 3)
-    assert w.codes.shape[1] % 128 == 0 and w.codes.shape[2] % 64 == 0  # padded to the tiles
+    assert w.n_pad % 128 == 0 and w.k_pad % 256 == 0 and w.n_pad >= shape[-2]  # padded to tiles
+    assert w.codes.shape == w.codes.shape[:1] + (w.n_pad // 128, w.k_pad // 256 * 128, 64)
     unit = nvfp4.NVFP4Tensor(q.packed, q.scales, jnp.ones_like(q.global_scale))
     want = nvfp4.dequantize(unit, jnp.float32).reshape((-1,) + shape[-2:])
     np.testing.assert_array_equal(dequantize_w4a4_weights(w), want)
@@ -53,3 +56,14 @@ def test_prepare_rejects_bad_weights():
         prepare_w4a4_weights(nvfp4.quantize(x[0]), mma_dtype="float32")
     with pytest.raises(ValueError, match="decode"):
         prepare_w4a4_weights(nvfp4.quantize(x[0]), decode="fast")
+
+
+def test_tile_rows_stores_each_kernel_tile_contiguously():
+    a = jnp.arange(2 * 256 * 128, dtype=jnp.int32).reshape(1, 256, 256)  # [E, Np, C]
+    t = tile_rows(a, 64)
+    assert t.shape == (1, 2, 4 * 128, 64)
+    for n in range(2):
+        for k in range(4):  # tile (n, k): rows 128k.. of [:, n] == the row-major block
+            np.testing.assert_array_equal(t[0, n, 128 * k : 128 * k + 128],
+                                          a[0, 128 * n : 128 * n + 128, 64 * k : 64 * k + 64])
+    np.testing.assert_array_equal(untile_rows(t), a)
