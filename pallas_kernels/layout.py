@@ -68,6 +68,8 @@ class W4A4Weights:
       decode: "normal" | "subnormal" (static; module docstring).
     """
 
+    CODES_NDIM = 4  # codes' rank for one weight; leading axes beyond it are stacked layers
+
     codes: jax.Array
     scales: jax.Array
     global_scale: jax.Array

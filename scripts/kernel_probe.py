@@ -131,6 +131,52 @@ def run_timings():
     bk.bench_grouped()
 
 
+def run_launch_bound():
+    """Is a call bound by the host's per-launch work? Time per call and host enqueue time per
+    call (the jitted chain's call returns once every launch is enqueued) at 1x and 4x the bytes."""
+    import math
+
+    bk.log("== launch-bound test: us per call (device) vs us per call to enqueue (host)")
+    for k, n in ((K, N), (4 * K, N), (K, 4 * N)):
+        xk = bk.rand(61, (M, k))
+        b = aq.mma_operand(nvfp4.quantize(xk, scale_mode="row"), jnp.float16)[0].reshape(1, M, k)
+        c = bk.copies_for(n * k * 0.625)
+        ws = [weights(100 + i, (n, k), "subnormal")[1] for i in range(c)]
+        for name, kw in (("ptx", dict(decode_impl="ptx")), ("no_compute",
+                                                              dict(ablation="no_compute"))):
+            op = tile_op(TileGemmConfig(**kw))
+            reps = max(1, math.ceil(64 / c))
+
+            def prog(x, *ws, op=op, reps=reps):
+                for _ in range(reps):
+                    for w in ws:
+                        y = op(x, w)
+                        x = x + (y.reshape(-1)[0] * 1e-30).astype(x.dtype)
+                return x
+
+            f = jax.jit(prog)
+            jax.block_until_ready(f(b, *ws))
+            dev, host = [], []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                r = f(b, *ws)
+                t1 = time.perf_counter()
+                jax.block_until_ready(r)
+                t2 = time.perf_counter()
+                host.append((t1 - t0) / (reps * c))
+                dev.append((t2 - t0) / (reps * c))
+            floor = n * k * 0.5625 / bk.RESULTS["floors"]["read_bw"]
+            bk.log(f"  {name:10s} K={k:6d} N={n:6d}: {sorted(dev)[2] * 1e6:7.1f} us/call, "
+                   f"enqueue {sorted(host)[2] * 1e6:7.1f} us/call, floor {floor * 1e6:6.1f} us")
+            bk.RESULTS["timings"].append({"name": f"launch-bound {name} K={k} N={n}",
+                                          "us": sorted(dev)[2] * 1e6,
+                                          "enqueue_us": sorted(host)[2] * 1e6,
+                                          "floor_us": floor * 1e6, "calls": reps * c,
+                                          "note": "enqueue = host time to launch", "bytes": None,
+                                          "flops": None})
+        del ws
+
+
 def run_dump():
     """Compile (and run once) three variants, so MOSAIC_GPU_DUMP_* writes their PTX/SASS."""
     b = jnp.ones((1, M, K), jnp.float16)
@@ -148,6 +194,7 @@ def main(argv=None):
     p.add_argument("--out", default="/tmp/probe_out")
     p.add_argument("--dump", action="store_true", help="compile 3 variants only (for dumps)")
     p.add_argument("--no-checks", action="store_true")
+    p.add_argument("--launch-bound", action="store_true", help="floors + the launch-bound test")
     args = p.parse_args(argv)
     global OUT
     OUT = args.out
@@ -157,6 +204,10 @@ def main(argv=None):
         return 0
     start = time.time()
     try:
+        if args.launch_bound:
+            bk.measure_floors()
+            run_launch_bound()
+            return 0
         if not args.no_checks:
             run_checks()
         run_timings()

@@ -215,7 +215,7 @@ def _kernel_layout_values(w, like: jax.Array) -> jax.Array:
         vals = dequantize_w4a4_weights(w) * w.global_scale[:, None, None]
         return vals if w.stacked else vals[0]
 
-    for _ in range(w.codes.ndim - 3):  # leading layer axes
+    for _ in range(w.codes.ndim - w.CODES_NDIM):  # leading layer axes
         one = jax.vmap(one)
     return one(w).astype(like.dtype)
 
