@@ -100,6 +100,14 @@ def _num_sms() -> int:
     return jax.devices()[0].core_count if jax.devices()[0].platform == "gpu" else 4
 
 
+def work_item(idx, k_splits: int, n_tiles: int):
+    """Persistent-grid work item ``idx`` -> ``(K split, weight-row tile, token tile)``; K splits
+    vary fastest, token tiles slowest."""
+    split = lax.rem(idx, k_splits)
+    ni = lax.rem(lax.div(idx, k_splits), n_tiles)
+    return split, ni, lax.div(idx, k_splits * n_tiles)
+
+
 def _swizzled(dtype) -> tuple:
     bits = jnp.dtype(dtype).itemsize * 8
     return (plgpu.TilingTransform((8, 128 * 8 // bits)), plgpu.SwizzleTransform(128))
@@ -272,10 +280,7 @@ def nvfp4_tile_gemm(
 
             @plgpu.nd_loop((num_work,), collective_axes="sm")
             def _work_loop(loop_info: plgpu.NDLoopInfo):
-                (idx,) = loop_info.index
-                split = lax.rem(idx, config.k_splits)
-                ni = lax.rem(lax.div(idx, config.k_splits), n_tiles)
-                t = lax.div(idx, config.k_splits * n_tiles)
+                split, ni, t = work_item(loop_info.index[0], config.k_splits, n_tiles)
                 expert = tile_expert_gmem[t]
 
                 def compute_context(eval_pipeline):

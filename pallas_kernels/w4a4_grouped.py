@@ -23,13 +23,14 @@ from pallas_kernels.w4a4_matmul import (
     combine,
     run_tiles,
 )
-from quads_jax.quant import nvfp4
+from quads_jax.quant import nvfp4, ops
 
 
 def grouped_block_m(m: int, num_experts: int) -> int:
-    """Tokens per tile from the average group size: a power of two in [8, 64]."""
+    """Tokens per tile: twice the average group size, as a power of two in [8, 64], so that
+    most groups fit one tile (a group split over two tiles reads its expert's weight twice)."""
     avg = max(1, -(-m // num_experts))
-    return int(min(64, max(8, 1 << (avg - 1).bit_length())))
+    return int(min(64, max(8, 1 << (2 * avg - 1).bit_length())))
 
 
 def _check_group_sizes(group_sizes, num_experts: int, m: int) -> jax.Array:
@@ -50,8 +51,7 @@ def _check_group_sizes(group_sizes, num_experts: int, m: int) -> jax.Array:
 
 def row_experts(group_sizes: jax.Array, m: int) -> jax.Array:
     """int32 ``[M]`` expert of each sorted row (E for rows past the last group)."""
-    ends = jnp.cumsum(group_sizes)
-    return jnp.searchsorted(ends, jnp.arange(m, dtype=jnp.int32), side="right").astype(jnp.int32)
+    return ops.count_le(jnp.cumsum(group_sizes), jnp.arange(m, dtype=jnp.int32))
 
 
 def tile_plan(group_sizes: jax.Array, m: int, block_m: int):
@@ -68,7 +68,7 @@ def tile_plan(group_sizes: jax.Array, m: int, block_m: int):
     tile_ends = jnp.cumsum(tiles)
     tile_starts = tile_ends - tiles
     t = jnp.arange(t_max, dtype=jnp.int32)
-    te = jnp.minimum(jnp.searchsorted(tile_ends, t, side="right"), e - 1).astype(jnp.int32)
+    te = jnp.minimum(ops.count_le(tile_ends, t), e - 1)
     first = starts[te] + (t - tile_starts[te]) * block_m
     rows = first[:, None] + jnp.arange(block_m, dtype=jnp.int32)[None, :]
     live = (t[:, None] < tile_ends[-1]) & (rows < (starts + group_sizes)[te][:, None])

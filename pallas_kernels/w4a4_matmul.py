@@ -103,6 +103,23 @@ def as_kernel_weights(w, mma_dtype: str) -> W4A4Weights:
     raise ValueError(f"w_q: expected an NVFP4Tensor or W4A4Weights, got {type(w).__name__}")
 
 
+def gather_tiles(b_rows: tuple[jax.Array, ...], row_index: jax.Array, dtype, k_pad: int):
+    """Rows ``[M, K]`` -> token tiles ``[T, block_m, Kp]`` in ``dtype`` (``row_index`` ``M`` =
+    a zero row; K zero-padded to ``k_pad``)."""
+    tiles = []
+    for b in b_rows:
+        b = jnp.pad(b.astype(dtype), ((0, 1), (0, k_pad - b.shape[1])))
+        tiles.append(b[row_index])
+    return tuple(tiles)
+
+
+def tiles_to_rows(out: jax.Array) -> jax.Array:
+    """Kernel partial sums ``[T, k_splits, A, Np, block_m]`` -> ``[T * block_m, A, Np]``."""
+    t_max, _, a, n_pad, block_m = out.shape
+    out = jnp.sum(out, axis=1)  # [T, A, Np, bm]
+    return jnp.transpose(out, (0, 3, 1, 2)).reshape(t_max * block_m, a, n_pad)
+
+
 def run_tiles(
     b_rows: tuple[jax.Array, ...],
     row_index: jax.Array,
@@ -117,32 +134,32 @@ def run_tiles(
 
     ``row_index``: int32 ``[T, block_m]`` source row of each tile slot (``M`` = a zero row).
     """
-    dtype = jnp.dtype(w.mma_dtype)
-    k_pad = w.k_pad
-    tiles = []
-    for b in b_rows:
-        b = jnp.pad(b.astype(dtype), ((0, 1), (0, k_pad - b.shape[1])))
-        tiles.append(b[row_index])
-    t_max = row_index.shape[0]
+    del block_m  # row_index's shape
+    tiles = gather_tiles(b_rows, row_index, jnp.dtype(w.mma_dtype), w.k_pad)
     num_sms = config.num_sms or _num_sms()
-    k_steps = k_pad // K_TILE
     k_splits = config.k_splits or auto_k_splits(
-        t_max * (w.n_pad // N_TILE), k_steps, num_sms
+        row_index.shape[0] * (w.n_pad // N_TILE), w.k_pad // K_TILE, num_sms
     )
     tcfg = config.tile_config(k_splits, num_sms)
-    out = nvfp4_tile_gemm(tuple(tiles), w, tile_expert, num_tiles, config=tcfg, interpret=interpret)
-    out = jnp.sum(out, axis=1)  # [T, A, Np, bm]
-    return jnp.transpose(out, (0, 3, 1, 2)).reshape(t_max * block_m, len(b_rows), -1)
+    return tiles_to_rows(
+        nvfp4_tile_gemm(tiles, w, tile_expert, num_tiles, config=tcfg, interpret=interpret))
+
+
+def dense_plan(m: int, block_m: int | None):
+    """Token tiles of a dense ``[M, K]`` operand: ``(block_m, row_index [T, block_m],
+    tile_expert [T] (zeros), num_tiles [1])``; block_m None: M rounded up to 8 when M <= 64
+    (decode: one tile), else 64."""
+    block_m = block_m or (_round_up(m, 8) if m <= MAX_BLOCK_M else MAX_BLOCK_M)
+    t = -(-m // block_m)
+    rows = jnp.arange(t * block_m, dtype=jnp.int32)
+    row_index = jnp.where(rows < m, rows, m).reshape(t, block_m)
+    return block_m, row_index, jnp.zeros((t,), jnp.int32), jnp.full((1,), t, jnp.int32)
 
 
 def run_dense(b_rows: tuple[jax.Array, ...], w: W4A4Weights, config, interpret: bool):
     """Dense rows ``[M, K]`` in consecutive token tiles through the kernel: ``[M, A, Np]``."""
     m = b_rows[0].shape[0]
-    block_m = config.block_m or (_round_up(m, 8) if m <= MAX_BLOCK_M else MAX_BLOCK_M)
-    t = -(-m // block_m)
-    rows = jnp.arange(t * block_m, dtype=jnp.int32)
-    row_index = jnp.where(rows < m, rows, m).reshape(t, block_m)
-    tile_expert, num_tiles = jnp.zeros((t,), jnp.int32), jnp.full((1,), t, jnp.int32)
+    block_m, row_index, tile_expert, num_tiles = dense_plan(m, config.block_m)
     out = run_tiles(b_rows, row_index, w, tile_expert, num_tiles, block_m, config, interpret)
     return out[:m]
 

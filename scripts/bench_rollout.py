@@ -25,8 +25,8 @@ table is printed last):
 
 Precisions: ``bf16`` (expert matmuls through XLA ragged_dot with a bf16 result, its cuDNN grouped
 GEMM), ``bf16_mgpu`` (jax's Pallas ``ragged_dot_mgpu``), ``fp8`` (E4M3 weights and activations,
-the grouped product through the same XLA path: no FP8 kernel exists yet), ``nvfp4`` and
-``nvfp4_rac`` (the Pallas W4A4 kernels, weights in their layout from ``sync``).
+our FP8 tensor-core tile kernel, ``pallas_kernels/w8a8_matmul.py``), ``nvfp4`` and ``nvfp4_rac``
+(the Pallas W4A4 kernels); quantized weights in the kernels' layouts from ``sync``.
 """
 
 from __future__ import annotations
@@ -167,17 +167,6 @@ def _bf16_kernel(ragged):
     return fn
 
 
-def _fp8_kernel(x, w, group_sizes, *, recipe, site, interpret):
-    """W8A8 FP8 as ops' reference computes it, with the grouped product through ``_xla_ragged``."""
-    from quads_jax.quant import fp8
-
-    qx = fp8.quantize(x, granularity=recipe.fp8_act_granularity)
-    acc = _xla_ragged(qx.data.astype(jnp.bfloat16), w.data.astype(jnp.bfloat16), group_sizes)
-    rows = ops.expert_of_rows(group_sizes, x.shape[0])
-    w_rows = w.scale.reshape(w.shape[0], -1)[rows]
-    return acc.astype(jnp.float32) * qx.scale * w_rows
-
-
 BF16_PATH = {"path": "xla"}  # set from the ragged_dot comparison: the faster decode path
 
 
@@ -188,8 +177,6 @@ def register_arm(name: str) -> None:
         ops.register_kernel("bf16", "grouped", _bf16_kernel(_xla_ragged))
     elif name == "bf16_mgpu":
         ops.register_kernel("bf16", "grouped", _bf16_kernel(_mgpu_ragged))
-    elif name == "fp8":
-        ops.register_kernel("w8a8_fp8", "grouped", _fp8_kernel)
 
 
 def bench_ragged_dot(config: ModelConfig, rows: list[int], reps: int) -> list[dict]:

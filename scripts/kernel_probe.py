@@ -21,6 +21,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_kernels as bk  # noqa: E402
@@ -33,6 +34,7 @@ from pallas_kernels.w4a4_matmul import W4A4MatmulConfig, w4a4_matmul  # noqa: E4
 from quads_jax.quant import nvfp4  # noqa: E402
 
 M, K, N = 16, 4096, 14336
+GE, GK, GN = 128, 2048, 768  # grouped: Qwen3-30B-A3B's experts
 OUT = "/tmp/probe_out"
 # (name, layout decode, TileGemmConfig overrides)
 TILE_VARIANTS = (  # the first two are timed again at the end (run-to-run spread)
@@ -177,6 +179,88 @@ def run_launch_bound():
         del ws
 
 
+def run_final():
+    """The numbers for docs/BENCHMARKS.md in few compiles: GPU checks of the FP8 kernel and the
+    grouped NVFP4 path, then dense decode and grouped decode timings (<= 16 calls per program:
+    every kernel call site in a program is compiled on its own, ~1 s each)."""
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as rdm
+
+    from pallas_kernels.w8a8_matmul import w8a8_grouped_matmul, w8a8_matmul, w8a8_reference
+    from quads_jax.quant import fp8
+
+    bk.log("== final checks (fresh inputs, poisoned outputs)")
+    x = bk.rand(9, (M, K), jnp.float32)
+    w8 = fp8.quantize(bk.rand(7, (N, K), jnp.float32), granularity="channel")
+    bk.check("fp8 kernel dense M=16 K=4096 N=14336 (tol 1e-3: FP8 tensor-core accumulation)",
+             jax.jit(lambda x=x, w=w8: w8a8_matmul(x, w)), lambda: w8a8_reference(x, w8), (M, N),
+             tol=1e-3)
+    e, ke, ne = GE, GK, GN
+    gs = bk.routing(64, 64, e, 8, True)
+    xg = bk.rand(41, (int(gs.sum()) + 3, ke), jnp.float32)
+    w8e = fp8.quantize(bk.rand(8, (e, ne, ke), jnp.float32), granularity="channel")
+    bk.check(f"fp8 kernel grouped E=128 rows={xg.shape[0]} (tol 1e-3)",
+             jax.jit(lambda x=xg, gs=gs, w=w8e: w8a8_grouped_matmul(x, w, gs)),
+             lambda: w8a8_reference(xg, w8e, gs), (xg.shape[0], ne), tol=1e-3)
+    wq, ww = weights(40, (e, ne, ke), "subnormal")
+    for r in (None, aq.RACConfig()):
+        bk.check(f"nvfp4 grouped w4a4{'+RAC' if r else ''} E=128 rows={xg.shape[0]}",
+                 jax.jit(lambda x=xg, gs=gs, ww=ww, r=r: w4a4_grouped_matmul(x, ww, gs, rac=r)),
+                 lambda x=xg, gs=gs, wq=wq, r=r: bk.deq_ref(x, wq, r, gs), (xg.shape[0], ne))
+    bk.measure_floors()
+    fl = 2 * M * N * K
+    x = bk.rand(60, (M, K))
+    bk.log(f"== dense decode M={M} K={K} N={N}")
+    ws = [weights(100 + i, (N, K), "subnormal")[1] for i in range(5)]
+    for name, op in (("w4a4 (ptx, full path)", lambda x, w: w4a4_matmul(x, w)),
+                     ("w4a4+RAC0.5", lambda x, w: w4a4_matmul(x, w, rac=aq.RACConfig()))):
+        t, calls = bk.time_chain(op, x, ws, reps=3)
+        bk.record(f"{name} M={M} K={K} N={N}", t, calls, bytes_=N * K * 0.5625, flops=fl)
+    del ws
+    from pallas_kernels.fp8_tiles_mgpu import prepare_fp8_weights
+
+    w8s = [prepare_fp8_weights(fp8.quantize(bk.rand(300 + i, (N, K), jnp.float32),
+                                            granularity="channel")) for i in range(5)]
+    t, calls = bk.time_chain(lambda x, w: w8a8_matmul(x, w), x, w8s, reps=3)
+    bk.record(f"our fp8 kernel M={M} K={K} N={N}", t, calls, bytes_=N * K, flops=fl)
+    del w8s
+    w8x = [bk.fp8_weight(300 + i, N, K) for i in range(5)]
+    t, calls = bk.time_chain(bk.xla_fp8, x, w8x, reps=3)
+    bk.record(f"XLA fp8 M={M} K={K} N={N}", t, calls, bytes_=N * K, flops=fl)
+    del w8x
+    wb = [bk.rand(200 + i, (K, N)) for i in range(3)]
+    t, calls = bk.time_chain(lambda x, w: jnp.dot(x, w), x, wb, reps=4)
+    bk.record(f"XLA bf16 M={M} K={K} N={N}", t, calls, bytes_=N * K * 2, flops=fl)
+    del wb
+    bk.write_outputs(OUT)
+    bk.log(f"== grouped decode E={e} K={ke} N={ne} top-8")
+    wsg = [weights(400 + i, (e, ne, ke), "subnormal")[1] for i in range(2)]
+    w8g = [prepare_fp8_weights(fp8.quantize(bk.rand(450 + i, (e, ne, ke), jnp.float32),
+                                            granularity="channel")) for i in range(2)]
+    wbg = [bk.rand(500 + i, (e, ke, ne)) for i in range(2)]
+    for tokens in (1, 64, 256):
+        gs = bk.routing(tokens, tokens, e, 8)
+        m = int(gs.sum())
+        touched = int((np.asarray(gs) > 0).sum())
+        xt = bk.rand(70, (m, ke))
+        nb = touched * ne * ke
+        for name, op, ws, per in (
+            ("w4a4", lambda x, w, gs=gs: w4a4_grouped_matmul(x, w, gs), wsg, 0.5625),
+            ("w4a4+RAC0.5", lambda x, w, gs=gs: w4a4_grouped_matmul(x, w, gs,
+                                                                    rac=aq.RACConfig()), wsg, 0.5625),
+            ("our fp8 kernel", lambda x, w, gs=gs: w8a8_grouped_matmul(x, w, gs), w8g, 1.0),
+            ("jax ragged_dot_mgpu bf16", lambda x, w, gs=gs: rdm.ragged_dot(
+                x, w, group_sizes=gs, block_m=128, block_n=128, block_k=64,
+                max_concurrent_steps=4, grid_block_n=1), wbg, 2.0),
+        ):
+            try:
+                t, calls = bk.time_chain(op, xt, ws, reps=6)
+                bk.record(f"grouped {name} tokens={tokens} rows={m} experts={touched}", t, calls,
+                          bytes_=nb * per, flops=2 * m * ne * ke)
+            except Exception as err:  # noqa: BLE001
+                bk.log(f"  grouped {name} tokens={tokens} FAILED: {type(err).__name__}: "
+                       f"{str(err)[:300]}")
+
+
 def run_dump():
     """Compile (and run once) three variants, so MOSAIC_GPU_DUMP_* writes their PTX/SASS."""
     b = jnp.ones((1, M, K), jnp.float16)
@@ -195,6 +279,7 @@ def main(argv=None):
     p.add_argument("--dump", action="store_true", help="compile 3 variants only (for dumps)")
     p.add_argument("--no-checks", action="store_true")
     p.add_argument("--launch-bound", action="store_true", help="floors + the launch-bound test")
+    p.add_argument("--final", action="store_true", help="the BENCHMARKS.md set (run_final)")
     args = p.parse_args(argv)
     global OUT
     OUT = args.out
@@ -204,6 +289,9 @@ def main(argv=None):
         return 0
     start = time.time()
     try:
+        if args.final:
+            run_final()
+            return 0
         if args.launch_bound:
             bk.measure_floors()
             run_launch_bound()

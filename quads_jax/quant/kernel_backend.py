@@ -1,8 +1,8 @@
 """Registers the Pallas (Mosaic GPU) NVFP4 kernels into ``quads_jax.quant.ops``' dispatch.
 
 ``ops`` imports this module lazily the first time a kernel could run (``recipe.backend`` "auto"
-on a GPU, or "interpret"). Registered: ``w4a4_nvfp4``, ``w4a4_nvfp4_rac`` and ``w4a16_nvfp4``,
-dense and grouped. ``w8a8_fp8`` has no kernel yet and runs the jnp path.
+on a GPU, or "interpret"). Registered, dense and grouped: ``w4a4_nvfp4``, ``w4a4_nvfp4_rac`` and
+``w4a16_nvfp4`` (the NVFP4 tile kernel) and ``w8a8_fp8`` (the FP8 tensor-core tile kernel).
 
 Weights: a leaf may be the kernel layout ``layout.W4A4Weights`` (made once at weight sync with
 ``prepare_weights``: the fast path), an ``NVFP4Tensor`` or a master array; the last two are
@@ -16,11 +16,13 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import nvfp4_quantize as aq
+from pallas_kernels.fp8_tiles_mgpu import FP8Weights, prepare_fp8_weights
 from pallas_kernels.layout import W4A4Weights, prepare_w4a4_weights
 from pallas_kernels.w4a4_grouped import w4a4_grouped_matmul
 from pallas_kernels.w4a4_matmul import W4A4MatmulConfig, w4a4_matmul
 from pallas_kernels.w4a16_matmul import w4a16_grouped_matmul, w4a16_matmul
-from quads_jax.quant import nvfp4, ops
+from pallas_kernels.w8a8_matmul import W8A8MatmulConfig, w8a8_grouped_matmul, w8a8_matmul
+from quads_jax.quant import fp8, nvfp4, ops
 from quads_jax.quant.rac import CalibratedWeight
 
 INTERPRET_NUM_SMS = 4
@@ -39,6 +41,8 @@ def prepare_weights(w, mode: str, recipe=None):
 
     Keeps a ``CalibratedWeight`` wrapper around the converted weight.
     """
+    if mode == "w8a8_fp8":
+        return _fp8_weights(w, recipe)
     if isinstance(w, CalibratedWeight):
         return CalibratedWeight(prepare_weights(w.weight, mode, recipe), w.rac_blocks,
                                 w.act_global_scale)
@@ -100,6 +104,34 @@ def _grouped(mode: str):
     return fn
 
 
+def _fp8_weights(w, recipe) -> FP8Weights:
+    if isinstance(w, FP8Weights):
+        return w
+    if not isinstance(w, fp8.FP8Tensor):
+        w = fp8.quantize(w, granularity=recipe.fp8_weight_granularity)
+    return prepare_fp8_weights(w)
+
+
+def _fp8_config(interpret: bool) -> W8A8MatmulConfig:
+    return W8A8MatmulConfig(num_sms=INTERPRET_NUM_SMS if interpret else None)
+
+
+def _fp8_dense(x: jax.Array, w, *, recipe, site: str, interpret: bool) -> jax.Array:
+    del site
+    return w8a8_matmul(x, _fp8_weights(w, recipe), act_granularity=recipe.fp8_act_granularity,
+                       config=_fp8_config(interpret), interpret=interpret)
+
+
+def _fp8_grouped(x: jax.Array, w, group_sizes: jax.Array, *, recipe, site: str,
+                 interpret: bool) -> jax.Array:
+    del site
+    return w8a8_grouped_matmul(x, _fp8_weights(w, recipe), jnp.asarray(group_sizes, jnp.int32),
+                               act_granularity=recipe.fp8_act_granularity,
+                               config=_fp8_config(interpret), interpret=interpret)
+
+
+ops.register_kernel("w8a8_fp8", "dense", _fp8_dense)
+ops.register_kernel("w8a8_fp8", "grouped", _fp8_grouped)
 for _mode in ("w4a4_nvfp4", "w4a4_nvfp4_rac", "w4a16_nvfp4"):
     ops.register_kernel(_mode, "dense", _dense(_mode))
     ops.register_kernel(_mode, "grouped", _grouped(_mode))

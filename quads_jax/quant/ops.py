@@ -160,12 +160,19 @@ def nvfp4_unscaled(q: nvfp4.NVFP4Tensor) -> jax.Array:
 
 
 # ------------------------------------------------------------------------------ matmul cores
+def count_le(ends: jax.Array, values: jax.Array) -> jax.Array:
+    """int32 ``searchsorted(ends, values, side="right")`` for sorted ``ends [E]``: how many ends
+    are <= each value, as one fused comparison. jnp's default searchsorted is a ``fori_loop`` of
+    log2(E) steps, and on the GPU every step of an XLA while loop copies its predicate to the
+    host and waits: a few such loops cost ~190 us per grouped matmul on the H200."""
+    return jnp.sum(values[..., None] >= ends, axis=-1, dtype=jnp.int32)
+
+
 def expert_of_rows(group_sizes: jax.Array, num_rows: int) -> jax.Array:
     """int32 ``[M]``: the group of each row of a grouped (ragged) operand; rows past the last
     group are given the last group."""
-    ends = jnp.cumsum(group_sizes)
-    idx = jnp.searchsorted(ends, jnp.arange(num_rows), side="right")
-    return jnp.minimum(idx, group_sizes.shape[0] - 1).astype(jnp.int32)
+    idx = count_le(jnp.cumsum(group_sizes), jnp.arange(num_rows, dtype=jnp.int32))
+    return jnp.minimum(idx, group_sizes.shape[0] - 1)
 
 
 def precision_for(dtype) -> jax.lax.Precision:

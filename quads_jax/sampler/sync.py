@@ -53,7 +53,7 @@ class SyncMismatchError(ValueError):
 
 def _is_packed(x) -> bool:
     packed = isinstance(x, nvfp4.NVFP4Tensor | fp8.FP8Tensor | CalibratedWeight)
-    return packed or type(x).__name__ == "W4A4Weights"  # the kernels' layout
+    return packed or type(x).__name__ in ("W4A4Weights", "FP8Weights")  # the kernels' layouts
 
 
 def _path_name(path) -> str:
@@ -88,7 +88,7 @@ def _kernel_backend():
 
 
 def _uses_kernel_layout(action: str, recipe: QuantRecipe, kernel_layout: bool | None) -> bool:
-    if action not in NVFP4_WEIGHT_MODES:
+    if action not in NVFP4_WEIGHT_MODES and action != "w8a8_fp8":
         return False
     if kernel_layout is None:
         kernel_layout = recipe.backend != "reference" and jax.default_backend() == "gpu"
@@ -220,11 +220,26 @@ def _kernel_layout_values(w, like: jax.Array) -> jax.Array:
     return one(w).astype(like.dtype)
 
 
+def _fp8_layout_values(w, like: jax.Array) -> jax.Array:
+    """f32 values of an FP8 kernel-layout weight (``fp8.dequantize``'s ``data * scale``)."""
+    from pallas_kernels.fp8_tiles_mgpu import dequantize_fp8_weights
+
+    def one(w):
+        vals = dequantize_fp8_weights(w)
+        return vals if w.stacked else vals[0]
+
+    for _ in range(w.data.ndim - w.CODES_NDIM):  # leading layer axes
+        one = jax.vmap(one)
+    return one(w).astype(like.dtype)
+
+
 def _rollout_view(leaf, like: jax.Array) -> jax.Array:
     if isinstance(leaf, CalibratedWeight):
         leaf = leaf.weight
     if type(leaf).__name__ == "W4A4Weights":
         return _kernel_layout_values(leaf, like)
+    if type(leaf).__name__ == "FP8Weights":
+        return _fp8_layout_values(leaf, like)
     if isinstance(leaf, nvfp4.NVFP4Tensor):
         return nvfp4.dequantize(leaf, like.dtype)
     if isinstance(leaf, fp8.FP8Tensor):

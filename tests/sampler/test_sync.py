@@ -168,15 +168,18 @@ def test_sync_input_errors(model):
         sync(params, "rollout_nvfp4", model_config=cfg)
 
 
-@pytest.mark.parametrize("name", ["rollout_w4a16"])
-def test_kernel_layout_leaves_pass_the_check_and_corruption_is_caught(model, name):
+@pytest.mark.parametrize("name,kind,field", [("rollout_w4a16", "W4A4Weights", "codes"),
+                                              ("rollout_fp8", "FP8Weights", "data")])
+def test_kernel_layout_leaves_pass_the_check_and_corruption_is_caught(model, name, kind, field):
     cfg, params = model
     recipe = get_recipe(name)
     rollout = sync(params, recipe, model_config=cfg, kernel_layout=True)
     leaf = rollout["layers"][-1]["mlp"]["experts"]["down"]
-    assert type(leaf).__name__ == "W4A4Weights" and leaf.codes.shape[:2] == (2, cfg.num_experts)
+    arr = getattr(leaf, field)
+    assert type(leaf).__name__ == kind and arr.shape[:2] == (2, cfg.num_experts)
     check_sync(params, rollout, recipe, model_config=cfg, full=True)
-    rollout["layers"][-1]["mlp"]["experts"]["down"] = dataclasses.replace(
-        leaf, codes=leaf.codes.at[1, 2, 3, 0].add(jnp.uint16(1)))
+    bits = jax.lax.bitcast_convert_type(arr, jnp.uint8 if arr.dtype.itemsize == 1 else jnp.uint16)
+    bad = jax.lax.bitcast_convert_type(bits.at[1, 2, 0, 3, 0].add(1), arr.dtype)
+    rollout["layers"][-1]["mlp"]["experts"]["down"] = dataclasses.replace(leaf, **{field: bad})
     with pytest.raises(SyncMismatchError, match=r"layers\.2\.mlp\.experts\.down"):
         check_sync(params, rollout, recipe, model_config=cfg)

@@ -1,0 +1,87 @@
+"""The FP8 W8A8 tile kernel: layout, GPU-interpreter results against the jnp reference, cuda
+lowering, bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+from jax.sharding import AbstractDevice, AbstractMesh
+
+from pallas_kernels.fp8_tiles_mgpu import FP8GemmConfig, dequantize_fp8_weights, prepare_fp8_weights
+from pallas_kernels.w8a8_matmul import (
+    W8A8MatmulConfig,
+    w8a8_grouped_matmul,
+    w8a8_matmul,
+    w8a8_reference,
+)
+from quads_jax.quant import fp8
+
+H200 = AbstractMesh((), (), abstract_device=AbstractDevice(
+    device_kind="NVIDIA H200", platform="gpu", num_cores=132))
+
+
+def _rel(y, ref):
+    y, ref = np.asarray(y, np.float64), np.asarray(ref, np.float64)
+    return np.max(np.abs(y - ref)) / np.max(np.abs(ref))
+
+
+@pytest.mark.parametrize("shape,gran", [((200, 300), "channel"), ((3, 130, 256), "tensor")])
+def test_prepare_dequantizes_to_the_fp8_values(shape, gran):
+    q = fp8.quantize(jax.random.normal(jax.random.key(0), shape) * 2, granularity=gran)
+    w = prepare_fp8_weights(q)
+    assert w.shape == shape and w.n_pad % 128 == 0 and w.k_pad % 128 == 0
+    want = fp8.dequantize(q, jnp.float32).reshape((-1,) + shape[-2:])
+    np.testing.assert_array_equal(dequantize_fp8_weights(w), want)
+
+
+@pytest.mark.parametrize("m,act", [(5, "token"), (70, "tensor")])
+def test_dense_interpret_matches_reference(m, act):
+    x = jax.random.normal(jax.random.key(m), (m, 256), jnp.float32)
+    w = fp8.quantize(jax.random.normal(jax.random.key(1), (200, 256)), granularity="channel")
+    y = w8a8_matmul(x, w, act_granularity=act, config=W8A8MatmulConfig(num_sms=4, k_splits=2),
+                    interpret=True)
+    assert _rel(y, w8a8_reference(x, w, act_granularity=act)) < 1e-5
+
+
+def test_grouped_interpret_matches_reference_with_empty_and_uneven_groups():
+    w = fp8.quantize(jax.random.normal(jax.random.key(2), (4, 136, 384)), granularity="channel")
+    gs = jnp.asarray([5, 0, 19, 1], jnp.int32)
+    x = jax.random.normal(jax.random.key(3), (28, 384), jnp.float32)  # 3 rows past the groups
+    y = w8a8_grouped_matmul(x, w, gs, config=W8A8MatmulConfig(num_sms=4, block_m=8),
+                            interpret=True)
+    assert _rel(y, w8a8_reference(x, w, gs)) < 1e-5
+    np.testing.assert_array_equal(np.asarray(y[25:]), 0.0)
+
+
+def test_fp8_kernels_lower_for_cuda():
+    def lower(fn, *args):
+        with jax.sharding.use_abstract_mesh(H200):
+            exp = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
+                export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2")])(*args)
+        assert "mosaic_gpu" in exp.mlir_module()
+
+    w = prepare_fp8_weights(fp8.quantize(jnp.ones((256, 512)), granularity="channel"))
+    lower(lambda x, w: w8a8_matmul(x, w), jnp.ones((16, 512), jnp.bfloat16), w)
+    we = prepare_fp8_weights(fp8.quantize(jnp.ones((4, 128, 256)), granularity="channel"))
+    lower(lambda x, w, gs: w8a8_grouped_matmul(x, w, gs), jnp.ones((24, 256), jnp.bfloat16), we,
+          jnp.asarray([8, 0, 10, 6], jnp.int32))
+
+
+def test_bad_input_is_refused():
+    w = fp8.quantize(jnp.ones((128, 256)), granularity="channel")
+    with pytest.raises(ValueError, match="K=128 does not match"):
+        w8a8_matmul(jnp.ones((4, 128)), w)
+    with pytest.raises(ValueError, match="act_granularity"):
+        w8a8_matmul(jnp.ones((4, 256)), w, act_granularity="block1x128")
+    with pytest.raises(ValueError, match="w8a8_grouped_matmul"):
+        w8a8_matmul(jnp.ones((4, 256)), fp8.quantize(jnp.ones((2, 128, 256)),
+                                                     granularity="channel"))
+    with pytest.raises(ValueError, match="granularity"):
+        prepare_fp8_weights(fp8.quantize(jnp.ones((128, 256)), granularity="block128x128"))
+    with pytest.raises(ValueError, match="group_sizes"):
+        w8a8_grouped_matmul(jnp.ones((4, 256)), fp8.quantize(jnp.ones((2, 128, 256)),
+                                                             granularity="channel"),
+                            jnp.asarray([3, 3], jnp.int32))
+    with pytest.raises(ValueError, match="k_splits"):
+        FP8GemmConfig(k_splits=0)
