@@ -11,11 +11,11 @@ The kernels take the quantized operand as ``e2m1 * s_b`` in the MMA dtype (exact
 and bfloat16: at most 6 significant bits, magnitudes in [2^-10, 2688]) and apply the global
 scales ``g`` in the epilogue.
 
-XLA:GPU trap (found on the H200): its ``SimplifyFPConversions`` pass (on by default,
-``xla_allow_excess_precision``) collapses any float convert chain, so ``f32 -> e4m3 -> f32``
-inside one jitted program becomes the identity and the *unrounded* block scale is used.
-``materialize`` puts an optimization barrier on a quantized tensor's leaves so that what is
-decoded afterwards is the stored E4M3 value.
+XLA:GPU's ``SimplifyFPConversions`` (on by default) folds ``f32 -> e4m3 -> f32`` convert chains
+inside one jitted program. ``nvfp4.quantize`` rounds its block scales onto the E4M3 grid with
+exact arithmetic before the cast (``quads_jax.quant.arith``), so a folded chain changes nothing
+and the quantizer, the trainer's fake-quant and this pre-pass fuse freely (checked on the H200
+under XLA's default flags: jitted == eager, bit for bit; docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -89,12 +89,6 @@ class QuantizedActivations:
     mask: jax.Array | None = None
 
 
-def materialize(q: nvfp4.NVFP4Tensor) -> nvfp4.NVFP4Tensor:
-    """``q`` with its leaves behind an optimization barrier (see the module docstring)."""
-    packed, scales, g = jax.lax.optimization_barrier((q.packed, q.scales, q.global_scale))
-    return nvfp4.NVFP4Tensor(packed, scales, g, q.dtype)
-
-
 def _check_x(x: jax.Array, act_scale_mode: str, static_scale) -> None:
     if act_scale_mode not in ACT_SCALE_MODES:
         raise ValueError(f"act_scale_mode={act_scale_mode!r}: must be one of {ACT_SCALE_MODES}")
@@ -111,11 +105,11 @@ def act_quantize(x: jax.Array, act_scale_mode: str, static_scale=None) -> nvfp4.
     """NVFP4 activations: per_token (``g [M, 1]``), per_batch (``g []``), static (given per
     row ``[M]`` or scalar, stored as ``[M, 1]``); as ``quads_jax.quant.ops.act_quantize``."""
     if act_scale_mode == "per_token":
-        return materialize(nvfp4.quantize(x, scale_mode="row"))
+        return nvfp4.quantize(x, scale_mode="row")
     if act_scale_mode == "per_batch":
-        return materialize(nvfp4.quantize(x, scale_mode="tensor"))
+        return nvfp4.quantize(x, scale_mode="tensor")
     g = jnp.broadcast_to(jnp.asarray(static_scale, jnp.float32).reshape(-1, 1), (x.shape[0], 1))
-    return materialize(nvfp4.quantize(x, global_scale=g, scale_mode="row"))
+    return nvfp4.quantize(x, global_scale=g, scale_mode="row")
 
 
 def nvfp4_quantize(
@@ -155,7 +149,7 @@ def nvfp4_quantize(
         r_q = nvfp4.quantize(r_s, global_scale=q.global_scale, scale_mode=mode)
     else:
         r_q = nvfp4.quantize(r_s, scale_mode="tensor" if act_scale_mode == "per_batch" else "row")
-    return QuantizedActivations(q=q, residual=materialize(r_q), mask=mask)
+    return QuantizedActivations(q=q, residual=r_q, mask=mask)
 
 
 def mma_operand(q: nvfp4.NVFP4Tensor, dtype) -> tuple[jax.Array, jax.Array]:
@@ -182,9 +176,9 @@ def kernel_operands(
 
 def dequantized_sum(acts: QuantizedActivations) -> tuple[jax.Array, ...]:
     """float32 ``dq(Q(x))`` and, with RAC, ``dq(Q(R_S))``: the references' activation operands."""
-    out = [nvfp4.dequantize(materialize(acts.q), jnp.float32)]
+    out = [nvfp4.dequantize(acts.q, jnp.float32)]
     if isinstance(acts.residual, nvfp4.NVFP4Tensor):
-        out.append(nvfp4.dequantize(materialize(acts.residual), jnp.float32))
+        out.append(nvfp4.dequantize(acts.residual, jnp.float32))
     elif acts.residual is not None:
         out.append(acts.residual.astype(jnp.float32))
     return tuple(out)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import nvfp4_quantize as aq
 from pallas_kernels.w4a4_grouped import _check_group_sizes, grouped_block_m, row_experts, tile_plan
 from pallas_kernels.w4a4_matmul import (
     W4A4MatmulConfig,
@@ -82,7 +81,7 @@ def w4a16_grouped_matmul(
 
 def w4a16_matmul_reference(x: jax.Array, w_q: nvfp4.NVFP4Tensor) -> jax.Array:
     """``x @ dq(W)^T`` in float32 (weight dequantized with its global scale), in ``x.dtype``."""
-    wd = nvfp4.dequantize(aq.materialize(w_q), jnp.float32)
+    wd = nvfp4.dequantize(w_q, jnp.float32)
     y = jnp.dot(x.astype(jnp.float32), wd.T, precision="highest")
     return y.astype(x.dtype)
 
@@ -92,7 +91,7 @@ def w4a16_grouped_matmul_reference(
 ) -> jax.Array:
     """Grouped reference with ``jax.lax.ragged_dot`` in float32."""
     gs = _check_group_sizes(group_sizes, w_q.shape[0], x_sorted.shape[0])
-    wd = jnp.swapaxes(nvfp4.dequantize(aq.materialize(w_q), jnp.float32), 1, 2)
+    wd = jnp.swapaxes(nvfp4.dequantize(w_q, jnp.float32), 1, 2)
     y = jax.lax.ragged_dot(
         x_sorted.astype(jnp.float32), wd, gs, precision=jax.lax.Precision.HIGHEST
     )

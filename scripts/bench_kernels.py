@@ -518,13 +518,7 @@ def main(argv=None):
     p.add_argument("--out", default="/tmp/bench_out")
     p.add_argument("--part", default="all")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, jnp kernel stand-in (CPU)")
-    p.add_argument("--excess-precision", action="store_true",
-                   help="keep XLA's default xla_allow_excess_precision=true, under which XLA:GPU "
-                   "collapses f32->e4m3->f32 inside nvfp4.quantize (wrong codes when jitted)")
     args = p.parse_args(argv)
-    if not args.excess_precision:  # read when the GPU backend starts, i.e. before the first op
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                                   + " --xla_allow_excess_precision=false").strip()
     if args.smoke:
         enable_smoke()
     log(jax.devices())

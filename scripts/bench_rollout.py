@@ -408,8 +408,6 @@ def parse_args(argv):
     p.add_argument("--bf16-flops", type=float, default=790e12, help="measured bf16 rate (KINDS)")
     p.add_argument("--prefill-chunk", type=int, default=32,
                    help="prompts per prefill pass (bounds attention-score memory); 0: all")
-    p.add_argument("--excess-precision", action="store_true",
-                   help="keep XLA's xla_allow_excess_precision=true (breaks E4M3 rounding)")
     p.add_argument("--bf16-path", choices=("xla", "mgpu"), default=None,
                    help="expert matmuls of the bf16 arm (default: the faster in --ragged)")
     p.add_argument("--commit", default="")
@@ -425,12 +423,6 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if not args.excess_precision:
-        # XLA:GPU folds f32 -> e4m3 -> f32 converts (SimplifyFPConversions), so a quantizer
-        # inside a jitted program can skip the E4M3 rounding of its block scales
-        # (docs/bench/kernels.md). Read when the backend starts: before the first jax op.
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                                   + " --xla_allow_excess_precision=false").strip()
     if args.bf16_path:
         BF16_PATH["path"] = args.bf16_path
     clock = Clock(args.budget_s)
