@@ -303,7 +303,12 @@ def _try_check(params, rollout, recipe, cfg):
         return None
 
 
-def bench_precision(name, params, cfg, cases, args, bandwidth, clock, out_dir) -> None:
+def bench_precision(name, make_params, cfg, cases, args, bandwidth, clock, out_dir) -> None:
+    """Sync + identity check + every case of one precision. The bf16 master tree is made here
+    (``make_params``, seeded: the same weights for every precision, ~3 s) and dropped after the
+    check unless the arm shares it (bf16), so a quantized arm's rollout runs without 61 GB of
+    master weights beside it (the FP8 arm ran out of memory with them)."""
+    params = make_params()
     recipe = get_recipe(PRECISIONS[name])
     if jax.default_backend() == "gpu":
         register_arm(name)
@@ -325,6 +330,7 @@ def bench_precision(name, params, cfg, cases, args, bandwidth, clock, out_dir) -
     if name.startswith("bf16"):  # bit-identical to the bf16 master (checked): share its buffers
         del rollout
         rollout = params
+    params = None  # the master tree is not needed past the check (see the docstring)
     wb = weight_bytes(rollout)
     record(out_dir, dict(kind="sync", precision=name, bf16_path=BF16_PATH["path"], sync_s=t_sync, sync_first_call_s=first,
                          check_s=t_check, check_first_call_s=first_check,
@@ -449,6 +455,11 @@ def main(argv=None) -> int:
     params = jax.block_until_ready(init_params_on_device(cfg, jax.random.key(0)))
     record(args.out, dict(kind="init", seconds=time.perf_counter() - t,
                           weight_bytes=weight_bytes(params), elapsed_s=clock.elapsed()))
+    del params
+
+    def make_params():
+        return jax.block_until_ready(init_params_on_device(cfg, jax.random.key(0)))
+
     cases = [(int(b), int(p)) for p in args.prompts.split(",") for b in args.batches.split(",")]
     for name in args.precisions.split(","):
         if name not in PRECISIONS:
@@ -456,8 +467,7 @@ def main(argv=None) -> int:
         if name == "bf16_mgpu" and not gpu:
             continue
         if clock.allows(f"precision {name}"):
-            bench_precision(name, params, cfg, cases, args, bandwidth, clock, args.out)
-    del params
+            bench_precision(name, make_params, cfg, cases, args, bandwidth, clock, args.out)
     if args.split and clock.allows("time split"):
         if gpu:
             register_arm("bf16")
