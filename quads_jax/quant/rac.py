@@ -78,6 +78,25 @@ def aggregate_scores(
     return jax.ops.segment_sum(row_scores, row_expert, num_segments=num_experts)
 
 
+# Above this many pairwise comparisons (rows x nb x nb) ``select_blocks`` ranks by sorting.
+PAIRWISE_RANK_LIMIT = 1 << 24
+
+
+def _stable_descending_rank(scores: jax.Array) -> jax.Array:
+    """int32 ``[..., nb]``: each block's position in a stable descending sort of its row (the
+    ``argsort(argsort(-scores, stable=True))`` of jnp, NaN last), from pairwise comparisons: one
+    fused reduction instead of two sorts, which are separate kernels on a GPU and ran in every
+    RAC matmul of a decode step."""
+    key = -scores
+    a, b = key[..., :, None], key[..., None, :]  # a: block i, b: block j
+    nan_a, nan_b = jnp.isnan(a), jnp.isnan(b)
+    before = (b < a) | (nan_a & ~nan_b)  # j sorts strictly before i
+    tie = (b == a) | (nan_a & nan_b)
+    nb = scores.shape[-1]
+    earlier = jnp.arange(nb)[None, :] < jnp.arange(nb)[:, None]  # j < i
+    return jnp.sum(before | (tie & earlier), axis=-1, dtype=jnp.int32)
+
+
 def select_blocks(
     scores: jax.Array, ratio: float, energy_target: float | None = None
 ) -> jax.Array:
@@ -89,6 +108,9 @@ def select_blocks(
     """
     nb = scores.shape[-1]
     n_keep = max(1, int(round(ratio * nb)))
+    small = scores.size * nb <= PAIRWISE_RANK_LIMIT
+    if energy_target is None and small:
+        return _stable_descending_rank(scores) < n_keep
     order = jnp.argsort(-scores, axis=-1, stable=True)
     rank = jnp.argsort(order, axis=-1, stable=True)
     keep_sorted = jnp.arange(nb) < n_keep

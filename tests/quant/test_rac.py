@@ -46,6 +46,22 @@ def test_select_blocks_counts_ties_and_energy():
     assert m.sum() == 2
 
 
+def test_pairwise_ranks_equal_the_sorting_path(monkeypatch):
+    """Small score arrays are ranked by pairwise comparisons (no sort kernels), large ones by two
+    stable argsorts: both must select the same blocks, ties, NaN and inf included."""
+    rng = np.random.default_rng(0)
+    for trial in range(60):
+        s = rng.integers(0, 4, size=(int(rng.integers(1, 5)), int(rng.integers(1, 33))))
+        s = s.astype(np.float32)
+        s[rng.random(s.shape) < 0.15] = np.nan if trial % 2 else np.inf
+        ratio = float(rng.uniform(0.05, 1.0))
+        fast = np.asarray(rac.select_blocks(jnp.asarray(s), ratio))
+        monkeypatch.setattr(rac, "PAIRWISE_RANK_LIMIT", 0)
+        slow = np.asarray(rac.select_blocks(jnp.asarray(s), ratio))
+        monkeypatch.undo()
+        np.testing.assert_array_equal(fast, slow)
+
+
 def test_online_token_equals_per_row_online_batch(xw):
     x, w = xw
     y = ops.linear(x, w, SITE, rec(rac_selection="online_token"))
