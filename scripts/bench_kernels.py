@@ -35,11 +35,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import nvfp4_quantize as aq
+from pallas_kernels.fp8_tiles_mgpu import prepare_fp8_weights
 from pallas_kernels.layout import prepare_w4a4_weights
 from pallas_kernels.w4a4_grouped import w4a4_grouped_matmul
 from pallas_kernels.w4a4_matmul import W4A4MatmulConfig, w4a4_matmul
 from pallas_kernels.w4a16_matmul import w4a16_grouped_matmul, w4a16_matmul
-from quads_jax.quant import nvfp4
+from pallas_kernels.w8a8_matmul import W8A8MatmulConfig, w8a8_grouped_matmul, w8a8_matmul
+from quads_jax.quant import fp8, nvfp4
 
 L2_FLUSH_BYTES = 160e6
 SMOKE = False  # --smoke: tiny shapes, jnp instead of the kernel, to test this script on a CPU
@@ -356,6 +358,17 @@ def fp8_weight(key, n, k):
     return (w / s[:, None]).astype(jnp.float8_e4m3fn), s
 
 
+def our_fp8_weight(w):
+    """An ``(e4m3 [N, K], scale [N])`` pair or an ``FP8Tensor`` in our FP8 kernel's layout."""
+    if not isinstance(w, fp8.FP8Tensor):
+        w = fp8.FP8Tensor(w[0], w[1][:, None], "channel")
+    return prepare_fp8_weights(w)
+
+
+def fp8_cfg() -> W8A8MatmulConfig:
+    return W8A8MatmulConfig(num_sms=4) if SMOKE else W8A8MatmulConfig()
+
+
 def xla_fp8(x, w):
     w8, ws = w
     xs = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1, keepdims=True) / 448.0
@@ -408,6 +421,9 @@ def bench_dense(ms=(16,), shapes=((4096, 14336), (2048, 768), (4096, 57344), (20
             w8 = [fp8_weight(300 + i, n, k) for i in range(c)]
             t, calls = time_chain(xla_fp8, x, w8)
             record(f"XLA fp8 (per-channel) M={m} K={k} N={n}", t, calls, bytes_=n * k, flops=fl)
+            w8 = [our_fp8_weight(w) for w in w8]
+            t, calls = time_chain(lambda x, w: w8a8_matmul(x, w, config=fp8_cfg()), x, w8)
+            record(f"our fp8 kernel M={m} K={k} N={n}", t, calls, bytes_=n * k, flops=fl)
             del w8
 
 
@@ -433,6 +449,13 @@ def bench_grouped(tokens_list=(1, 16, 64, 256), e=128, k=2048, n=768, top_k=8, p
             x, w, gs, rac=aq.RACConfig(), config=kcfg()), x, ws)
         record(f"grouped w4a4+RAC0.5 tokens={tokens}", t, calls, bytes_=touched * per_expert,
                flops=fl)
+        w8 = [our_fp8_weight(fp8.quantize(rand(450 + i, (e, n, k), jnp.float32),
+                                           granularity="channel")) for i in range(2)]
+        t, calls = time_chain(lambda x, w, gs=gs: w8a8_grouped_matmul(x, w, gs, config=fp8_cfg()),
+                              x, w8)
+        record(f"grouped our fp8 kernel tokens={tokens}", t, calls,
+               bytes_=touched * n * k, flops=fl)
+        del w8
         wb = [rand(500 + i, (e, k, n)) for i in range(2)]
         if m <= 4096 and not SMOKE:
             t, calls = time_chain(lambda x, w, gs=gs: jax.lax.ragged_dot(x, w, gs), x, wb)
@@ -481,14 +504,20 @@ def enable_smoke():
     """Replace the Mosaic GPU kernel by its jnp reference (sums over splits are the same)."""
     global SMOKE
     SMOKE = True
-    from pallas_kernels import nvfp4_tiles_mgpu
+    from pallas_kernels import fp8_tiles_mgpu, nvfp4_tiles_mgpu
     from pallas_kernels import w4a4_matmul as wm
+    from pallas_kernels import w8a8_matmul as w8
 
     def stand_in(b_tiles, w, tile_expert, num_tiles, *, config, interpret=False):
         del num_tiles, config, interpret
         return nvfp4_tiles_mgpu.tile_gemm_reference(b_tiles, w, tile_expert)
 
+    def fp8_stand_in(b_tiles, w, tile_expert, num_tiles, *, config, interpret=False):
+        del num_tiles, config, interpret
+        return fp8_tiles_mgpu.fp8_tile_gemm_reference(b_tiles, w, tile_expert)
+
     wm.nvfp4_tile_gemm = stand_in
+    w8.fp8_tile_gemm = fp8_stand_in
 
 
 def write_outputs(out: str):
