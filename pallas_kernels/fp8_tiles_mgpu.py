@@ -32,6 +32,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from pallas_kernels.layout import N_TILE, tile_rows, untile_rows
+from pallas_kernels.nvfp4_tiles_mgpu import _num_sms, check_schedule, work_item
 from quads_jax.quant import fp8
 
 K_TILE = 128  # K bytes per row per pipeline step: one 128-byte swizzle row of E4M3 values
@@ -128,13 +129,7 @@ class FP8GemmConfig:
     num_sms: int | None = None
 
     def __post_init__(self):
-        if not isinstance(self.k_splits, int) or self.k_splits < 1:
-            raise ValueError(f"FP8GemmConfig.k_splits={self.k_splits!r}: need an int >= 1")
-        if not isinstance(self.max_concurrent_steps, int) or not 1 <= self.max_concurrent_steps <= 8:
-            raise ValueError(
-                f"FP8GemmConfig.max_concurrent_steps={self.max_concurrent_steps!r}: need 1..8")
-        if self.num_sms is not None and (not isinstance(self.num_sms, int) or self.num_sms < 1):
-            raise ValueError(f"FP8GemmConfig.num_sms={self.num_sms!r}: need None or an int >= 1")
+        check_schedule(self)
 
 
 def _swizzled() -> tuple:
@@ -160,8 +155,6 @@ def fp8_tile_gemm(
     Returns:
       float32 ``[T, k_splits, 1, Np, block_m]`` partial sums (the module docstring's ``out``).
     """
-    from pallas_kernels.nvfp4_tiles_mgpu import _num_sms, work_item
-
     (b,) = b_tiles
     n_pad, k_pad = w.n_pad, w.k_pad
     t_max, block_m, kb = b.shape

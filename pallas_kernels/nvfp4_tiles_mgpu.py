@@ -78,20 +78,26 @@ class TileGemmConfig:
     ablation: str | None = None
 
     def __post_init__(self):
-        if not isinstance(self.k_splits, int) or self.k_splits < 1:
-            raise ValueError(f"TileGemmConfig.k_splits={self.k_splits!r}: need an int >= 1")
-        if not isinstance(self.max_concurrent_steps, int) or not 1 <= self.max_concurrent_steps <= 8:
-            raise ValueError(
-                f"TileGemmConfig.max_concurrent_steps={self.max_concurrent_steps!r}: need 1..8"
-            )
-        if self.num_sms is not None and (not isinstance(self.num_sms, int) or self.num_sms < 1):
-            raise ValueError(f"TileGemmConfig.num_sms={self.num_sms!r}: need None or an int >= 1")
+        check_schedule(self)
         if self.decode_impl not in DECODE_IMPLS:
             raise ValueError(f"TileGemmConfig.decode_impl={self.decode_impl!r}: one of {DECODE_IMPLS}")
         if self.mma_overlap not in (0, 1):
             raise ValueError(f"TileGemmConfig.mma_overlap={self.mma_overlap!r}: 0 or 1")
         if self.ablation not in ABLATIONS:
             raise ValueError(f"TileGemmConfig.ablation={self.ablation!r}: one of {ABLATIONS}")
+
+
+def check_schedule(config) -> None:
+    """Validate the schedule fields shared by the tile kernels' configs (``k_splits``,
+    ``max_concurrent_steps``, ``num_sms``); errors name the config class."""
+    name = type(config).__name__
+    if not isinstance(config.k_splits, int) or config.k_splits < 1:
+        raise ValueError(f"{name}.k_splits={config.k_splits!r}: need an int >= 1")
+    steps = config.max_concurrent_steps
+    if not isinstance(steps, int) or not 1 <= steps <= 8:
+        raise ValueError(f"{name}.max_concurrent_steps={steps!r}: need 1..8")
+    if config.num_sms is not None and (not isinstance(config.num_sms, int) or config.num_sms < 1):
+        raise ValueError(f"{name}.num_sms={config.num_sms!r}: need None or an int >= 1")
 
 
 def _num_sms() -> int:

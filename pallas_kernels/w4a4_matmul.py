@@ -126,7 +126,6 @@ def run_tiles(
     w: W4A4Weights,
     tile_expert: jax.Array,
     num_tiles: jax.Array,
-    block_m: int,
     config: W4A4MatmulConfig,
     interpret: bool,
 ) -> jax.Array:
@@ -134,7 +133,6 @@ def run_tiles(
 
     ``row_index``: int32 ``[T, block_m]`` source row of each tile slot (``M`` = a zero row).
     """
-    del block_m  # row_index's shape
     tiles = gather_tiles(b_rows, row_index, jnp.dtype(w.mma_dtype), w.k_pad)
     num_sms = config.num_sms or _num_sms()
     k_splits = config.k_splits or auto_k_splits(
@@ -146,21 +144,21 @@ def run_tiles(
 
 
 def dense_plan(m: int, block_m: int | None):
-    """Token tiles of a dense ``[M, K]`` operand: ``(block_m, row_index [T, block_m],
-    tile_expert [T] (zeros), num_tiles [1])``; block_m None: M rounded up to 8 when M <= 64
-    (decode: one tile), else 64."""
+    """Token tiles of a dense ``[M, K]`` operand: ``(row_index [T, block_m], tile_expert [T]
+    (zeros), num_tiles [1])``; block_m None: M rounded up to 8 when M <= 64 (decode: one tile),
+    else 64."""
     block_m = block_m or (_round_up(m, 8) if m <= MAX_BLOCK_M else MAX_BLOCK_M)
     t = -(-m // block_m)
     rows = jnp.arange(t * block_m, dtype=jnp.int32)
     row_index = jnp.where(rows < m, rows, m).reshape(t, block_m)
-    return block_m, row_index, jnp.zeros((t,), jnp.int32), jnp.full((1,), t, jnp.int32)
+    return row_index, jnp.zeros((t,), jnp.int32), jnp.full((1,), t, jnp.int32)
 
 
 def run_dense(b_rows: tuple[jax.Array, ...], w: W4A4Weights, config, interpret: bool):
     """Dense rows ``[M, K]`` in consecutive token tiles through the kernel: ``[M, A, Np]``."""
     m = b_rows[0].shape[0]
-    block_m, row_index, tile_expert, num_tiles = dense_plan(m, config.block_m)
-    out = run_tiles(b_rows, row_index, w, tile_expert, num_tiles, block_m, config, interpret)
+    row_index, tile_expert, num_tiles = dense_plan(m, config.block_m)
+    out = run_tiles(b_rows, row_index, w, tile_expert, num_tiles, config, interpret)
     return out[:m]
 
 

@@ -103,7 +103,7 @@ def w8a8_matmul(x: jax.Array, w_q, *, act_granularity: str = "token",
     _check(x, w, act_granularity)
     m = x.shape[0]
     qx = fp8.quantize(x, granularity=act_granularity)
-    _, row_index, tile_expert, num_tiles = dense_plan(m, config.block_m)
+    row_index, tile_expert, num_tiles = dense_plan(m, config.block_m)
     y = _run(qx, w, row_index, tile_expert, num_tiles, config, interpret)[:m, : w.n]
     return (y * _act_scale(qx, m) * w.scale[0, : w.n]).astype(x.dtype)
 

@@ -27,7 +27,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_kernels as bk  # noqa: E402
 
 from pallas_kernels import nvfp4_quantize as aq  # noqa: E402
-from pallas_kernels.layout import prepare_w4a4_weights  # noqa: E402
 from pallas_kernels.nvfp4_tiles_mgpu import TileGemmConfig, nvfp4_tile_gemm  # noqa: E402
 from pallas_kernels.w4a4_grouped import w4a4_grouped_matmul  # noqa: E402
 from pallas_kernels.w4a4_matmul import W4A4MatmulConfig, w4a4_matmul  # noqa: E402
@@ -57,9 +56,8 @@ E2E_VARIANTS = (
 
 
 def weights(key, shape, decode):
-    q = nvfp4.quantize(bk.rand(key, shape, jnp.float32),
-                       scale_mode="expert" if len(shape) == 3 else "tensor")
-    return q, prepare_w4a4_weights(q, mma_dtype="float16", decode=decode)
+    """``(NVFP4Tensor, W4A4Weights)`` of a random weight, f16 MMA, the given decode."""
+    return bk.nvfp4_weight(key, shape, "float16", decode)
 
 
 def tile_op(cfg):
@@ -215,17 +213,14 @@ def run_final():
         t, calls = bk.time_chain(op, x, ws, reps=3)
         bk.record(f"{name} M={M} K={K} N={N}", t, calls, bytes_=N * K * 0.5625, flops=fl)
     del ws
-    from pallas_kernels.fp8_tiles_mgpu import prepare_fp8_weights
-
-    w8s = [prepare_fp8_weights(fp8.quantize(bk.rand(300 + i, (N, K), jnp.float32),
-                                            granularity="channel")) for i in range(5)]
+    w8x = [bk.fp8_weight(300 + i, N, K) for i in range(5)]  # (e4m3 [N, K], scale [N])
+    t, calls = bk.time_chain(bk.xla_fp8, x, w8x, reps=3)
+    bk.record(f"XLA fp8 M={M} K={K} N={N}", t, calls, bytes_=N * K, flops=fl)
+    w8s = [bk.our_fp8_weight(w) for w in w8x]  # the same weights in our kernel's layout
+    del w8x
     t, calls = bk.time_chain(lambda x, w: w8a8_matmul(x, w), x, w8s, reps=3)
     bk.record(f"our fp8 kernel M={M} K={K} N={N}", t, calls, bytes_=N * K, flops=fl)
     del w8s
-    w8x = [bk.fp8_weight(300 + i, N, K) for i in range(5)]
-    t, calls = bk.time_chain(bk.xla_fp8, x, w8x, reps=3)
-    bk.record(f"XLA fp8 M={M} K={K} N={N}", t, calls, bytes_=N * K, flops=fl)
-    del w8x
     wb = [bk.rand(200 + i, (K, N)) for i in range(3)]
     t, calls = bk.time_chain(lambda x, w: jnp.dot(x, w), x, wb, reps=4)
     bk.record(f"XLA bf16 M={M} K={K} N={N}", t, calls, bytes_=N * K * 2, flops=fl)
@@ -233,8 +228,8 @@ def run_final():
     bk.write_outputs(OUT)
     bk.log(f"== grouped decode E={e} K={ke} N={ne} top-8")
     wsg = [weights(400 + i, (e, ne, ke), "subnormal")[1] for i in range(2)]
-    w8g = [prepare_fp8_weights(fp8.quantize(bk.rand(450 + i, (e, ne, ke), jnp.float32),
-                                            granularity="channel")) for i in range(2)]
+    w8g = [bk.our_fp8_weight(fp8.quantize(bk.rand(450 + i, (e, ne, ke), jnp.float32),
+                                          granularity="channel")) for i in range(2)]
     wbg = [bk.rand(500 + i, (e, ke, ne)) for i in range(2)]
     for tokens in (1, 64, 256):
         gs = bk.routing(tokens, tokens, e, 8)

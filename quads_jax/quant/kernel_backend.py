@@ -16,12 +16,17 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import nvfp4_quantize as aq
-from pallas_kernels.fp8_tiles_mgpu import FP8Weights, prepare_fp8_weights
+from pallas_kernels.fp8_tiles_mgpu import FP8Weights
 from pallas_kernels.layout import W4A4Weights, prepare_w4a4_weights
 from pallas_kernels.w4a4_grouped import w4a4_grouped_matmul
 from pallas_kernels.w4a4_matmul import W4A4MatmulConfig, w4a4_matmul
 from pallas_kernels.w4a16_matmul import w4a16_grouped_matmul, w4a16_matmul
-from pallas_kernels.w8a8_matmul import W8A8MatmulConfig, w8a8_grouped_matmul, w8a8_matmul
+from pallas_kernels.w8a8_matmul import (
+    W8A8MatmulConfig,
+    as_fp8_weights,
+    w8a8_grouped_matmul,
+    w8a8_matmul,
+)
 from quads_jax.quant import fp8, nvfp4, ops
 from quads_jax.quant.rac import CalibratedWeight
 
@@ -105,11 +110,10 @@ def _grouped(mode: str):
 
 
 def _fp8_weights(w, recipe) -> FP8Weights:
-    if isinstance(w, FP8Weights):
-        return w
-    if not isinstance(w, fp8.FP8Tensor):
+    """The FP8 kernel layout of a leaf: as is, from an ``FP8Tensor``, or from a master array."""
+    if not isinstance(w, FP8Weights | fp8.FP8Tensor):
         w = fp8.quantize(w, granularity=recipe.fp8_weight_granularity)
-    return prepare_fp8_weights(w)
+    return as_fp8_weights(w)
 
 
 def _fp8_config(interpret: bool) -> W8A8MatmulConfig:

@@ -51,9 +51,13 @@ class SyncMismatchError(ValueError):
     """A rollout leaf does not dequantize to the trainer's view of the master leaf."""
 
 
+# The Pallas kernels' weight layouts (by name: pallas_kernels is imported only where used).
+KERNEL_LAYOUTS = ("W4A4Weights", "FP8Weights")
+
+
 def _is_packed(x) -> bool:
     packed = isinstance(x, nvfp4.NVFP4Tensor | fp8.FP8Tensor | CalibratedWeight)
-    return packed or type(x).__name__ in ("W4A4Weights", "FP8Weights")  # the kernels' layouts
+    return packed or type(x).__name__ in KERNEL_LAYOUTS
 
 
 def _path_name(path) -> str:
@@ -208,27 +212,22 @@ def _trainer_view(master, action: str, recipe: QuantRecipe, dtype) -> jax.Array:
 
 
 def _kernel_layout_values(w, like: jax.Array) -> jax.Array:
-    """f32 values of a kernel-layout weight, ``(e2m1 * s_b) * g`` as ``nvfp4.dequantize``."""
+    """f32 values of a kernel-layout weight: ``(e2m1 * s_b) * g`` as ``nvfp4.dequantize`` for
+    ``W4A4Weights``, ``data * scale`` as ``fp8.dequantize`` for ``FP8Weights``."""
+    from pallas_kernels.fp8_tiles_mgpu import FP8Weights, dequantize_fp8_weights
     from pallas_kernels.layout import dequantize_w4a4_weights
 
-    def one(w):
-        vals = dequantize_w4a4_weights(w) * w.global_scale[:, None, None]
-        return vals if w.stacked else vals[0]
-
-    for _ in range(w.codes.ndim - w.CODES_NDIM):  # leading layer axes
-        one = jax.vmap(one)
-    return one(w).astype(like.dtype)
-
-
-def _fp8_layout_values(w, like: jax.Array) -> jax.Array:
-    """f32 values of an FP8 kernel-layout weight (``fp8.dequantize``'s ``data * scale``)."""
-    from pallas_kernels.fp8_tiles_mgpu import dequantize_fp8_weights
+    is_fp8 = isinstance(w, FP8Weights)
 
     def one(w):
-        vals = dequantize_fp8_weights(w)
+        if is_fp8:
+            vals = dequantize_fp8_weights(w)
+        else:
+            vals = dequantize_w4a4_weights(w) * w.global_scale[:, None, None]
         return vals if w.stacked else vals[0]
 
-    for _ in range(w.data.ndim - w.CODES_NDIM):  # leading layer axes
+    tiles = w.data if is_fp8 else w.codes
+    for _ in range(tiles.ndim - w.CODES_NDIM):  # leading layer axes
         one = jax.vmap(one)
     return one(w).astype(like.dtype)
 
@@ -236,10 +235,8 @@ def _fp8_layout_values(w, like: jax.Array) -> jax.Array:
 def _rollout_view(leaf, like: jax.Array) -> jax.Array:
     if isinstance(leaf, CalibratedWeight):
         leaf = leaf.weight
-    if type(leaf).__name__ == "W4A4Weights":
+    if type(leaf).__name__ in KERNEL_LAYOUTS:
         return _kernel_layout_values(leaf, like)
-    if type(leaf).__name__ == "FP8Weights":
-        return _fp8_layout_values(leaf, like)
     if isinstance(leaf, nvfp4.NVFP4Tensor):
         return nvfp4.dequantize(leaf, like.dtype)
     if isinstance(leaf, fp8.FP8Tensor):
