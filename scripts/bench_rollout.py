@@ -12,8 +12,9 @@ table is printed last):
 2. the HBM copy bandwidth (the floor's denominator);
 3. per precision: ``sync`` (compile, then timed) and its identity check, the weight bytes, then
    per (batch, prompt): prefill tokens/s, decode tokens/s over
-   ``--decode-steps`` steps of a cache sized for ``--new-tokens`` (the attention reads every
-   slot of the preallocated cache, so a step costs the same at any position), end to end
+   ``--decode-steps`` steps of a cache sized for ``--new-tokens``, timed around the middle of
+   the generation (``--decode-at mid``: the decode attention reads the slots written so far, so
+   a step's cost grows with the position and the middle one is the mean), end to end
    (prefill + new_tokens decode steps), and the decode floor (bytes that must move / measured
    bandwidth);
 4. the largest batch at 1k context per precision, computed from the device memory, the weight
@@ -48,6 +49,9 @@ from quads_jax.quant import ops
 from quads_jax.quant.recipe import get_recipe
 from quads_jax.sampler import engine
 from quads_jax.sampler.sync import SyncMismatchError, check_sync, sync, weight_bytes
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import trace_summary  # noqa: E402  (a script beside this one)
 
 PRECISIONS = {
     "bf16": "bf16",
@@ -226,7 +230,21 @@ def kv_bytes(config: ModelConfig, rows: int, slots: int) -> int:
         config.head_dim * 2
 
 
-def bench_case(params, cfg, recipe, batch, prompt, args, bandwidth) -> dict:
+def profile_decode(dec, params, start, steps: int, tag: str) -> dict:
+    """Kernel totals of ``steps`` decode steps under ``jax.profiler`` (see trace_summary)."""
+    logdir = os.path.join("/tmp", f"quads_trace_{tag}_{os.getpid()}")
+    try:
+        with jax.profiler.trace(logdir):
+            jax.block_until_ready(dec(params, start, jnp.int32(steps)))
+        summary = trace_summary.summarize(logdir, top=16, steps=steps)
+    except Exception as e:  # noqa: BLE001  (a missing profiler must not lose the timings)
+        print(f"profile {tag} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    print(f"profile {tag}:\n{trace_summary.format_summary(summary)}", flush=True)
+    return summary
+
+
+def bench_case(params, cfg, recipe, batch, prompt, args, bandwidth, tag="") -> dict:
     chunk = args.prefill_chunk if args.prefill_chunk and batch % args.prefill_chunk == 0 else 0
     sc = engine.SamplerConfig(max_new_tokens=args.new_tokens, temperature=1.0,
                               prefill_chunk=chunk)
@@ -255,22 +273,36 @@ def bench_case(params, cfg, recipe, batch, prompt, args, bandwidth) -> dict:
     temp = int(getattr(mem, "temp_size_in_bytes", 0) or 0)
     jax.block_until_ready(dec(params, fresh(state), jnp.int32(1)))  # warm-up
     steps = min(args.decode_steps, args.new_tokens - 1)
+    if args.decode_at == "mid":
+        # The decode attention kernel reads only the slots written so far, so a step's cost
+        # grows with the position: time the steps around the middle of the generation (the
+        # mean position), which makes prompt + new_tokens x step the end-to-end time.
+        ahead = max(0, args.new_tokens // 2 - steps // 2 - 1)
+        t = time.perf_counter()
+        state = jax.block_until_ready(dec(params, fresh(state), jnp.int32(ahead)))
+        fast_forward_s = time.perf_counter() - t
+    else:
+        fast_forward_s = 0.0
     times = []
     for _ in range(args.reps):
         start = jax.block_until_ready(fresh(state))
         t = time.perf_counter()
         out = jax.block_until_ready(dec(params, start, jnp.int32(steps)))
         times.append(time.perf_counter() - t)
-    state = out
-    ran = int(state.step) - 1
+    ran = int(out.step) - int(state.step)
+    profile = {}
+    if args.profile_steps:
+        profile = profile_decode(dec, params, jax.block_until_ready(fresh(state)),
+                                 args.profile_steps, f"{tag}_b{batch}_p{prompt}")
     t_step = statistics.median(times) / max(ran, 1)
 
-    slots = prompt + args.new_tokens - 1
+    slots = prompt + int(state.step) + ran // 2  # slots that must be read, mid-window
     touched = 1.0 - (1.0 - cfg.num_experts_per_tok / cfg.num_experts) ** batch
     embed = params["embed"].size * params["embed"].dtype.itemsize
     w_all, w_exp = weight_bytes(params), expert_bytes(params)
     step_bytes = (w_all - w_exp - embed) + touched * w_exp + kv_bytes(cfg, batch, slots)
-    prefill_flops = matmul_flops_per_token(cfg) * batch * prompt + 4 * batch * prompt * slots * \
+    cache_slots = prompt + args.new_tokens - 1  # prefill attends over the whole cache
+    prefill_flops = matmul_flops_per_token(cfg) * batch * prompt + 4 * batch * prompt * cache_slots * \
         cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
     e2e = t_pre + args.new_tokens * t_step
     return dict(
@@ -283,7 +315,8 @@ def bench_case(params, cfg, recipe, batch, prompt, args, bandwidth) -> dict:
         prefill_runs=len(pre_times),
         e2e_s=e2e, e2e_tok_s=batch * args.new_tokens / e2e,
         compile_prefill_s=compile_prefill, compile_decode_s=compile_decode,
-        decode_temp_bytes=temp,
+        decode_temp_bytes=temp, profile=profile, decode_at=args.decode_at,
+        decode_position=int(state.step) + prompt, fast_forward_s=fast_forward_s,
     )
 
 
@@ -340,7 +373,7 @@ def bench_precision(name, make_params, cfg, cases, args, bandwidth, clock, out_d
         if not clock.allows(f"{name} batch {batch} prompt {prompt}"):
             return
         try:
-            row = bench_case(rollout, cfg, recipe, batch, prompt, args, bandwidth)
+            row = bench_case(rollout, cfg, recipe, batch, prompt, args, bandwidth, tag=name)
         except Exception as e:  # one failing case must not lose the others' numbers
             record(out_dir, dict(kind="error", precision=name, batch=batch, prompt=prompt,
                                  error=f"{type(e).__name__}: {str(e)[:400]}"))
@@ -361,8 +394,8 @@ def bench_split(cfg, batch, prompt, args, bandwidth, clock, out_dir) -> None:
         variant = cfg.replace(num_hidden_layers=layers, mlp_only_layers=tuple(range(layers)),
                               intermediate_size=16)
         params = init_params_on_device(variant, jax.random.key(7))
-        steps[layers] = bench_case(params, variant, recipe, batch, prompt, args,
-                                   bandwidth)["decode_step_ms"]
+        steps[layers] = bench_case(params, variant, recipe, batch, prompt, args, bandwidth,
+                                   tag=f"no_moe_{layers}layers")["decode_step_ms"]
         del params
     per_layer_attn = (steps[cfg.num_hidden_layers] - steps[1]) / (cfg.num_hidden_layers - 1)
     record(out_dir, dict(kind="split", batch=batch, prompt=prompt,
@@ -406,9 +439,18 @@ def parse_args(argv):
     p.add_argument("--slow-prefill-s", type=float, default=5.0,
                    help="a first prefill slower than this is taken as the timing (no repeats)")
     p.add_argument("--precisions", default=None,
-                   help="comma list (default nvfp4_rac,bf16,fp8,nvfp4,bf16_mgpu); bf16 takes the "
+                   help="comma list (default nvfp4_rac,bf16,fp8,nvfp4,bf16_mgpu; none: only the "
+                   "split); bf16 takes the "
                    "faster of XLA / mgpu expert matmuls (decode shapes)")
     p.add_argument("--split", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--decode-attention", choices=models.layers.DECODE_ATTENTION_IMPLS,
+                   default="kernel", help="decode attention: the Pallas kernel or the jnp path")
+    p.add_argument("--decode-at", choices=("mid", "start"), default="mid",
+                   help="time the decode steps at the middle of the generation (default; the "
+                   "attention reads the slots written so far) or right after the prompt")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="also trace this many decode steps per case and record where the "
+                   "device time goes (scripts/trace_summary.py)")
     p.add_argument("--ragged", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--budget-s", type=float, default=1e9, help="start no new case after this")
     p.add_argument("--bf16-flops", type=float, default=790e12, help="measured bf16 rate (KINDS)")
@@ -431,6 +473,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.bf16_path:
         BF16_PATH["path"] = args.bf16_path
+    models.layers.set_decode_attention(args.decode_attention)
     clock = Clock(args.budget_s)
     os.makedirs(args.out, exist_ok=True)
     open(os.path.join(args.out, "rollout.jsonl"), "w").close()
@@ -439,7 +482,7 @@ def main(argv=None) -> int:
     gpu = device.platform == "gpu"
     bandwidth = copy_bandwidth(2**32 if gpu else 2**26)
     record(args.out, dict(kind="device", device=str(device.device_kind), jax=jax.__version__,
-                          commit=args.commit, copy_bandwidth_TBps=bandwidth / 1e12,
+                          commit=args.commit, decode_attention=args.decode_attention, copy_bandwidth_TBps=bandwidth / 1e12,
                           date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())))
     if args.ragged and gpu:
         rows = bench_ragged_dot(cfg, [1024, 32768], 5)
@@ -461,7 +504,7 @@ def main(argv=None) -> int:
         return jax.block_until_ready(init_params_on_device(cfg, jax.random.key(0)))
 
     cases = [(int(b), int(p)) for p in args.prompts.split(",") for b in args.batches.split(",")]
-    for name in args.precisions.split(","):
+    for name in [n for n in args.precisions.split(",") if n != "none"]:
         if name not in PRECISIONS:
             raise ValueError(f"--precisions: {name!r} is not one of {sorted(PRECISIONS)}")
         if name == "bf16_mgpu" and not gpu:

@@ -35,6 +35,7 @@ from quads_jax.quant import nvfp4  # noqa: E402
 M, K, N = 16, 4096, 14336
 GE, GK, GN = 128, 2048, 768  # grouped: Qwen3-30B-A3B's experts
 OUT = "/tmp/probe_out"
+ATTN_SHAPE = (128, 4, 8, 1279, 128, 4)  # batch, KV heads, query heads per KV head, slots, D, L
 # (name, layout decode, TileGemmConfig overrides)
 TILE_VARIANTS = (  # the first two are timed again at the end (run-to-run spread)
     ("ptx s4", "subnormal", dict(decode_impl="ptx")),
@@ -255,6 +256,61 @@ def run_final():
                        f"{str(err)[:300]}")
 
 
+def run_attention():
+    """Decode attention at the 30B rollout shape (batch 128, 4 KV heads of 8 query heads, head
+    dim 128, a 1279-slot cache): the kernel (mid-generation and full cache) against the jnp path
+    the model used before (one layer sliced out, two XLA matmuls, a softmax between)."""
+    from pallas_kernels.decode_attention import (
+        DecodeAttentionConfig,
+        decode_attention,
+        decode_attention_reference,
+    )
+    from quads_jax.models import layers
+
+    b, kvh, g, s, d, layers_n = ATTN_SHAPE
+    k_all = bk.rand(80, (layers_n, b, kvh, s, d))
+    v_all = bk.rand(81, (layers_n, b, kvh, s, d))
+    q = bk.rand(82, (b, kvh, g, d))
+    first = jax.random.randint(jax.random.key(83), (b, 1), 0, 64)  # left padding per row
+    slot = jnp.arange(s)[None, :]
+    bk.log("== decode attention: checks (kernel vs jnp reference, f32 compare)")
+    for kv_len in (300, s):
+        valid = (slot >= first) & (slot < kv_len)
+        bk.check(f"decode attention kv_len={kv_len} (tol 2e-2: P rounded to bf16)",
+                 jax.jit(lambda q=q, valid=valid, n=kv_len: decode_attention(
+                     q, k_all, v_all, jnp.int32(2), valid, jnp.int32(n))),
+                 lambda q=q, valid=valid: decode_attention_reference(q, k_all, v_all, 2, valid),
+                 (b, kvh, g, d), tol=2e-2)
+    bk.log("== decode attention: timings (one layer per call, 4 layers rotated)")
+    ws = [(k_all, v_all, jnp.int32(i)) for i in range(layers_n)]
+    for kv_len in (768 * s // 1279, s):
+        valid = (slot >= first) & (slot < kv_len)
+        nbytes = 2 * b * kvh * kv_len * d * 2
+        for cfg in (DecodeAttentionConfig(), DecodeAttentionConfig(block_s=128),
+                    DecodeAttentionConfig(block_s=32), DecodeAttentionConfig(num_warps=8),
+                    DecodeAttentionConfig(num_stages=2)):
+            if kv_len == s and cfg != DecodeAttentionConfig():
+                continue
+            try:
+                t, calls = bk.time_chain(
+                    lambda x, w, cfg=cfg, valid=valid, n=kv_len: decode_attention(
+                        x, w[0], w[1], w[2], valid, jnp.int32(n), config=cfg), q, ws, reps=4)
+                bk.record(f"decode attention kernel kv_len={kv_len} {cfg}", t, calls,
+                          bytes_=nbytes)
+            except Exception as err:  # noqa: BLE001
+                bk.log(f"  kernel {cfg} FAILED: {type(err).__name__}: {str(err)[:300]}")
+    allowed = (slot >= first)[:, None, :]
+
+    def jnp_path(x, w):
+        k = jax.lax.dynamic_index_in_dim(w[0], w[2], 0, keepdims=False)
+        v = jax.lax.dynamic_index_in_dim(w[1], w[2], 0, keepdims=False)
+        return layers.attend(x.reshape(b, 1, kvh * g, d), k, v, allowed)
+
+    t, calls = bk.time_chain(jnp_path, q, ws, reps=4)
+    bk.record(f"decode attention jnp path (XLA) kv_len={s}", t, calls,
+              bytes_=2 * b * kvh * s * d * 2)
+
+
 def run_dump():
     """Compile (and run once) three variants, so MOSAIC_GPU_DUMP_* writes their PTX/SASS."""
     b = jnp.ones((1, M, K), jnp.float16)
@@ -274,6 +330,7 @@ def main(argv=None):
     p.add_argument("--no-checks", action="store_true")
     p.add_argument("--launch-bound", action="store_true", help="floors + the launch-bound test")
     p.add_argument("--final", action="store_true", help="the BENCHMARKS.md set (run_final)")
+    p.add_argument("--attention", action="store_true", help="floors + decode attention")
     args = p.parse_args(argv)
     global OUT
     OUT = args.out
@@ -285,6 +342,10 @@ def main(argv=None):
     try:
         if args.final:
             run_final()
+            return 0
+        if args.attention:
+            bk.measure_floors()
+            run_attention()
             return 0
         if args.launch_bound:
             bk.measure_floors()

@@ -1,7 +1,8 @@
 """KVCache: the dense key/value cache that ``forward`` reads and writes.
 
-Layout ``[num_layers, B, S_max, num_kv_heads, head_dim]`` so that a paged cache can later
-replace the slot axis ``S`` by pages. All rows share ``length`` (slots written so far); which
+Layout ``[num_layers, B, num_kv_heads, S_max, head_dim]``: one (row, KV head) reads a contiguous
+``[S, D]`` slab (the decode attention kernel's unit of work, and no transposed copy in the jnp
+path); a paged cache can later replace the slot axis ``S`` by pages. All rows share ``length`` (slots written so far); which
 slots hold real tokens is ``mask`` (left-padded prompts leave pad slots False).
 """
 
@@ -19,7 +20,7 @@ from quads_jax.models.config import ModelConfig
 @dataclasses.dataclass(frozen=True)
 class KVCache:
     """Attributes:
-    k, v: ``[L, B, S_max, KVH, D]`` cache dtype (default bf16).
+    k, v: ``[L, B, KVH, S_max, D]`` cache dtype (default bf16).
     mask: bool ``[B, S_max]``, slot holds a real token.
     length: int32 ``[]``, slots ``[0, length)`` are written (same for every row).
     """
@@ -36,7 +37,7 @@ class KVCache:
         """An empty cache for ``batch`` rows of up to ``max_len`` tokens."""
         if batch < 1 or max_len < 1:
             raise ValueError(f"KVCache.init: batch={batch}, max_len={max_len}; both must be >= 1")
-        shape = (config.num_hidden_layers, batch, max_len, config.num_key_value_heads,
+        shape = (config.num_hidden_layers, batch, config.num_key_value_heads, max_len,
                  config.head_dim)
         return cls(
             k=jnp.zeros(shape, dtype),
@@ -51,7 +52,7 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     @property
     def num_layers(self) -> int:

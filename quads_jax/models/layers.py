@@ -47,24 +47,68 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.
     """Grouped-query attention.
 
     Args:
-      q: ``[B, T, H, D]``; k, v: ``[B, S, KVH, D]`` (H a multiple of KVH).
+      q: ``[B, T, H, D]``; k, v: ``[B, KVH, S, D]`` (H a multiple of KVH; the KV cache's
+        layout, so that neither matmul needs a transposed copy of the cache).
       allowed: bool ``[B, T, S]``: query t may attend to key slot s.
     Returns ``[B, T, H * D]`` in ``q.dtype``; scores and softmax in f32.
     """
     b, t, h, d = q.shape
-    kvh = k.shape[2]
-    qg = q.reshape(b, t, kvh, h // kvh, d)
-    k = k.astype(q.dtype)
-    v = v.astype(q.dtype)
-    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None  # no TF32
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, precision=precision,
+    kvh = k.shape[1]
+    # XLA:CPU has no BF16 x BF16 -> F32 kernel for these batched dots: there the operands go
+    # up to f32, which changes no result (a product of two bf16 values is exact in f32).
+    mm = jnp.float32 if jax.default_backend() == "cpu" else q.dtype
+    qg = q.reshape(b, t, kvh, h // kvh, d).astype(mm)
+    k = k.astype(q.dtype).astype(mm)
+    v = v.astype(q.dtype).astype(mm)
+    precision = jax.lax.Precision.HIGHEST if mm == jnp.float32 else None  # no TF32
+    scores = jnp.einsum("btkgd,bksd->bkgts", qg, k, precision=precision,
                         preferred_element_type=jnp.float32)
     scores = scores * jnp.float32(d**-0.5)
     scores = jnp.where(allowed[:, None, None, :, :], scores, MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, precision=precision,
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype).astype(mm)
+    out = jnp.einsum("bkgts,bksd->btkgd", probs, v, precision=precision,
                      preferred_element_type=jnp.float32)
     return out.astype(q.dtype).reshape(b, t, h * d)
+
+
+DECODE_ATTENTION_IMPLS = ("kernel", "jnp")
+_decode_attention = {"impl": "kernel"}
+
+
+def set_decode_attention(impl: str) -> None:
+    """``kernel``: decode steps use the decode attention kernel where the backend allows it
+    (the default); ``jnp``: always the jnp path (an ablation, or a GPU without Triton)."""
+    if impl not in DECODE_ATTENTION_IMPLS:
+        raise ValueError(f"set_decode_attention: impl={impl!r} must be one of "
+                         f"{DECODE_ATTENTION_IMPLS}")
+    _decode_attention["impl"] = impl
+
+
+def decode_attend(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.Array,
+                  valid: jax.Array, kv_len: jax.Array, backend: str) -> jax.Array | None:
+    """One decode token per row through the decode attention kernel, or None where the jnp
+    path (``attend`` on the sliced layer) is the one to use.
+
+    Args:
+      q: ``[B, 1, H, D]``; k_all, v_all: the stacked cache ``[L, B, KVH, S, D]`` (already
+        holding the new token); layer: int32 scalar; valid: bool ``[B, S]``; kv_len: int32
+        scalar, slots ``>= kv_len`` are empty; backend: the recipe's ("auto": the kernel on a
+        GPU; "interpret": the kernel in Pallas interpret mode; "reference": None).
+    Returns ``[B, 1, H * D]`` in ``q.dtype`` or None.
+    """
+    from pallas_kernels import decode_attention as da  # here: the trainer never needs Pallas
+
+    if (backend == "reference" or _decode_attention["impl"] == "jnp"
+            or k_all.shape[3] < da.MIN_DOT_ROWS):
+        return None
+    if backend == "auto" and jax.default_backend() != "gpu":
+        return None
+    b, _, h, d = q.shape
+    kvh = k_all.shape[2]
+    qg = q.reshape(b, kvh, h // kvh, d)
+    out = da.decode_attention(qg, k_all, v_all, layer, valid, kv_len,
+                              interpret=backend == "interpret")
+    return out.reshape(b, 1, h * d)
 
 
 def swiglu(gate_up: jax.Array) -> jax.Array:

@@ -241,15 +241,24 @@ def _attention(config, p, x, rope, allowed, kv, layer, site, recipe):
     cos, sin = rope
     q = L.apply_rope(L.rms_norm(q, p["q_norm"], config.rms_norm_eps), cos, sin)
     k = L.apply_rope(L.rms_norm(k, p["k_norm"], config.rms_norm_eps), cos, sin)
-    if kv is not None:
+    k = k.transpose(0, 2, 1, 3)  # [B, KVH, T, D]: the cache layout
+    v = v.transpose(0, 2, 1, 3)
+    if kv is None:
+        out = L.attend(q, k, v, allowed)
+    else:
         k_all, v_all, length = kv
-        start = (layer, jnp.int32(0), length, jnp.int32(0), jnp.int32(0))
+        start = (layer, jnp.int32(0), jnp.int32(0), length, jnp.int32(0))
         k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), start)
         v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), start)
-        k = jax.lax.dynamic_index_in_dim(k_all, layer, 0, keepdims=False)
-        v = jax.lax.dynamic_index_in_dim(v_all, layer, 0, keepdims=False)
         kv = (k_all, v_all, length)
-    out = L.attend(q, k, v, allowed)
+        out = None
+        if t == 1:
+            out = L.decode_attend(q, k_all, v_all, layer, allowed[:, 0], length + 1,
+                                  recipe.backend)
+        if out is None:
+            k = jax.lax.dynamic_index_in_dim(k_all, layer, 0, keepdims=False)
+            v = jax.lax.dynamic_index_in_dim(v_all, layer, 0, keepdims=False)
+            out = L.attend(q, k, v, allowed)
     return ops.linear(out, p["o_proj"], f"{site}.o_proj", recipe), kv
 
 

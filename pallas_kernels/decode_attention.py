@@ -1,0 +1,177 @@
+"""Decode attention over the stacked KV cache: one query token per row, read K and V once.
+
+The jnp path (``quads_jax.models.layers.attend``) slices one layer out of the ``[L, B, KVH, S,
+D]`` cache and runs two batched matmuls through XLA, with a softmax between them over the whole
+preallocated slot axis. In decode that is the step's largest cost (the H200 rollout split of
+2026-12-02 put attention at 21.7 of a 37-44 ms step, ~10x its bytes over the bandwidth).
+
+This kernel (Pallas, Triton backend) runs one program per (row, KV head):
+
+- it reads the layer it needs straight from the stacked cache (``layer`` is a runtime scalar),
+  so no per-layer copy of the cache is made;
+- it loops only over the slots written so far (``kv_len``, a runtime scalar), so early decode
+  steps do not pay for the whole preallocated context;
+- the G = H / KVH query heads of one KV head share each K and V block (GQA), padded to the
+  16 rows a tensor-core dot needs;
+- online softmax (flash-decoding) in f32, P cast to the cache dtype for the PV product, the
+  output divided by the softmax sum at the end.
+
+The Triton backend is deprecated in jax 0.11 (PALLAS_NOTES section 1): this kernel is the
+second-best tool that works today; a Mosaic GPU version would follow the same plan.
+
+Shapes: q ``[B, KVH, G, D]``, k_all / v_all ``[L, B, KVH, S, D]`` (bf16 or f16), valid bool
+``[B, S]`` (slot holds a token the query may see), layer and kv_len int32 scalars; output
+``[B, KVH, G, D]`` in q's dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+# A masked score: exp() of it is 0 in f32, and it stays finite (no inf - inf = NaN).
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+MIN_DOT_ROWS = 16  # tensor-core dots in Triton need >= 16 rows
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeAttentionConfig:
+    """block_s: cache slots per loop step (power of two); num_warps / num_stages: Triton's."""
+
+    block_s: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        if self.block_s < 16 or self.block_s & (self.block_s - 1):
+            raise ValueError(f"DecodeAttentionConfig.block_s={self.block_s}: must be a power "
+                             "of two >= 16")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"DecodeAttentionConfig.num_warps={self.num_warps}: must be one of "
+                             "1, 2, 4, 8, 16")
+        if self.num_stages < 1:
+            raise ValueError(f"DecodeAttentionConfig.num_stages={self.num_stages}: must be >= 1")
+
+
+def _check(q, k_all, v_all, valid):
+    if q.ndim != 4 or k_all.ndim != 5:
+        raise ValueError(f"decode_attention: q {q.shape} must be [B, KVH, G, D] and k_all "
+                         f"{k_all.shape} [L, B, KVH, S, D]")
+    if k_all.shape != v_all.shape or k_all.dtype != v_all.dtype:
+        raise ValueError(f"decode_attention: k_all {k_all.shape} {k_all.dtype} and v_all "
+                         f"{v_all.shape} {v_all.dtype} must match")
+    _, b, kvh, s, d = k_all.shape
+    if q.shape[:2] != (b, kvh) or q.shape[3] != d:
+        raise ValueError(f"decode_attention: q {q.shape} does not fit the cache {k_all.shape} "
+                         "(want [B, KVH, G, D] with the cache's B, KVH and D)")
+    if valid.shape != (b, s):
+        raise ValueError(f"decode_attention: valid {valid.shape} must be [B, S] = {(b, s)}")
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"decode_attention: head_dim {d} must be a power of two >= 16")
+    if k_all.dtype not in (jnp.bfloat16, jnp.float16):
+        raise ValueError(f"decode_attention: cache dtype {k_all.dtype}; bf16 or f16 expected")
+
+
+def _kernel(layer_ref, kv_len_ref, q_ref, valid_ref, k_ref, v_ref, o_ref, *, block_s: int,
+            slots: int, scale: float):
+    b, h = pl.program_id(0), pl.program_id(1)
+    layer, kv_len = layer_ref[0], kv_len_ref[0]
+    q = q_ref[...]  # [Gp, D]
+    gp, d = q.shape
+    offs = jnp.arange(block_s)
+
+    def body(i, carry):
+        acc, m, l = carry
+        # The last window is moved back inside the slot axis (no out-of-bounds reads, which
+        # interpret mode would clamp anyway); its slots already seen are masked out.
+        start = jnp.minimum(i * block_s, slots - block_s)
+        window = pl.ds(start, block_s)
+        k = k_ref[layer, b, h, window, :]
+        v = v_ref[layer, b, h, window, :]
+        ok = (valid_ref[window] != 0) & (start + offs >= i * block_s)
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32) * scale  # [Gp, BS]
+        s = jnp.where(ok[None, :], s, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.where(ok[None, :], jnp.exp(s - m_new[:, None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                                 preferred_element_type=jnp.float32)  # [Gp, D]
+        return acc * alpha[:, None] + pv, m_new, l * alpha + jnp.sum(p, axis=1)
+
+    init = (jnp.zeros((gp, d), jnp.float32), jnp.full((gp,), MASK_VALUE, jnp.float32),
+            jnp.zeros((gp,), jnp.float32))
+    acc, _, l = jax.lax.fori_loop(0, (kv_len + block_s - 1) // block_s, body, init)
+    # A row with no visible slot (l = 0) gives 0, not NaN.
+    o_ref[...] = (acc / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def decode_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.Array,
+                     valid: jax.Array, kv_len: jax.Array, *,
+                     config: DecodeAttentionConfig = DecodeAttentionConfig(),
+                     interpret: bool = False) -> jax.Array:
+    """Softmax attention of one query per row over layer ``layer`` of the stacked cache.
+
+    Args:
+      q: ``[B, KVH, G, D]`` (query heads grouped by their KV head), any float dtype.
+      k_all, v_all: ``[L, B, KVH, S, D]`` bf16/f16.
+      layer: int32 scalar, the cache layer to read.
+      valid: bool ``[B, S]``: the query of row b may attend to slot s.
+      kv_len: int32 scalar: slots ``>= kv_len`` are not read (must cover every valid slot).
+    Returns ``[B, KVH, G, D]`` in ``q.dtype``; scores and softmax in f32, scale ``D**-0.5``.
+    """
+    _check(q, k_all, v_all, valid)
+    _, b, kvh, s, d = k_all.shape
+    g = q.shape[2]
+    gp = max(MIN_DOT_ROWS, 1 << (g - 1).bit_length())
+    qp = jnp.zeros((b, kvh, gp, d), k_all.dtype).at[:, :, :g].set(q.astype(k_all.dtype))
+    kv_len = jnp.clip(jnp.asarray(kv_len, jnp.int32), 0, s).reshape(1)
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    if s < MIN_DOT_ROWS:
+        raise ValueError(f"decode_attention: {s} cache slots; the kernel needs >= "
+                         f"{MIN_DOT_ROWS} (use the jnp path for smaller caches)")
+    block_s = min(config.block_s, 1 << (s.bit_length() - 1))  # a power of two <= S
+    kernel = functools.partial(_kernel, block_s=block_s, slots=s, scale=d**-0.5)
+    out = pl.pallas_call(
+        kernel,
+        grid=(b, kvh),
+        in_specs=[
+            pl.BlockSpec((1,), lambda i, j: (0,)),
+            pl.BlockSpec((1,), lambda i, j: (0,)),
+            pl.BlockSpec((None, None, gp, d), lambda i, j: (i, j, 0, 0)),
+            pl.BlockSpec((None, s), lambda i, j: (i, 0)),
+            # The stacked cache is indexed in the kernel (layer and row are runtime values).
+            pl.BlockSpec(k_all.shape, lambda i, j: (0, 0, 0, 0, 0)),
+            pl.BlockSpec(v_all.shape, lambda i, j: (0, 0, 0, 0, 0)),
+        ],
+        out_specs=pl.BlockSpec((None, None, gp, d), lambda i, j: (i, j, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, kvh, gp, d), k_all.dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=config.num_warps,
+                                                num_stages=config.num_stages),
+        interpret=interpret,
+        name="decode_attention",
+    )(layer, kv_len, qp, valid.astype(jnp.int32), k_all, v_all)
+    return out[:, :, :g].astype(q.dtype)
+
+
+def decode_attention_reference(q, k_all, v_all, layer, valid, kv_len=None) -> jax.Array:
+    """jnp reference: the same math over the whole slot axis (``kv_len`` only bounds what the
+    kernel reads; it never changes the result when it covers every valid slot)."""
+    _check(q, k_all, v_all, valid)
+    k = jax.lax.dynamic_index_in_dim(k_all, layer, 0, keepdims=False)
+    v = jax.lax.dynamic_index_in_dim(v_all, layer, 0, keepdims=False)
+    d = q.shape[-1]
+    s = jnp.einsum("bkgd,bksd->bkgs", q.astype(k.dtype), k,
+                   preferred_element_type=jnp.float32) * jnp.float32(d**-0.5)
+    s = jnp.where(valid[:, None, None, :], s, MASK_VALUE)
+    p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
+    p = jnp.where(valid[:, None, None, :], p, 0.0)
+    denom = jnp.maximum(jnp.sum(p, axis=-1), 1e-30)
+    out = jnp.einsum("bkgs,bksd->bkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return (out / denom[..., None]).astype(q.dtype)

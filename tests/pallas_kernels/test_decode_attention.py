@@ -1,0 +1,134 @@
+"""The decode attention kernel (Pallas, Triton backend): interpret mode against the jnp
+reference and through the model's cached decode, cuda lowering, bad input."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+from jax.sharding import AbstractDevice, AbstractMesh
+
+from pallas_kernels.decode_attention import (
+    DecodeAttentionConfig,
+    decode_attention,
+    decode_attention_reference,
+)
+from quads_jax.models import KVCache, forward, init_params
+from quads_jax.quant.recipe import get_recipe
+from quads_jax.testing import tiny_config
+
+H200 = AbstractMesh((), (), abstract_device=AbstractDevice(
+    device_kind="NVIDIA H200", platform="gpu", num_cores=132))
+
+
+def _inputs(layers, b, kvh, s, d, g, seed=0, dtype=jnp.bfloat16):
+    ks = jax.random.split(jax.random.key(seed), 3)
+    k = jax.random.normal(ks[0], (layers, b, kvh, s, d), dtype)
+    v = jax.random.normal(ks[1], (layers, b, kvh, s, d), dtype)
+    q = jax.random.normal(ks[2], (b, kvh, g, d), dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize(
+    "b,kvh,s,d,g,block_s,kv_len",
+    [
+        (3, 2, 50, 32, 4, 16, 37),   # S and kv_len not multiples of the block; last window moved
+        (2, 1, 64, 16, 8, 64, 64),   # one full block
+        (2, 2, 40, 16, 16, 16, 17),  # G = 16 (no padding), one slot into the second block
+        (1, 4, 20, 32, 1, 64, 20),   # block larger than S: clipped to a power of two <= S
+    ],
+)
+def test_kernel_matches_reference(b, kvh, s, d, g, block_s, kv_len):
+    q, k, v = _inputs(3, b, kvh, s, d, g)
+    slot = jnp.arange(s)[None, :]
+    first = jnp.arange(b)[:, None] * 3  # left padding differs per row
+    valid = (slot < kv_len) & (slot >= first)
+    got = decode_attention(q, k, v, jnp.int32(1), valid, jnp.int32(kv_len),
+                           config=DecodeAttentionConfig(block_s=block_s), interpret=True)
+    want = decode_attention_reference(q, k, v, 1, valid)
+    assert got.shape == (b, kvh, g, d) and got.dtype == q.dtype
+    # Only the rounding of P to bf16 before the PV product differs (after vs before the
+    # normalisation), a few bf16 ulps of O(1) outputs.
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               atol=2e-2, rtol=2e-2)
+    # The kernel reads the layer it is told to: another layer gives other numbers.
+    other = decode_attention_reference(q, k, v, 2, valid)
+    assert not np.allclose(np.asarray(got, np.float32), np.asarray(other, np.float32), atol=0.1)
+
+
+def test_rows_without_visible_slots_give_zero_and_kv_len_bounds_the_read():
+    q, k, v = _inputs(2, 2, 2, 48, 16, 4, seed=1)
+    valid = jnp.zeros((2, 48), bool).at[0, 10:20].set(True)
+    got = decode_attention(q, k, v, jnp.int32(0), valid, jnp.int32(20), interpret=True)
+    assert np.all(np.asarray(got[1]) == 0)
+    # Slots past kv_len are never read: garbage there changes nothing.
+    k2 = k.at[:, :, :, 20:].set(jnp.nan)
+    again = decode_attention(q, k2, v, jnp.int32(0), valid, jnp.int32(20), interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(again))
+
+
+def test_model_decode_step_through_the_kernel_matches_the_jnp_path():
+    c = tiny_config(dtype="bfloat16")
+    params = init_params(c, jax.random.key(0))
+    tok = jax.random.randint(jax.random.key(1), (2, 20), 3, c.vocab_size)
+    mask = jnp.ones((2, 20), bool).at[1, :4].set(False)  # a left-padded row
+    recipe = get_recipe("bf16")
+    cache = KVCache.init(c, 2, 24, dtype=jnp.bfloat16)
+    pre = forward(c, params, tok, attention_mask=mask, cache=cache, recipe=recipe)
+    nxt = jnp.asarray([[5], [7]], jnp.int32)
+    outs = {}
+    for backend in ("reference", "interpret"):
+        r = dataclasses.replace(recipe, backend=backend)
+        outs[backend] = forward(c, params, nxt, cache=pre.cache, recipe=r)
+    np.testing.assert_allclose(np.asarray(outs["interpret"].logits),
+                               np.asarray(outs["reference"].logits), atol=5e-2)
+    # Layer 0's new key comes before any attention: the same bits on both paths.
+    np.testing.assert_array_equal(np.asarray(outs["interpret"].cache.k[0]),
+                                  np.asarray(outs["reference"].cache.k[0]))
+
+
+def test_lowers_for_cuda():
+    q = jax.ShapeDtypeStruct((4, 2, 8, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 4, 2, 1279, 128), jnp.bfloat16)
+    valid = jax.ShapeDtypeStruct((4, 1279), jnp.bool_)
+    i = jax.ShapeDtypeStruct((), jnp.int32)
+    with jax.sharding.use_abstract_mesh(H200):
+        exp = export.export(jax.jit(decode_attention), platforms=["cuda"], disabled_checks=[
+            export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(q, kv, kv, i, valid, i)
+    assert "xla.gpu.triton" in exp.mlir_module()
+
+
+def test_bad_input_is_refused():
+    q, k, v = _inputs(1, 2, 2, 32, 16, 4)
+    valid = jnp.ones((2, 32), bool)
+    with pytest.raises(ValueError, match=r"q \(2, 2, 4, 8\) does not fit"):
+        decode_attention(q[..., :8], k, v, 0, valid, 32, interpret=True)
+    with pytest.raises(ValueError, match="valid"):
+        decode_attention(q, k, v, 0, valid[:, :16], 32, interpret=True)
+    with pytest.raises(ValueError, match="must match"):
+        decode_attention(q, k, v[..., :8], 0, valid, 32, interpret=True)
+    with pytest.raises(ValueError, match="cache dtype"):
+        decode_attention(q, k.astype(jnp.float32), v.astype(jnp.float32), 0, valid, 32,
+                         interpret=True)
+    with pytest.raises(ValueError, match="needs >= 16"):
+        decode_attention(q, k[:, :, :, :8], v[:, :, :, :8], 0, valid[:, :8], 8, interpret=True)
+    with pytest.raises(ValueError, match="block_s=24"):
+        DecodeAttentionConfig(block_s=24)
+
+
+def test_jnp_switch_bypasses_the_kernel_and_bad_impl_is_refused():
+    from quads_jax.models import layers
+
+    q, k, v = _inputs(1, 2, 2, 32, 16, 4)
+    q4 = q.reshape(2, 1, 8, 16)
+    valid = jnp.ones((2, 32), bool)
+    assert layers.decode_attend(q4, k, v, 0, valid, 32, "interpret") is not None
+    layers.set_decode_attention("jnp")
+    try:
+        assert layers.decode_attend(q4, k, v, 0, valid, 32, "interpret") is None
+    finally:
+        layers.set_decode_attention("kernel")
+    with pytest.raises(ValueError, match="impl='triton'"):
+        layers.set_decode_attention("triton")
