@@ -46,6 +46,7 @@ DECODE_IMPLS = ("auto", "jnp", "ptx")
 # decoded chunks of a step summed and multiplied once; no_compute: the pipeline streams its
 # tiles and the body does nothing.
 ABLATIONS = (None, "no_decode", "one_mma", "no_compute")
+N_GROUPS = (1, 2, 4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +68,11 @@ class TileGemmConfig:
       mma_overlap: wgmma groups left in flight while the next chunk is decoded (0: wait for
         every chunk's product before decoding the next).
       ablation: None, or one of ``ABLATIONS`` (time attribution; wrong results).
+      n_group: weight-row tiles (of 128 rows) per work item, each with its own accumulator. A
+        work item restarts the copy pipeline (its first loads wait a full memory latency), so
+        short-K weights (a 768-wide down projection has 3 steps of 256) pay that latency on
+        every tile; a group of tiles streams ``n_group`` times the steps per restart. Must
+        divide the weight's 128-row tile count.
     """
 
     k_splits: int = 1
@@ -76,9 +82,12 @@ class TileGemmConfig:
     decode_impl: str = "auto"
     mma_overlap: int = 0
     ablation: str | None = None
+    n_group: int = 1
 
     def __post_init__(self):
         check_schedule(self)
+        if self.n_group not in N_GROUPS:
+            raise ValueError(f"TileGemmConfig.n_group={self.n_group!r}: one of {N_GROUPS}")
         if self.decode_impl not in DECODE_IMPLS:
             raise ValueError(f"TileGemmConfig.decode_impl={self.decode_impl!r}: one of {DECODE_IMPLS}")
         if self.mma_overlap not in (0, 1):
@@ -98,6 +107,12 @@ def check_schedule(config) -> None:
         raise ValueError(f"{name}.max_concurrent_steps={steps!r}: need 1..8")
     if config.num_sms is not None and (not isinstance(config.num_sms, int) or config.num_sms < 1):
         raise ValueError(f"{name}.num_sms={config.num_sms!r}: need None or an int >= 1")
+
+
+def check_n_group(n_group: int, n_pad: int) -> None:
+    if (n_pad // N_TILE) % n_group:
+        raise ValueError(f"n_group={n_group} does not divide the {n_pad // N_TILE} weight-row "
+                         f"tiles of {N_TILE} (N padded to {n_pad})")
 
 
 def _num_sms() -> int:
@@ -232,9 +247,12 @@ def nvfp4_tile_gemm(
         )
     k_steps = k_steps_total // config.k_splits
     n_tiles = n_pad // N_TILE
+    n_group = config.n_group
+    check_n_group(n_group, n_pad)
+    n_items = n_tiles // n_group
     num_acc = len(b_tiles)
     num_sms = config.num_sms or _num_sms()
-    num_work = t_max * n_tiles * config.k_splits
+    num_work = t_max * n_items * config.k_splits
     item = mma_dtype.itemsize
     stage_bytes = N_TILE * KW_TILE * 2 + (K_TILE // 16) * N_TILE * item + num_acc * block_m * K_TILE * item
     fixed = NUM_COMPUTE_WGS * WG_ROWS * (block_m * 4 + (CHUNK * item if config.a_via_smem else 0))
@@ -245,11 +263,13 @@ def nvfp4_tile_gemm(
             f"bytes of shared memory per pipeline stage; at most {SMEM_BYTES}: use block_m <= 64"
         )
 
+    # Pipeline steps (j, k): weight-row tile j of the work item's group, K step k.
     in_specs = [
-        plgpu.BlockSpec((N_TILE, KW_TILE), lambda k: (k, 0), transforms=_swizzled(jnp.uint16)),
-        plgpu.BlockSpec((K_TILE // 16, N_TILE), lambda k: (k, 0)),
+        plgpu.BlockSpec((None, N_TILE, KW_TILE), lambda j, k: (j, k, 0),
+                        transforms=_swizzled(jnp.uint16)),
+        plgpu.BlockSpec((None, K_TILE // 16, N_TILE), lambda j, k: (j, k, 0)),
     ] + [
-        plgpu.BlockSpec((block_m, K_TILE), lambda k: (0, k), transforms=_swizzled(mma_dtype))
+        plgpu.BlockSpec((block_m, K_TILE), lambda j, k: (0, k), transforms=_swizzled(mma_dtype))
         for _ in range(num_acc)
     ]
 
@@ -261,7 +281,7 @@ def nvfp4_tile_gemm(
         def get_pipeline(body, compute_context):
             return plgpu.emit_pipeline_warp_specialized(
                 body,
-                grid=(k_steps,),
+                grid=(n_group, k_steps),
                 memory_registers=40,
                 in_specs=in_specs,
                 wg_axis="wg",
@@ -276,7 +296,8 @@ def nvfp4_tile_gemm(
         @functools.partial(
             pl.run_scoped,
             pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(
-                codes_gmem.at[0, 0], scales_gmem.at[0, 0], *dummy_b
+                codes_gmem.at[0, pl.ds(0, n_group)], scales_gmem.at[0, pl.ds(0, n_group)],
+                *dummy_b
             ),
             collective_axes="wg",
         )
@@ -286,30 +307,40 @@ def nvfp4_tile_gemm(
 
             @plgpu.nd_loop((num_work,), collective_axes="sm")
             def _work_loop(loop_info: plgpu.NDLoopInfo):
-                split, ni, t = work_item(loop_info.index[0], config.k_splits, n_tiles)
+                split, gi, t = work_item(loop_info.index[0], config.k_splits, n_items)
                 expert = tile_expert_gmem[t]
 
                 def compute_context(eval_pipeline):
-                    def acc_scope(*acc_refs):
+                    def acc_scope(*acc_refs):  # acc_refs[j * num_acc + a]
                         eval_pipeline(acc_refs)
-                        for a, acc_ref in enumerate(acc_refs):
+                        for i, acc_ref in enumerate(acc_refs):
+                            j, a = divmod(i, num_acc)
+                            row0 = (gi * n_group + j) * N_TILE + wg * WG_ROWS
                             out_smem[wg] = acc_ref[...]
                             plgpu.commit_smem()
                             plgpu.copy_smem_to_gmem(
-                                out_smem.at[wg],
-                                out_gmem.at[t, split, a, pl.ds(ni * N_TILE + wg * WG_ROWS, WG_ROWS)],
-                            )
+                                out_smem.at[wg], out_gmem.at[t, split, a, pl.ds(row0, WG_ROWS)])
                             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
                     pl.run_scoped(
                         acc_scope,
-                        *[plgpu.ACC((WG_ROWS, block_m), jnp.float32) for _ in range(num_acc)],
+                        *[plgpu.ACC((WG_ROWS, block_m), jnp.float32)
+                          for _ in range(n_group * num_acc)],
                     )
 
-                def mma_body(_, w_smem, s_smem, *refs):
+                def mma_body(idx, w_smem, s_smem, *refs):
                     b_smems, accs = refs[:num_acc], refs[num_acc]
                     if config.ablation == "no_compute":
                         return accs
+                    if n_group == 1:
+                        tile_mma(w_smem, s_smem, b_smems, accs)
+                        return accs
+                    for j in range(n_group):  # static accumulators: one branch per tile
+                        pl.when(idx[0] == j)(functools.partial(
+                            tile_mma, w_smem, s_smem, b_smems, accs[j * num_acc:(j + 1) * num_acc]))
+                    return accs
+
+                def tile_mma(w_smem, s_smem, b_smems, accs):
                     w16 = w_smem[rows]
                     n_chunks = K_TILE // CHUNK
                     total = None
@@ -329,16 +360,16 @@ def nvfp4_tile_gemm(
                             plgpu.wgmma(acc, a, b_smem.at[:, pl.ds(g * CHUNK, CHUNK)].T)
                         plgpu.wgmma_wait(0 if last or a_smem is not None
                                          else config.mma_overlap * num_acc)
-                    return accs
 
                 @pl.when(t < num_tiles_gmem[0])
                 def _run():
                     k_rows = pl.ds(split * k_steps * N_TILE, k_steps * N_TILE)
                     k_blocks = pl.ds(split * k_steps * (K_TILE // 16), k_steps * (K_TILE // 16))
                     k_cols = pl.ds(split * k_steps * K_TILE, k_steps * K_TILE)
+                    tiles = pl.ds(gi * n_group, n_group)
                     get_pipeline(mma_body, compute_context)(
-                        codes_gmem.at[expert, ni, k_rows],
-                        scales_gmem.at[expert, ni, k_blocks],
+                        codes_gmem.at[expert, tiles, k_rows],
+                        scales_gmem.at[expert, tiles, k_blocks],
                         *[b.at[t, :, k_cols] for b in b_gmems],
                         allocations=pipeline_allocs,
                     )

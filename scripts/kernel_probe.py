@@ -311,6 +311,40 @@ def run_attention():
               bytes_=2 * b * kvh * s * d * 2)
 
 
+def run_grouped_n_group():
+    """The grouped decode matmuls of a 128-sequence decode step (1024 rows, top-8 of 128
+    experts): gate_up (N=1536, K=2048) and down (N=2048, K=768), one weight-row tile per work
+    item against the automatic grouping (``W4A4MatmulConfig.n_group``); GPU checks first."""
+    bk.log("== grouped n_group: checks (fresh inputs, poisoned outputs)")
+    gs = bk.routing(128, 128, GE, 8)
+    m = int(gs.sum())
+    touched = int((np.asarray(gs) > 0).sum())
+    for n, k, name in ((2 * GN, GK, "gate_up"), (GK, GN, "down")):
+        wq, ww = weights(600 + n, (GE, n, k), "subnormal")
+        x = bk.rand(601, (m, k), jnp.float32)  # f32 output: the check sees the kernel's f32 sums
+        for r in (None, aq.RACConfig()):
+            cfg = W4A4MatmulConfig(n_group=4)
+            bk.check(f"grouped {name} n_group=4{' +RAC' if r else ''} rows={m}",
+                     jax.jit(lambda x=x, ww=ww, r=r, cfg=cfg: w4a4_grouped_matmul(
+                         x, ww, gs, rac=r, config=cfg)),
+                     lambda x=x, wq=wq, r=r: bk.deq_ref(x, wq, r, gs), (m, n))
+        bk.log(f"== grouped {name} timings: rows={m} experts={touched}")
+        x = x.astype(jnp.bfloat16)
+        ws = [weights(610 + i, (GE, n, k), "subnormal")[1] for i in range(2)]
+        for ng, r in ((1, None), (4, None), (1, aq.RACConfig()), (4, aq.RACConfig())):
+            cfg = W4A4MatmulConfig(n_group=ng)
+            try:
+                t, calls = bk.time_chain(
+                    lambda x, w, cfg=cfg, r=r: w4a4_grouped_matmul(x, w, gs, rac=r, config=cfg),
+                    x, ws, reps=2)
+                bk.record(f"grouped {name} n_group={ng}{' +RAC0.5' if r else ''}", t, calls,
+                          bytes_=touched * n * k * 0.5625, flops=2 * m * n * k)
+            except Exception as err:  # noqa: BLE001
+                bk.log(f"  grouped {name} n_group={ng} FAILED: {type(err).__name__}: "
+                       f"{str(err)[:300]}")
+        del ws
+
+
 def run_dump():
     """Compile (and run once) three variants, so MOSAIC_GPU_DUMP_* writes their PTX/SASS."""
     b = jnp.ones((1, M, K), jnp.float16)
@@ -331,6 +365,7 @@ def main(argv=None):
     p.add_argument("--launch-bound", action="store_true", help="floors + the launch-bound test")
     p.add_argument("--final", action="store_true", help="the BENCHMARKS.md set (run_final)")
     p.add_argument("--attention", action="store_true", help="floors + decode attention")
+    p.add_argument("--n-group", action="store_true", help="floors + grouped n_group study")
     args = p.parse_args(argv)
     global OUT
     OUT = args.out
@@ -342,6 +377,10 @@ def main(argv=None):
     try:
         if args.final:
             run_final()
+            return 0
+        if args.n_group:
+            bk.measure_floors()
+            run_grouped_n_group()
             return 0
         if args.attention:
             bk.measure_floors()

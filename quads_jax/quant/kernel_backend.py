@@ -31,6 +31,9 @@ from quads_jax.quant import fp8, nvfp4, ops
 from quads_jax.quant.rac import CalibratedWeight
 
 INTERPRET_NUM_SMS = 4
+# W4A4MatmulConfig fields every registered NVFP4 kernel call uses (benchmarks and ablations set
+# them, e.g. {"n_group": 1}); empty = the config's defaults.
+W4A4_OVERRIDES: dict = {}
 
 
 def _mma_dtype(mode: str, recipe) -> str:
@@ -70,8 +73,9 @@ def _unpack(w, mode: str, recipe):
 
 def _config(interpret: bool, mma_dtype: str) -> W4A4MatmulConfig:
     if interpret:
-        return W4A4MatmulConfig(a_via_smem=True, num_sms=INTERPRET_NUM_SMS, mma_dtype=mma_dtype)
-    return W4A4MatmulConfig(mma_dtype=mma_dtype)
+        return W4A4MatmulConfig(a_via_smem=True, num_sms=INTERPRET_NUM_SMS, mma_dtype=mma_dtype,
+                                **W4A4_OVERRIDES)
+    return W4A4MatmulConfig(mma_dtype=mma_dtype, **W4A4_OVERRIDES)
 
 
 def _w4a4_kwargs(mode: str, recipe, blocks, scale) -> dict:

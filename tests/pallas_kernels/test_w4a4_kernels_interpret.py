@@ -35,18 +35,19 @@ def _f64_product(acts, wq, row_expert=None):
 
 
 @pytest.mark.parametrize(
-    "m,n,k,rac,mode,mma,decode,ks",
+    "m,n,k,rac,mode,mma,decode,ks,ng",
     [
-        (5, 200, 288, False, "per_token", "float16", "normal", 1),
-        (9, 136, 512, True, "per_batch", "bfloat16", "subnormal", 2),
+        (5, 200, 288, False, "per_token", "float16", "normal", 1, 1),
+        (9, 136, 512, True, "per_batch", "bfloat16", "subnormal", 2, 1),
+        (9, 400, 256, True, "per_token", "float16", "subnormal", 1, 4),  # 4 tiles per item
     ],
 )
-def test_dense_w4a4(m, n, k, rac, mode, mma, decode, ks):
+def test_dense_w4a4(m, n, k, rac, mode, mma, decode, ks, ng):
     x = jax.random.normal(jax.random.key(m), (m, k)) * 2
     wq = nvfp4.quantize(jax.random.normal(jax.random.key(n), (n, k)))
     w = prepare_w4a4_weights(wq, mma_dtype=mma, decode=decode)
     racc = aq.RACConfig(rac_ratio=0.5) if rac else None
-    cfg = W4A4MatmulConfig(k_splits=ks, mma_dtype=mma, **CFG)
+    cfg = W4A4MatmulConfig(k_splits=ks, mma_dtype=mma, n_group=ng, **CFG)
     y = w4a4_matmul(x, w, act_scale_mode=mode, rac=racc, config=cfg, interpret=True)
     assert y.shape == (m, n) and y.dtype == x.dtype
     acts = aq.nvfp4_quantize(x, act_scale_mode=mode, rac_config=racc)
@@ -67,15 +68,17 @@ def test_dense_prefill_path_is_exact(rac):
     assert _rel(y, want) < 1e-5
 
 
-@pytest.mark.parametrize("sizes,extra,rac", [((4, 0, 9), 2, False), ((0, 0, 17), 0, True)])
-def test_grouped_w4a4_zero_and_uneven_groups(sizes, extra, rac):
-    e, n, k = len(sizes), 128, 256
+@pytest.mark.parametrize("sizes,extra,rac,n,ng", [((4, 0, 9), 2, False, 128, 1),
+                                                  ((0, 0, 17), 0, True, 128, 1),
+                                                  ((4, 0, 9), 1, True, 256, 2)])
+def test_grouped_w4a4_zero_and_uneven_groups(sizes, extra, rac, n, ng):
+    e, k = len(sizes), 256
     gs = jnp.asarray(sizes, jnp.int32)
     m = int(gs.sum()) + extra  # rows past the groups come out as zeros
     x = jax.random.normal(jax.random.key(3), (m, k))
     wq = nvfp4.quantize(jax.random.normal(jax.random.key(4), (e, n, k)), scale_mode="expert")
     racc = aq.RACConfig() if rac else None
-    cfg = W4A4MatmulConfig(block_m=8, **CFG)
+    cfg = W4A4MatmulConfig(block_m=8, n_group=ng, **CFG)
     y = w4a4_grouped_matmul(x, wq, gs, rac=racc, config=cfg, interpret=True)
     rexp = jnp.minimum(row_experts(gs, m), e - 1)
     acts = aq.nvfp4_quantize(x, rac_config=racc, row_expert=rexp, num_experts=e)
@@ -103,6 +106,18 @@ def test_w4a16_dense_and_grouped():
                                                  wq.global_scale[0, 0, 0]), mma_dtype="bfloat16")
     yd = w4a16_matmul(x.astype(jnp.float32), w0, config=cfg, interpret=True)
     assert _rel(yd, xf @ wd[0].T) < 1e-5
+
+
+def test_auto_n_group():
+    from pallas_kernels.w4a4_matmul import auto_n_group
+
+    # Qwen3-30B-A3B down projection at a 128-row decode batch: 3 K steps, 16 row tiles.
+    assert auto_n_group(128, 16, 3, 16, 1, 132) == 4
+    assert auto_n_group(128, 16, 3, 16, 2, 132) == 4  # RAC: 4 x 2 x 16 accumulators fit
+    assert auto_n_group(128, 16, 3, 64, 1, 132) == 2  # wide token tiles: fewer accumulators
+    assert auto_n_group(8, 16, 3, 8, 1, 132) == 1     # one token: keep every SM busy
+    assert auto_n_group(128, 12, 8, 16, 1, 132) == 1  # gate_up: 8 steps per item already
+    assert auto_n_group(128, 7, 3, 16, 1, 132) == 1   # no divisor
 
 
 def test_tile_plan_covers_every_row_once():
@@ -136,6 +151,11 @@ def test_bad_inputs_raise():
         W4A4MatmulConfig(block_m=12)
     with pytest.raises(ValueError, match="k_splits"):
         w4a4_matmul(jnp.ones((4, 64)), wq, config=W4A4MatmulConfig(k_splits=3, **CFG),
+                    interpret=True)
+    with pytest.raises(ValueError, match="n_group=3"):
+        W4A4MatmulConfig(n_group=3)
+    with pytest.raises(ValueError, match="n_group=2 does not divide the 1 weight-row tiles"):
+        w4a4_matmul(jnp.ones((4, 64)), wq, config=W4A4MatmulConfig(n_group=2, **CFG),
                     interpret=True)
     with pytest.raises(ValueError, match="W4A16 needs"):
         w4a16_matmul(jnp.ones((4, 64)), prepare_w4a4_weights(wq, mma_dtype="float16"))
