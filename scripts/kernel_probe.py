@@ -311,7 +311,7 @@ def run_attention():
               bytes_=2 * b * kvh * s * d * 2)
 
 
-def run_grouped_n_group():
+def run_grouped_n_group(shapes=("gate_up", "down")):
     """The grouped decode matmuls of a 128-sequence decode step (1024 rows, top-8 of 128
     experts): gate_up (N=1536, K=2048) and down (N=2048, K=768), one weight-row tile per work
     item against the automatic grouping (``W4A4MatmulConfig.n_group``); GPU checks first."""
@@ -320,6 +320,8 @@ def run_grouped_n_group():
     m = int(gs.sum())
     touched = int((np.asarray(gs) > 0).sum())
     for n, k, name in ((2 * GN, GK, "gate_up"), (GK, GN, "down")):
+        if name not in shapes:
+            continue
         wq, ww = weights(600 + n, (GE, n, k), "subnormal")
         x = bk.rand(601, (m, k), jnp.float32)  # f32 output: the check sees the kernel's f32 sums
         for r in (None, aq.RACConfig()):
@@ -366,6 +368,7 @@ def main(argv=None):
     p.add_argument("--final", action="store_true", help="the BENCHMARKS.md set (run_final)")
     p.add_argument("--attention", action="store_true", help="floors + decode attention")
     p.add_argument("--n-group", action="store_true", help="floors + grouped n_group study")
+    p.add_argument("--n-group-shapes", default="gate_up,down")
     args = p.parse_args(argv)
     global OUT
     OUT = args.out
@@ -380,7 +383,7 @@ def main(argv=None):
             return 0
         if args.n_group:
             bk.measure_floors()
-            run_grouped_n_group()
+            run_grouped_n_group(tuple(args.n_group_shapes.split(",")))
             return 0
         if args.attention:
             bk.measure_floors()
