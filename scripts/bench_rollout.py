@@ -445,9 +445,9 @@ def parse_args(argv):
     p.add_argument("--split", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--decode-attention", choices=models.layers.DECODE_ATTENTION_IMPLS,
                    default="kernel", help="decode attention: the Pallas kernel or the jnp path")
-    p.add_argument("--w4a4-n-group", choices=("auto", "1", "2", "4"), default="auto",
-                   help="weight-row tiles per work item of the NVFP4 kernels (auto: chosen per "
-                   "call, W4A4MatmulConfig.n_group)")
+    p.add_argument("--w4a4-n-group", type=int, choices=(1, 2, 4), default=1,
+                   help="weight-row tiles per work item of the NVFP4 kernels "
+                   "(W4A4MatmulConfig.n_group)")
     p.add_argument("--decode-at", choices=("mid", "start"), default="mid",
                    help="time the decode steps at the middle of the generation (default; the "
                    "attention reads the slots written so far) or right after the prompt")
@@ -477,9 +477,9 @@ def main(argv=None) -> int:
     if args.bf16_path:
         BF16_PATH["path"] = args.bf16_path
     models.layers.set_decode_attention(args.decode_attention)
-    if args.w4a4_n_group != "auto":
+    if args.w4a4_n_group != 1:
         from quads_jax.quant import kernel_backend
-        kernel_backend.W4A4_OVERRIDES["n_group"] = int(args.w4a4_n_group)
+        kernel_backend.W4A4_OVERRIDES["n_group"] = args.w4a4_n_group
     clock = Clock(args.budget_s)
     os.makedirs(args.out, exist_ok=True)
     open(os.path.join(args.out, "rollout.jsonl"), "w").close()

@@ -108,18 +108,6 @@ def test_w4a16_dense_and_grouped():
     assert _rel(yd, xf @ wd[0].T) < 1e-5
 
 
-def test_auto_n_group():
-    from pallas_kernels.w4a4_matmul import auto_n_group
-
-    # Qwen3-30B-A3B down projection at a 128-row decode batch: 3 K steps, 16 row tiles.
-    assert auto_n_group(128, 16, 3, 16, 1, 132) == 4
-    assert auto_n_group(128, 16, 3, 16, 2, 132) == 4  # RAC: 4 x 2 x 16 accumulators fit
-    assert auto_n_group(128, 16, 3, 64, 1, 132) == 2  # wide token tiles: fewer accumulators
-    assert auto_n_group(8, 16, 3, 8, 1, 132) == 1     # one token: keep every SM busy
-    assert auto_n_group(128, 12, 8, 16, 1, 132) == 1  # gate_up: 8 steps per item already
-    assert auto_n_group(128, 7, 3, 16, 1, 132) == 1   # no divisor
-
-
 def test_tile_plan_covers_every_row_once():
     gs = jnp.asarray([3, 0, 20, 1, 0], jnp.int32)
     m, bm = 27, 8
