@@ -62,6 +62,14 @@ class DecodeAttentionConfig:
             raise ValueError(f"DecodeAttentionConfig.num_stages={self.num_stages}: must be >= 1")
 
 
+def supports(k_all: jax.Array) -> bool:
+    """Whether the kernel takes this stacked cache (bf16/f16, head_dim a power of two >= 16,
+    >= 16 slots); callers fall back to the jnp path otherwise (e.g. an f32 cache)."""
+    d, s = k_all.shape[-1], k_all.shape[-2]
+    return (k_all.dtype in (jnp.bfloat16, jnp.float16) and d >= 16 and not d & (d - 1)
+            and s >= MIN_DOT_ROWS)
+
+
 def _check(q, k_all, v_all, valid):
     if q.ndim != 4 or k_all.ndim != 5:
         raise ValueError(f"decode_attention: q {q.shape} must be [B, KVH, G, D] and k_all "

@@ -98,8 +98,7 @@ def decode_attend(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.A
     """
     from pallas_kernels import decode_attention as da  # here: the trainer never needs Pallas
 
-    if (backend == "reference" or _decode_attention["impl"] == "jnp"
-            or k_all.shape[3] < da.MIN_DOT_ROWS):
+    if backend == "reference" or _decode_attention["impl"] == "jnp" or not da.supports(k_all):
         return None
     if backend == "auto" and jax.default_backend() != "gpu":
         return None

@@ -130,5 +130,10 @@ def test_jnp_switch_bypasses_the_kernel_and_bad_impl_is_refused():
         assert layers.decode_attend(q4, k, v, 0, valid, 32, "interpret") is None
     finally:
         layers.set_decode_attention("kernel")
+    # A cache the kernel does not take (f32, or fewer than 16 slots) goes the jnp way.
+    assert layers.decode_attend(q4, k.astype(jnp.float32), v.astype(jnp.float32), 0, valid, 32,
+                                "interpret") is None
+    assert layers.decode_attend(q4, k[:, :, :, :8], v[:, :, :, :8], 0, valid[:, :8], 8,
+                                "interpret") is None
     with pytest.raises(ValueError, match="impl='triton'"):
         layers.set_decode_attention("triton")
