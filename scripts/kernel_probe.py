@@ -132,6 +132,26 @@ def run_timings():
     bk.bench_grouped()
 
 
+def traced_kernels(f, *args, match="mosaic", tag="probe"):
+    """Run ``f(*args)`` once under ``jax.profiler`` and return (mean device us of the kernels
+    whose name contains ``match``, their count, the busy fraction of the device). The device
+    duration of a kernel excludes launch gaps and host work, which wall-clock timing of a chain
+    cannot separate."""
+    import trace_summary
+
+    logdir = f"/tmp/kernel_probe_trace_{tag}_{os.getpid()}"
+    with jax.profiler.trace(logdir):
+        jax.block_until_ready(f(*args))
+    summary = trace_summary.summarize(logdir, top=50)
+    for plane in summary.values():
+        hits = [k for k in plane["top"] if match in k["name"]]
+        count = sum(k["count"] for k in hits)
+        if count:
+            total = sum(k["total_ms"] for k in hits) * 1e3
+            return total / count, count, plane["busy_fraction"]
+    return float("nan"), 0, float("nan")
+
+
 def run_launch_bound():
     """Is a call bound by the host's per-launch work? Time per call and host enqueue time per
     call (the jitted chain's call returns once every launch is enqueued) at 1x and 4x the bytes."""
@@ -142,8 +162,12 @@ def run_launch_bound():
         b = aq.mma_operand(nvfp4.quantize(xk, scale_mode="row"), jnp.float16)[0].reshape(1, M, k)
         c = bk.copies_for(n * k * 0.625)
         ws = [weights(100 + i, (n, k), "subnormal")[1] for i in range(c)]
-        for name, kw in (("ptx", dict(decode_impl="ptx")), ("no_compute",
-                                                              dict(ablation="no_compute"))):
+        variants = [("ptx", dict(decode_impl="ptx")), ("no_compute", dict(ablation="no_compute"))]
+        if (k, n) == (K, N):  # where does a fixed per-call cost come from?
+            variants += [("nc sms66", dict(ablation="no_compute", num_sms=66)),
+                         ("nc stages1", dict(ablation="no_compute", max_concurrent_steps=1)),
+                         ("ptx ks4", dict(decode_impl="ptx", k_splits=4))]
+        for name, kw in variants:
             op = tile_op(TileGemmConfig(**kw))
             reps = max(1, 8 // c)  # <= 8 call sites: each one is compiled separately (~1-2 s)
 
@@ -166,11 +190,18 @@ def run_launch_bound():
                 host.append((t1 - t0) / (reps * c))
                 dev.append((t2 - t0) / (reps * c))
             floor = n * k * 0.5625 / bk.RESULTS["floors"]["read_bw"]
+            try:
+                kern_us, count, busy = traced_kernels(f, b, *ws, tag=f"{name}_{k}_{n}")
+            except Exception as err:  # noqa: BLE001  (the trace is extra; keep the timing)
+                kern_us, count, busy = float("nan"), 0, float("nan")
+                bk.log(f"  trace failed: {type(err).__name__}: {str(err)[:200]}")
             bk.log(f"  {name:10s} K={k:6d} N={n:6d}: {sorted(dev)[2] * 1e6:7.1f} us/call, "
-                   f"enqueue {sorted(host)[2] * 1e6:7.1f} us/call, floor {floor * 1e6:6.1f} us")
+                   f"enqueue {sorted(host)[2] * 1e6:7.1f} us/call, kernel (traced) "
+                   f"{kern_us:7.1f} us x{count:.0f}, busy {busy:.2f}, floor {floor * 1e6:6.1f} us")
             bk.RESULTS["timings"].append({"name": f"launch-bound {name} K={k} N={n}",
                                           "us": sorted(dev)[2] * 1e6,
                                           "enqueue_us": sorted(host)[2] * 1e6,
+                                          "kernel_traced_us": kern_us,
                                           "floor_us": floor * 1e6, "calls": reps * c,
                                           "note": "enqueue = host time to launch", "bytes": None,
                                           "flops": None})
@@ -347,6 +378,29 @@ def run_grouped_n_group(shapes=("gate_up", "down")):
         del ws
 
 
+def run_trace_grouped():
+    """Every kernel of one grouped decode-step call (1024 rows over 128 experts, top-8), with
+    and without RAC, gate_up and down: where the ~2x between the Mosaic kernel and the whole
+    ``w4a4_grouped_matmul`` goes (activation quantization, RAC selection, tile gather, combine)."""
+    import trace_summary
+
+    gs = bk.routing(128, 128, GE, 8)
+    m = int(gs.sum())
+    for n, k, name in ((2 * GN, GK, "gate_up"), (GK, GN, "down")):
+        ww = weights(700 + n, (GE, n, k), "subnormal")[1]
+        x = bk.rand(701, (m, k))
+        for r in (None, aq.RACConfig()):
+            f = jax.jit(lambda x, ww, r=r: w4a4_grouped_matmul(x, ww, gs, rac=r))
+            jax.block_until_ready(f(x, ww))
+            logdir = f"/tmp/kernel_probe_grouped_{name}_{bool(r)}_{os.getpid()}"
+            with jax.profiler.trace(logdir):
+                for _ in range(4):
+                    jax.block_until_ready(f(x, ww))
+            summary = trace_summary.summarize(logdir, top=14, steps=4)
+            bk.log(f"== traced grouped {name}{' +RAC0.5' if r else ''} rows={m} (per call)")
+            bk.log(trace_summary.format_summary(summary))
+
+
 def run_dump():
     """Compile (and run once) three variants, so MOSAIC_GPU_DUMP_* writes their PTX/SASS."""
     b = jnp.ones((1, M, K), jnp.float16)
@@ -369,6 +423,7 @@ def main(argv=None):
     p.add_argument("--attention", action="store_true", help="floors + decode attention")
     p.add_argument("--n-group", action="store_true", help="floors + grouped n_group study")
     p.add_argument("--n-group-shapes", default="gate_up,down")
+    p.add_argument("--trace-grouped", action="store_true", help="kernels of a grouped call")
     args = p.parse_args(argv)
     global OUT
     OUT = args.out
@@ -380,6 +435,9 @@ def main(argv=None):
     try:
         if args.final:
             run_final()
+            return 0
+        if args.trace_grouped:
+            run_trace_grouped()
             return 0
         if args.n_group:
             bk.measure_floors()
