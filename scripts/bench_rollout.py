@@ -232,11 +232,10 @@ def kv_bytes(config: ModelConfig, rows: int, slots: int) -> int:
 
 def profile_decode(dec, params, start, steps: int, tag: str) -> dict:
     """Kernel totals of ``steps`` decode steps under ``jax.profiler`` (see trace_summary)."""
-    logdir = os.path.join("/tmp", f"quads_trace_{tag}_{os.getpid()}")
     try:
-        with jax.profiler.trace(logdir):
-            jax.block_until_ready(dec(params, start, jnp.int32(steps)))
-        summary = trace_summary.summarize(logdir, top=16, steps=steps)
+        summary = trace_summary.trace(
+            lambda: jax.block_until_ready(dec(params, start, jnp.int32(steps))), tag,
+            steps=steps, top=16)
     except Exception as e:  # noqa: BLE001  (a missing profiler must not lose the timings)
         print(f"profile {tag} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
         return {"error": f"{type(e).__name__}: {str(e)[:300]}"}

@@ -139,10 +139,7 @@ def traced_kernels(f, *args, match="mosaic", tag="probe"):
     cannot separate."""
     import trace_summary
 
-    logdir = f"/tmp/kernel_probe_trace_{tag}_{os.getpid()}"
-    with jax.profiler.trace(logdir):
-        jax.block_until_ready(f(*args))
-    summary = trace_summary.summarize(logdir, top=50)
+    summary = trace_summary.trace(lambda: jax.block_until_ready(f(*args)), tag, top=50)
     for plane in summary.values():
         hits = [k for k in plane["top"] if match in k["name"]]
         count = sum(k["count"] for k in hits)
@@ -392,11 +389,11 @@ def run_trace_grouped():
         for r in (None, aq.RACConfig()):
             f = jax.jit(lambda x, ww, r=r: w4a4_grouped_matmul(x, ww, gs, rac=r))
             jax.block_until_ready(f(x, ww))
-            logdir = f"/tmp/kernel_probe_grouped_{name}_{bool(r)}_{os.getpid()}"
-            with jax.profiler.trace(logdir):
+            def run(f=f, x=x, ww=ww):
                 for _ in range(4):
                     jax.block_until_ready(f(x, ww))
-            summary = trace_summary.summarize(logdir, top=14, steps=4)
+
+            summary = trace_summary.trace(run, f"grouped_{name}_{bool(r)}", steps=4, top=14)
             bk.log(f"== traced grouped {name}{' +RAC0.5' if r else ''} rows={m} (per call)")
             bk.log(trace_summary.format_summary(summary))
 

@@ -75,6 +75,17 @@ def summarize(logdir: str, *, top: int = 20, plane_prefix: str = "/device:GPU",
     return out
 
 
+def trace(run, tag: str, **summarize_kwargs) -> dict:
+    """Call ``run()`` (it must block until the device is done) under ``jax.profiler`` into a
+    ``/tmp`` directory named by ``tag`` and the process, and return ``summarize`` of it."""
+    import jax
+
+    logdir = os.path.join("/tmp", f"quads_trace_{tag}_{os.getpid()}")
+    with jax.profiler.trace(logdir):
+        run()
+    return summarize(logdir, **summarize_kwargs)
+
+
 def format_summary(summary: dict) -> str:
     lines = []
     for plane, s in summary.items():

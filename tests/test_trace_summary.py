@@ -15,11 +15,12 @@ def test_summary_counts_events_of_the_selected_lines(tmp_path):
     f = jax.jit(lambda x: jnp.sin(x) @ x)
     x = jnp.ones((128, 128))
     f(x).block_until_ready()
-    with jax.profiler.trace(str(tmp_path)):
+    def run():
         for _ in range(3):
             f(x).block_until_ready()
-    s = trace_summary.summarize(str(tmp_path), plane_prefix="/host:CPU", line_prefix="python",
-                                steps=3)
+
+    s = trace_summary.trace(run, f"test_{tmp_path.name}", plane_prefix="/host:CPU",
+                            line_prefix="python", steps=3)
     (plane,) = s.values()
     assert plane["kernels"] > 0 and 0 < plane["busy_ms"]
     assert plane["span_ms"] > 0
@@ -29,6 +30,8 @@ def test_summary_counts_events_of_the_selected_lines(tmp_path):
     assert pjit["count"] >= 1.0  # >= 3 events (one per call, some nested) over 3 steps
     assert "kernels, busy" in trace_summary.format_summary(s)
     # No GPU plane on the CPU: nothing is reported rather than something made up.
+    with jax.profiler.trace(str(tmp_path)):
+        f(x).block_until_ready()
     assert trace_summary.summarize(str(tmp_path)) == {}
 
 
