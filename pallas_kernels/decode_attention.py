@@ -62,15 +62,27 @@ class DecodeAttentionConfig:
             raise ValueError(f"DecodeAttentionConfig.num_stages={self.num_stages}: must be >= 1")
 
 
+def _cache_problem(k_all: jax.Array, min_slots: int) -> str | None:
+    """Why this stacked cache cannot be used (the kernel needs ``MIN_DOT_ROWS`` slots, the
+    reference 1), or None."""
+    d, s = k_all.shape[-1], k_all.shape[-2]
+    if d < 16 or d & (d - 1):
+        return f"head_dim {d} must be a power of two >= 16"
+    if k_all.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"cache dtype {k_all.dtype}; bf16 or f16 expected"
+    if s < min_slots:
+        return (f"{s} cache slots; the kernel needs >= {min_slots} (use the jnp path for "
+                "smaller caches)")
+    return None
+
+
 def supports(k_all: jax.Array) -> bool:
     """Whether the kernel takes this stacked cache (bf16/f16, head_dim a power of two >= 16,
     >= 16 slots); callers fall back to the jnp path otherwise (e.g. an f32 cache)."""
-    d, s = k_all.shape[-1], k_all.shape[-2]
-    return (k_all.dtype in (jnp.bfloat16, jnp.float16) and d >= 16 and not d & (d - 1)
-            and s >= MIN_DOT_ROWS)
+    return _cache_problem(k_all, MIN_DOT_ROWS) is None
 
 
-def _check(q, k_all, v_all, valid):
+def _check(q, k_all, v_all, valid, min_slots: int = 1):
     if q.ndim != 4 or k_all.ndim != 5:
         raise ValueError(f"decode_attention: q {q.shape} must be [B, KVH, G, D] and k_all "
                          f"{k_all.shape} [L, B, KVH, S, D]")
@@ -83,10 +95,8 @@ def _check(q, k_all, v_all, valid):
                          "(want [B, KVH, G, D] with the cache's B, KVH and D)")
     if valid.shape != (b, s):
         raise ValueError(f"decode_attention: valid {valid.shape} must be [B, S] = {(b, s)}")
-    if d < 16 or d & (d - 1):
-        raise ValueError(f"decode_attention: head_dim {d} must be a power of two >= 16")
-    if k_all.dtype not in (jnp.bfloat16, jnp.float16):
-        raise ValueError(f"decode_attention: cache dtype {k_all.dtype}; bf16 or f16 expected")
+    if problem := _cache_problem(k_all, min_slots):
+        raise ValueError(f"decode_attention: {problem}")
 
 
 def _kernel(layer_ref, kv_len_ref, q_ref, valid_ref, k_ref, v_ref, o_ref, *, block_s: int,
@@ -138,16 +148,13 @@ def decode_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: ja
       kv_len: int32 scalar: slots ``>= kv_len`` are not read (must cover every valid slot).
     Returns ``[B, KVH, G, D]`` in ``q.dtype``; scores and softmax in f32, scale ``D**-0.5``.
     """
-    _check(q, k_all, v_all, valid)
+    _check(q, k_all, v_all, valid, min_slots=MIN_DOT_ROWS)
     _, b, kvh, s, d = k_all.shape
     g = q.shape[2]
     gp = max(MIN_DOT_ROWS, 1 << (g - 1).bit_length())
     qp = jnp.zeros((b, kvh, gp, d), k_all.dtype).at[:, :, :g].set(q.astype(k_all.dtype))
     kv_len = jnp.clip(jnp.asarray(kv_len, jnp.int32), 0, s).reshape(1)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    if s < MIN_DOT_ROWS:
-        raise ValueError(f"decode_attention: {s} cache slots; the kernel needs >= "
-                         f"{MIN_DOT_ROWS} (use the jnp path for smaller caches)")
     block_s = min(config.block_s, 1 << (s.bit_length() - 1))  # a power of two <= S
     kernel = functools.partial(_kernel, block_s=block_s, slots=s, scale=d**-0.5)
     out = pl.pallas_call(
