@@ -69,10 +69,8 @@ def w4a16_grouped_matmul(
     gs = _check_group_sizes(group_sizes, e, m)
     block_m = config.block_m or grouped_block_m(m, e)
     row_index, tile_expert, num_tiles, row_slot = tile_plan(gs, m, block_m)
-    parts = run_tiles(
-        (x_sorted.astype(jnp.bfloat16),), row_index, w, tile_expert, num_tiles, config, interpret
-    )
-    parts = jnp.pad(parts, ((0, 1), (0, 0), (0, 0)))[row_slot]
+    parts = run_tiles((x_sorted.astype(jnp.bfloat16),), row_index, row_slot, w, tile_expert,
+                      num_tiles, config, interpret)
     g_w = jnp.pad(w.global_scale, (0, 1))[row_experts(gs, m)]
     ones = jnp.ones((m,), jnp.float32)
     return combine(parts, (ones,), g_w, w.n, w.code_factor).astype(x_sorted.dtype)

@@ -133,8 +133,7 @@ def w4a4_grouped_matmul(
     b_rows, row_scales = aq.kernel_operands(acts, w.mma_dtype)
     block_m = config.block_m or grouped_block_m(m, e)
     row_index, tile_expert, num_tiles, row_slot = tile_plan(gs, m, block_m)
-    parts = run_tiles(b_rows, row_index, w, tile_expert, num_tiles, config, interpret)
-    parts = jnp.pad(parts, ((0, 1), (0, 0), (0, 0)))[row_slot]  # [M, A, Np]; zero rows past groups
+    parts = run_tiles(b_rows, row_index, row_slot, w, tile_expert, num_tiles, config, interpret)
     g_w = jnp.pad(w.global_scale, (0, 1))[rexp]
     y = combine(parts, row_scales, g_w, w.n, w.code_factor)
     return y.astype(x_sorted.dtype)

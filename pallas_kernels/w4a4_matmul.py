@@ -122,25 +122,34 @@ def gather_tiles(b_rows: tuple[jax.Array, ...], row_index: jax.Array, dtype, k_p
     return tuple(tiles)
 
 
-def tiles_to_rows(out: jax.Array) -> jax.Array:
-    """Kernel partial sums ``[T, k_splits, A, Np, block_m]`` -> ``[T * block_m, A, Np]``."""
-    t_max, _, a, n_pad, block_m = out.shape
-    out = jnp.sum(out, axis=1)  # [T, A, Np, bm]
-    return jnp.transpose(out, (0, 3, 1, 2)).reshape(t_max * block_m, a, n_pad)
+def rows_from_tiles(out: jax.Array, row_slot: jax.Array) -> jax.Array:
+    """Kernel partial sums ``[T, k_splits, A, Np, block_m]`` -> float32 rows ``[M, A, Np]``.
+
+    Row ``i`` is tile slot ``row_slot[i] = t * block_m + r`` with its K splits summed; a slot
+    ``>= T * block_m`` gives a zero row. One gather of the rows that exist: no transposed copy
+    of every tile (the skipped tiles past ``num_tiles`` hold garbage and are never read).
+    """
+    t_max, _, _, _, block_m = out.shape
+    live = row_slot < t_max * block_m
+    slot = jnp.where(live, row_slot, 0)
+    rows = jnp.sum(out[slot // block_m, :, :, :, slot % block_m], axis=1)  # [M, A, Np]
+    return jnp.where(live[:, None, None], rows, 0.0)
 
 
 def run_tiles(
     b_rows: tuple[jax.Array, ...],
     row_index: jax.Array,
+    row_slot: jax.Array,
     w: W4A4Weights,
     tile_expert: jax.Array,
     num_tiles: jax.Array,
     config: W4A4MatmulConfig,
     interpret: bool,
 ) -> jax.Array:
-    """Gather rows into token tiles, run the kernel, return float32 ``[T*block_m, A, Np]``.
+    """Gather rows into token tiles, run the kernel, return float32 rows ``[M, A, Np]``.
 
-    ``row_index``: int32 ``[T, block_m]`` source row of each tile slot (``M`` = a zero row).
+    ``row_index``: int32 ``[T, block_m]`` source row of each tile slot (``M`` = a zero row);
+    ``row_slot``: int32 ``[M]`` tile slot of each row (``T * block_m`` = a zero row).
     """
     tiles = gather_tiles(b_rows, row_index, jnp.dtype(w.mma_dtype), w.k_pad)
     num_sms = config.num_sms or _num_sms()
@@ -149,8 +158,8 @@ def run_tiles(
         row_index.shape[0] * (w.n_pad // N_TILE // config.n_group), w.k_pad // K_TILE, num_sms
     )
     tcfg = config.tile_config(k_splits, num_sms, config.n_group)
-    return tiles_to_rows(
-        nvfp4_tile_gemm(tiles, w, tile_expert, num_tiles, config=tcfg, interpret=interpret))
+    out = nvfp4_tile_gemm(tiles, w, tile_expert, num_tiles, config=tcfg, interpret=interpret)
+    return rows_from_tiles(out, row_slot)
 
 
 def dense_plan(m: int, block_m: int | None):
@@ -168,8 +177,8 @@ def run_dense(b_rows: tuple[jax.Array, ...], w: W4A4Weights, config, interpret: 
     """Dense rows ``[M, K]`` in consecutive token tiles through the kernel: ``[M, A, Np]``."""
     m = b_rows[0].shape[0]
     row_index, tile_expert, num_tiles = dense_plan(m, config.block_m)
-    out = run_tiles(b_rows, row_index, w, tile_expert, num_tiles, config, interpret)
-    return out[:m]
+    row_slot = jnp.arange(m, dtype=jnp.int32)
+    return run_tiles(b_rows, row_index, row_slot, w, tile_expert, num_tiles, config, interpret)
 
 
 def dense_prefill_parts(b_rows: tuple[jax.Array, ...], w: W4A4Weights) -> jax.Array:

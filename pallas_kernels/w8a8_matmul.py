@@ -26,7 +26,7 @@ from pallas_kernels.fp8_tiles_mgpu import (
 from pallas_kernels.layout import N_TILE
 from pallas_kernels.nvfp4_tiles_mgpu import _num_sms
 from pallas_kernels.w4a4_grouped import _check_group_sizes, grouped_block_m, row_experts, tile_plan
-from pallas_kernels.w4a4_matmul import auto_k_splits, dense_plan, gather_tiles, tiles_to_rows
+from pallas_kernels.w4a4_matmul import auto_k_splits, dense_plan, gather_tiles, rows_from_tiles
 from quads_jax.quant import fp8
 
 ACT_GRANULARITIES = ("token", "tensor")
@@ -74,14 +74,14 @@ def _check(x: jax.Array, w: FP8Weights, act_granularity: str) -> None:
         raise ValueError(f"x: K={x.shape[1]} does not match the weight's K={w.k}")
 
 
-def _run(qx: fp8.FP8Tensor, w, row_index, tile_expert, num_tiles, config, interpret):
+def _run(qx: fp8.FP8Tensor, w, row_index, row_slot, tile_expert, num_tiles, config, interpret):
     (tiles,) = gather_tiles((qx.data,), row_index, jnp.float8_e4m3fn, w.k_pad)
     num_sms = config.num_sms or _num_sms()
     k_splits = config.k_splits or auto_k_splits(
         row_index.shape[0] * (w.n_pad // N_TILE), w.k_pad // K_TILE, num_sms)
     cfg = FP8GemmConfig(k_splits, config.max_concurrent_steps, num_sms)
     out = fp8_tile_gemm((tiles,), w, tile_expert, num_tiles, config=cfg, interpret=interpret)
-    return tiles_to_rows(out)[:, 0]  # [T * block_m, Np]
+    return rows_from_tiles(out, row_slot)[:, 0]  # [M, Np]
 
 
 def _act_scale(qx: fp8.FP8Tensor, m: int) -> jax.Array:
@@ -104,7 +104,8 @@ def w8a8_matmul(x: jax.Array, w_q, *, act_granularity: str = "token",
     m = x.shape[0]
     qx = fp8.quantize(x, granularity=act_granularity)
     row_index, tile_expert, num_tiles = dense_plan(m, config.block_m)
-    y = _run(qx, w, row_index, tile_expert, num_tiles, config, interpret)[:m, : w.n]
+    row_slot = jnp.arange(m, dtype=jnp.int32)
+    y = _run(qx, w, row_index, row_slot, tile_expert, num_tiles, config, interpret)[:, : w.n]
     return (y * _act_scale(qx, m) * w.scale[0, : w.n]).astype(x.dtype)
 
 
@@ -127,8 +128,7 @@ def w8a8_grouped_matmul(x_sorted: jax.Array, w_q, group_sizes: jax.Array, *,
     qx = fp8.quantize(x_sorted, granularity=act_granularity)
     block_m = config.block_m or grouped_block_m(m, e)
     row_index, tile_expert, num_tiles, row_slot = tile_plan(gs, m, block_m)
-    parts = _run(qx, w, row_index, tile_expert, num_tiles, config, interpret)
-    parts = jnp.pad(parts, ((0, 1), (0, 0)))[row_slot, : w.n]  # zero rows past the groups
+    parts = _run(qx, w, row_index, row_slot, tile_expert, num_tiles, config, interpret)[:, : w.n]
     w_rows = jnp.pad(w.scale, ((0, 1), (0, 0)))[row_experts(gs, m), : w.n]
     return (parts * _act_scale(qx, m) * w_rows).astype(x_sorted.dtype)
 

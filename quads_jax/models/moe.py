@@ -86,7 +86,10 @@ def moe_block(
     out = ops.grouped_linear(
         swiglu(gate_up), experts["down"], group_sizes, f"{site}.experts.down", recipe
     )
-    slots = jnp.zeros_like(out).at[order].set(out).reshape(n, k, h)
+    # Unsort with a gather: XLA fuses it into the weighted sum below, while a scatter of the
+    # [N*k, H] rows would be a pass of its own. The inverse permutation is a scatter of N*k ints.
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    slots = out[inverse].reshape(n, k, h)
     weights = routing.weights.astype(x.dtype).astype(jnp.float32)  # HF casts to the model dtype
     y = jnp.sum(slots.astype(jnp.float32) * weights[..., None], axis=1)
     return y.astype(x.dtype), routing
