@@ -122,24 +122,26 @@ def gather_tiles(b_rows: tuple[jax.Array, ...], row_index: jax.Array, dtype, k_p
     return tuple(tiles)
 
 
-def rows_from_tiles(out: jax.Array, row_slot: jax.Array) -> jax.Array:
+def rows_from_tiles(out: jax.Array, row_slot: jax.Array | int) -> jax.Array:
     """Kernel partial sums ``[T, k_splits, A, Np, block_m]`` -> float32 rows ``[M, A, Np]``.
 
-    Row ``i`` is tile slot ``row_slot[i] = t * block_m + r`` with its K splits summed; a slot
-    ``>= T * block_m`` gives a zero row. One gather of the rows that exist: no transposed copy
-    of every tile (the skipped tiles past ``num_tiles`` hold garbage and are never read).
+    The K splits are summed and the tiles transposed to rows (XLA's tiled transpose, coalesced
+    both ways), then row ``i`` is taken from tile slot ``row_slot[i] = t * block_m + r`` (a slot
+    ``>= T * block_m`` gives a zero row); an int ``row_slot`` M takes the first M slots (dense).
+    A gather straight from the ``[Np, block_m]`` layout, without the transpose, reads 4-byte
+    elements 64+ bytes apart: on the H200 it was 1.5x slower (2026-12-03, docs/bench/rollout.md).
     """
-    t_max, _, _, _, block_m = out.shape
-    live = row_slot < t_max * block_m
-    slot = jnp.where(live, row_slot, 0)
-    rows = jnp.sum(out[slot // block_m, :, :, :, slot % block_m], axis=1)  # [M, A, Np]
-    return jnp.where(live[:, None, None], rows, 0.0)
+    t_max, _, a, n_pad, block_m = out.shape
+    rows = jnp.transpose(jnp.sum(out, axis=1), (0, 3, 1, 2)).reshape(t_max * block_m, a, n_pad)
+    if isinstance(row_slot, int):
+        return rows[:row_slot]
+    return jnp.pad(rows, ((0, 1), (0, 0), (0, 0)))[row_slot]
 
 
 def run_tiles(
     b_rows: tuple[jax.Array, ...],
     row_index: jax.Array,
-    row_slot: jax.Array,
+    row_slot: jax.Array | int,
     w: W4A4Weights,
     tile_expert: jax.Array,
     num_tiles: jax.Array,
@@ -149,7 +151,8 @@ def run_tiles(
     """Gather rows into token tiles, run the kernel, return float32 rows ``[M, A, Np]``.
 
     ``row_index``: int32 ``[T, block_m]`` source row of each tile slot (``M`` = a zero row);
-    ``row_slot``: int32 ``[M]`` tile slot of each row (``T * block_m`` = a zero row).
+    ``row_slot``: int32 ``[M]`` tile slot of each row (``T * block_m`` = a zero row), or an
+    int M: the first M slots (``rows_from_tiles``).
     """
     tiles = gather_tiles(b_rows, row_index, jnp.dtype(w.mma_dtype), w.k_pad)
     num_sms = config.num_sms or _num_sms()
@@ -177,8 +180,7 @@ def run_dense(b_rows: tuple[jax.Array, ...], w: W4A4Weights, config, interpret: 
     """Dense rows ``[M, K]`` in consecutive token tiles through the kernel: ``[M, A, Np]``."""
     m = b_rows[0].shape[0]
     row_index, tile_expert, num_tiles = dense_plan(m, config.block_m)
-    row_slot = jnp.arange(m, dtype=jnp.int32)
-    return run_tiles(b_rows, row_index, row_slot, w, tile_expert, num_tiles, config, interpret)
+    return run_tiles(b_rows, row_index, m, w, tile_expert, num_tiles, config, interpret)
 
 
 def dense_prefill_parts(b_rows: tuple[jax.Array, ...], w: W4A4Weights) -> jax.Array:

@@ -104,8 +104,7 @@ def w8a8_matmul(x: jax.Array, w_q, *, act_granularity: str = "token",
     m = x.shape[0]
     qx = fp8.quantize(x, granularity=act_granularity)
     row_index, tile_expert, num_tiles = dense_plan(m, config.block_m)
-    row_slot = jnp.arange(m, dtype=jnp.int32)
-    y = _run(qx, w, row_index, row_slot, tile_expert, num_tiles, config, interpret)[:, : w.n]
+    y = _run(qx, w, row_index, m, tile_expert, num_tiles, config, interpret)[:, : w.n]
     return (y * _act_scale(qx, m) * w.scale[0, : w.n]).astype(x.dtype)
 
 

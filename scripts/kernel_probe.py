@@ -341,8 +341,8 @@ def run_attention():
 
 def run_grouped_n_group(shapes=("gate_up", "down")):
     """The grouped decode matmuls of a 128-sequence decode step (1024 rows, top-8 of 128
-    experts): gate_up (N=1536, K=2048) and down (N=2048, K=768), one weight-row tile per work
-    item against the automatic grouping (``W4A4MatmulConfig.n_group``); GPU checks first."""
+    experts): gate_up (N=1536, K=2048) and down (N=2048, K=768), 1, 2 and 4 weight-row tiles
+    per work item (``W4A4MatmulConfig.n_group``), +-RAC; GPU checks first."""
     bk.log("== grouped n_group: checks (fresh inputs, poisoned outputs)")
     gs = bk.routing(128, 128, GE, 8)
     m = int(gs.sum())
@@ -352,16 +352,16 @@ def run_grouped_n_group(shapes=("gate_up", "down")):
             continue
         wq, ww = weights(600 + n, (GE, n, k), "subnormal")
         x = bk.rand(601, (m, k), jnp.float32)  # f32 output: the check sees the kernel's f32 sums
-        for r in (None, aq.RACConfig()):
-            cfg = W4A4MatmulConfig(n_group=4)
-            bk.check(f"grouped {name} n_group=4{' +RAC' if r else ''} rows={m}",
+        for ng, r in ((2, None), (2, aq.RACConfig()), (4, aq.RACConfig())):
+            cfg = W4A4MatmulConfig(n_group=ng)
+            bk.check(f"grouped {name} n_group={ng}{' +RAC' if r else ''} rows={m}",
                      jax.jit(lambda x=x, ww=ww, r=r, cfg=cfg: w4a4_grouped_matmul(
                          x, ww, gs, rac=r, config=cfg)),
                      lambda x=x, wq=wq, r=r: bk.deq_ref(x, wq, r, gs), (m, n))
         bk.log(f"== grouped {name} timings: rows={m} experts={touched}")
         x = x.astype(jnp.bfloat16)
         ws = [weights(610 + i, (GE, n, k), "subnormal")[1] for i in range(2)]
-        for ng, r in ((1, None), (4, None), (1, aq.RACConfig()), (4, aq.RACConfig())):
+        for ng, r in [(g, r) for r in (None, aq.RACConfig()) for g in (1, 2, 4)]:
             cfg = W4A4MatmulConfig(n_group=ng)
             try:
                 t, calls = bk.time_chain(
