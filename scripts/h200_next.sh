@@ -1,23 +1,20 @@
 #!/usr/bin/env bash
-# This session's H200 measurements in one device call (~6 minutes). Every step has its own time
+# This session's second H200 call in one script (~7 minutes). Every step has its own time
 # limit, so a slow step cannot starve the later ones; logs and JSON land under $OUT.
 #
 #   run: COMMIT=<sha> bash scripts/h200_next.sh   (on the device machine, from the repo root)
 #
-# 1. kernel_probe --trace-grouped: every kernel of a decode-step grouped call, +-RAC, with the
-#    kernel output read back by one gather of the live rows (was: a transposed copy of every
-#    tile).
-# 2. bench_rollout, all four arms at batch 128 / prompt 256, traced.
-# 3. The nvfp4 arm again under XLA's dynamic-slice fusion (the per-layer slices of the stacked
-#    attention weights are 4 device memcpys per layer without it).
+# 1. kernel_probe --n-group: the grouped decode matmuls with 1, 2, 4 weight-row tiles per work
+#    item (now copied together in one pipeline step), +-RAC, checked against the reference.
+# 2. bench_rollout nvfp4 and nvfp4_rac at batch 128 / prompt 256, traced, at n_group 1 and 2.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
 mkdir -p "$OUT"
 commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 
-timeout 100 python3 scripts/kernel_probe.py --trace-grouped --out "$OUT/tg" > "$OUT/trace_grouped.log" 2>&1
-echo "trace-grouped rc $?"; grep -A8 "== traced" "$OUT/trace_grouped.log" | cut -c1-150
+timeout 170 python3 scripts/kernel_probe.py --n-group --out "$OUT/ng" > "$OUT/n_group.log" 2>&1
+echo "n-group rc $?"; grep -E "PASS|FAIL|n_group=|TB/s" "$OUT/n_group.log" | cut -c1-170
 
 rollout() {  # rollout TAG SECONDS ARGS...
   local tag=$1 limit=$2; shift 2
@@ -26,5 +23,5 @@ rollout() {  # rollout TAG SECONDS ARGS...
     --out "$OUT/$tag" "$@" > "$OUT/$tag.log" 2>&1
   echo "$tag rc $?"; grep -E "^\||busy|^ +[0-9.]+ ms" "$OUT/$tag.log" | cut -c1-120
 }
-rollout rollout 280 --precisions nvfp4,nvfp4_rac,bf16,fp8 --budget-s 230
-XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true rollout rollout_dsf 110 --precisions nvfp4
+rollout rollout_ng1 150 --precisions nvfp4,nvfp4_rac
+rollout rollout_ng2 150 --precisions nvfp4,nvfp4_rac --w4a4-n-group 2
