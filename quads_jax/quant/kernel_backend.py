@@ -99,6 +99,14 @@ def _dense(mode: str):
     return fn
 
 
+def _materialized(y: jax.Array) -> jax.Array:
+    """The grouped result as its own buffer. Without the barrier XLA fused the kernel's
+    row-slot gather and scaling into the MoE block's unsort-and-combine, recomputing them per
+    element: on the H200 that fusion took 53 us per layer in the nvfp4 decode step, where the
+    bf16 arm's unsort of a materialized result took 4 us (2026-12-03, docs/bench/rollout.md)."""
+    return jax.lax.optimization_barrier(y)
+
+
 def _grouped(mode: str):
     def fn(x: jax.Array, w, group_sizes: jax.Array, *, recipe, site: str, interpret: bool):
         del site
@@ -106,9 +114,10 @@ def _grouped(mode: str):
         config = _config(interpret, w.mma_dtype)
         gs = jnp.asarray(group_sizes, jnp.int32)
         if mode == "w4a16_nvfp4":
-            return w4a16_grouped_matmul(x, w, gs, config=config, interpret=interpret)
-        return w4a4_grouped_matmul(x, w, gs, config=config, interpret=interpret,
-                                   **_w4a4_kwargs(mode, recipe, blocks, scale))
+            return _materialized(w4a16_grouped_matmul(x, w, gs, config=config,
+                                                      interpret=interpret))
+        return _materialized(w4a4_grouped_matmul(x, w, gs, config=config, interpret=interpret,
+                                                 **_w4a4_kwargs(mode, recipe, blocks, scale)))
 
     return fn
 
@@ -133,9 +142,10 @@ def _fp8_dense(x: jax.Array, w, *, recipe, site: str, interpret: bool) -> jax.Ar
 def _fp8_grouped(x: jax.Array, w, group_sizes: jax.Array, *, recipe, site: str,
                  interpret: bool) -> jax.Array:
     del site
-    return w8a8_grouped_matmul(x, _fp8_weights(w, recipe), jnp.asarray(group_sizes, jnp.int32),
-                               act_granularity=recipe.fp8_act_granularity,
-                               config=_fp8_config(interpret), interpret=interpret)
+    return _materialized(w8a8_grouped_matmul(
+        x, _fp8_weights(w, recipe), jnp.asarray(group_sizes, jnp.int32),
+        act_granularity=recipe.fp8_act_granularity, config=_fp8_config(interpret),
+        interpret=interpret))
 
 
 ops.register_kernel("w8a8_fp8", "dense", _fp8_dense)
