@@ -47,8 +47,9 @@ class W4A4MatmulConfig:
         product is the same exact-operand f32-accumulated W4A4). None = always the kernel.
       decode_impl, mma_overlap: see ``nvfp4_tiles_mgpu.TileGemmConfig``.
       n_group: weight-row tiles per work item (``TileGemmConfig.n_group``). 1 by default: on
-        the H200 (2026-12-02, decode step of 128 sequences) 4 made the 768-wide down projection
-        slower (157 -> 211 us per call) and the gate_up projection 5% faster.
+        the H200 (2026-12-03, decode step of 128 sequences) 2 left the expert kernels' time in
+        the rollout unchanged (90.5 vs 90.9 us per call). (The earlier version, one pipeline
+        step per tile, made the 768-wide down projection slower at 4: 157 -> 211 us.)
     """
 
     block_m: int | None = None

@@ -114,10 +114,11 @@ def _grouped(mode: str):
         config = _config(interpret, w.mma_dtype)
         gs = jnp.asarray(group_sizes, jnp.int32)
         if mode == "w4a16_nvfp4":
-            return _materialized(w4a16_grouped_matmul(x, w, gs, config=config,
-                                                      interpret=interpret))
-        return _materialized(w4a4_grouped_matmul(x, w, gs, config=config, interpret=interpret,
-                                                 **_w4a4_kwargs(mode, recipe, blocks, scale)))
+            y = w4a16_grouped_matmul(x, w, gs, config=config, interpret=interpret)
+        else:
+            y = w4a4_grouped_matmul(x, w, gs, config=config, interpret=interpret,
+                                    **_w4a4_kwargs(mode, recipe, blocks, scale))
+        return _materialized(y)
 
     return fn
 
