@@ -13,8 +13,12 @@ Design (swap-AB, as tokamax's sm90 quantized ragged dot): the weight rows are th
 (64 per compute warpgroup, two warpgroups per 128-row tile) and the tokens are the wgmma N side
 (``block_m`` >= 8), so decode with few tokens wastes no MMA rows. A third warpgroup issues the
 TMA copies (``emit_pipeline_warp_specialized``). The grid is persistent over (token tile,
-weight-row tile, K split); tiles past ``num_tiles`` cost one scalar load. Partial sums of the K
-splits and the global scales are combined outside, in one small XLA fusion.
+weight-row tile, K split); tiles past ``num_tiles`` cost one scalar load. With ``col_scales``
+the epilogue applies each token slot's global scales (activation x weight), adds the RAC
+product to the main one and stores the caller's dtype: one output instead of two float32
+ones, which the caller's transposes would otherwise read and write (on the H200, before this,
+those transposes took 2.5 ms of a 27 ms decode step with RAC). Partial sums of K splits are
+summed outside.
 """
 
 from __future__ import annotations
@@ -214,6 +218,8 @@ def nvfp4_tile_gemm(
     num_tiles: jax.Array,
     *,
     config: TileGemmConfig,
+    col_scales: jax.Array | None = None,
+    out_dtype=jnp.float32,
     interpret: bool = False,
 ) -> jax.Array:
     """Run the kernel.
@@ -223,8 +229,14 @@ def nvfp4_tile_gemm(
       w: the weights in kernel layout, ``E`` matrices ``[Np, Kp]``.
       tile_expert: int32 ``[T]``, the matrix each token tile multiplies.
       num_tiles: int32 ``[1]``, tiles ``t >= num_tiles[0]`` are skipped (their output is garbage).
+      col_scales: None, or float32 ``[T, len(b_tiles), block_m]``: the epilogue computes
+        ``sum_a acc_a * col_scales[t, a]`` (one scale per token slot; with RAC the two products
+        are combined on chip, so the output is one array, not two) and stores it in
+        ``out_dtype``.
+      out_dtype: the stored dtype with ``col_scales`` (float32 without).
     Returns:
-      float32 ``[T, k_splits, len(b_tiles), Np, block_m]`` partial sums (see module docstring).
+      ``[T, k_splits, A, Np, block_m]`` partial sums (see module docstring): float32 with
+      ``A = len(b_tiles)`` without ``col_scales``; with them ``A = 1`` in ``out_dtype``.
     """
     mma_dtype = jnp.dtype(w.mma_dtype)
     n_pad, k_pad = w.n_pad, w.k_pad
@@ -253,12 +265,22 @@ def nvfp4_tile_gemm(
     check_n_group(n_group, n_pad)
     n_items = n_tiles // n_group
     num_acc = len(b_tiles)
+    if col_scales is None:
+        out_dtype, num_out = jnp.dtype(jnp.float32), num_acc
+    else:
+        out_dtype, num_out = jnp.dtype(out_dtype), 1
+        if col_scales.shape != (t_max, num_acc, block_m) or col_scales.dtype != jnp.float32:
+            raise ValueError(
+                f"col_scales: {col_scales.dtype}{list(col_scales.shape)}; need float32"
+                f"{[t_max, num_acc, block_m]}"
+            )
     num_sms = config.num_sms or _num_sms()
     num_work = t_max * n_items * config.k_splits
     item = mma_dtype.itemsize
     stage_bytes = (n_group * (N_TILE * KW_TILE * 2 + (K_TILE // 16) * N_TILE * item)
                    + num_acc * block_m * K_TILE * item)
-    fixed = NUM_COMPUTE_WGS * WG_ROWS * (block_m * 4 + (CHUNK * item if config.a_via_smem else 0))
+    fixed = NUM_COMPUTE_WGS * WG_ROWS * (block_m * out_dtype.itemsize
+                                         + (CHUNK * item if config.a_via_smem else 0))
     stages = min(config.max_concurrent_steps, k_steps, (SMEM_BYTES - fixed) // stage_bytes)
     if stages < 1:
         raise ValueError(
@@ -282,6 +304,8 @@ def nvfp4_tile_gemm(
         return ref if group is None else ref.at[j]
 
     def kernel(tile_expert_gmem, num_tiles_gmem, codes_gmem, scales_gmem, *rest):
+        if col_scales is not None:
+            cs_gmem, rest = rest[0], rest[1:]
         b_gmems = rest[:num_acc]
         out_gmem, out_smem = rest[num_acc], rest[num_acc + 1]
         a_smem = rest[num_acc + 2] if config.a_via_smem else None
@@ -318,17 +342,34 @@ def nvfp4_tile_gemm(
                 split, gi, t = work_item(loop_info.index[0], config.k_splits, n_items)
                 expert = tile_expert_gmem[t]
 
+                def store(value, j: int, a: int):
+                    row0 = (gi * n_group + j) * N_TILE + wg * WG_ROWS
+                    out_smem[wg] = value
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(
+                        out_smem.at[wg], out_gmem.at[t, split, a, pl.ds(row0, WG_ROWS)])
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
                 def compute_context(eval_pipeline):
                     def acc_scope(*acc_refs):  # acc_refs[j * num_acc + a]
+                        if col_scales is None:
+                            eval_pipeline(acc_refs)
+                            for i, acc_ref in enumerate(acc_refs):
+                                store(acc_ref[...], *divmod(i, num_acc))
+                            return
+                        # The token slots' scales, loaded before the K loop so that the load's
+                        # latency hides behind it; [block_m] per operand, broadcast over rows.
+                        col = plgpu.Layout.WGMMA.reduce(0)
+                        scales = [plgpu.load(cs_gmem.at[t, a], layout=col, optimized=False)
+                                  for a in range(num_acc)]
                         eval_pipeline(acc_refs)
-                        for i, acc_ref in enumerate(acc_refs):
-                            j, a = divmod(i, num_acc)
-                            row0 = (gi * n_group + j) * N_TILE + wg * WG_ROWS
-                            out_smem[wg] = acc_ref[...]
-                            plgpu.commit_smem()
-                            plgpu.copy_smem_to_gmem(
-                                out_smem.at[wg], out_gmem.at[t, split, a, pl.ds(row0, WG_ROWS)])
-                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        for j in range(n_group):
+                            y = None
+                            for a, s in enumerate(scales):
+                                term = acc_refs[j * num_acc + a][...] * lax.broadcast_in_dim(
+                                    s, (WG_ROWS, block_m), (1,))
+                                y = term if y is None else y + term
+                            store(y.astype(out_dtype), j, 0)
 
                     pl.run_scoped(
                         acc_scope,
@@ -382,14 +423,14 @@ def nvfp4_tile_gemm(
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    scratch = [plgpu.SMEM((NUM_COMPUTE_WGS, WG_ROWS, block_m), jnp.float32)]
+    scratch = [plgpu.SMEM((NUM_COMPUTE_WGS, WG_ROWS, block_m), out_dtype)]
     if config.a_via_smem:
         scratch.append(
             plgpu.SMEM((NUM_COMPUTE_WGS, WG_ROWS, CHUNK), mma_dtype, transforms=_swizzled(mma_dtype))
         )
     call = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((t_max, config.k_splits, num_acc, n_pad, block_m), jnp.float32),
+        out_type=jax.ShapeDtypeStruct((t_max, config.k_splits, num_out, n_pad, block_m), out_dtype),
         grid=(num_sms,),
         grid_names=("sm",),
         num_threads=NUM_COMPUTE_WGS + 1,
@@ -398,13 +439,17 @@ def nvfp4_tile_gemm(
         scratch_types=scratch,
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    return call(tile_expert, num_tiles, w.codes, w.scales, *b_tiles)
+    scaled = () if col_scales is None else (col_scales,)
+    return call(tile_expert, num_tiles, w.codes, w.scales, *scaled, *b_tiles)
 
 
 def tile_gemm_reference(
-    b_tiles: tuple[jax.Array, ...], w: W4A4Weights, tile_expert: jax.Array
+    b_tiles: tuple[jax.Array, ...], w: W4A4Weights, tile_expert: jax.Array,
+    col_scales: jax.Array | None = None, out_dtype=jnp.float32,
 ) -> jax.Array:
-    """float32 ``[T, 1, A, Np, block_m]``: the kernel's result with ``k_splits=1`` in jnp."""
+    """The kernel's result with ``k_splits=1`` in jnp: float32 ``[T, 1, A, Np, block_m]``, or
+    with ``col_scales`` ``[T, A, block_m]`` their weighted sum ``[T, 1, 1, Np, block_m]`` in
+    ``out_dtype``."""
     from pallas_kernels.layout import dequantize_w4a4_weights
 
     wd = dequantize_w4a4_weights(w)  # [E, N, K] e2m1 * s
@@ -417,4 +462,7 @@ def tile_gemm_reference(
         jnp.einsum("tnk,tmk->tnm", w_t, b.astype(jnp.float32), precision="highest")
         for b in b_tiles
     ]
-    return jnp.stack(outs, axis=1)[:, None]
+    if col_scales is None:
+        return jnp.stack(outs, axis=1)[:, None]
+    y = sum(o * col_scales[:, a, None, :] for a, o in enumerate(outs))
+    return y[:, None, None].astype(out_dtype)

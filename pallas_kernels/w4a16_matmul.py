@@ -11,12 +11,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.w4a4_grouped import _check_group_sizes, grouped_block_m, row_experts, tile_plan
+from pallas_kernels.w4a4_grouped import _check_group_sizes, grouped_block_m, tile_plan
 from pallas_kernels.w4a4_matmul import (
     W4A4MatmulConfig,
     _check,
     as_kernel_weights,
-    combine,
     run_dense,
     run_tiles,
 )
@@ -44,11 +43,8 @@ def w4a16_matmul(
     if w.stacked:
         raise ValueError("w_q: stacked experts; use w4a16_grouped_matmul")
     _check(x, w)
-    m = x.shape[0]
-    parts = run_dense((x.astype(jnp.bfloat16),), w, config, interpret)
-    ones = jnp.ones((m,), jnp.float32)
-    g_w = jnp.broadcast_to(w.global_scale[0], (m,))
-    return combine(parts, (ones,), g_w, w.n, w.code_factor).astype(x.dtype)
+    ones = jnp.ones((x.shape[0],), jnp.float32)
+    return run_dense((x.astype(jnp.bfloat16),), (ones,), w, config, interpret, x.dtype)
 
 
 def w4a16_grouped_matmul(
@@ -69,11 +65,9 @@ def w4a16_grouped_matmul(
     gs = _check_group_sizes(group_sizes, e, m)
     block_m = config.block_m or grouped_block_m(m, e)
     row_index, tile_expert, num_tiles, row_slot = tile_plan(gs, m, block_m)
-    parts = run_tiles((x_sorted.astype(jnp.bfloat16),), row_index, row_slot, w, tile_expert,
-                      num_tiles, config, interpret)
-    g_w = jnp.pad(w.global_scale, (0, 1))[row_experts(gs, m)]
     ones = jnp.ones((m,), jnp.float32)
-    return combine(parts, (ones,), g_w, w.n, w.code_factor).astype(x_sorted.dtype)
+    return run_tiles((x_sorted.astype(jnp.bfloat16),), (ones,), row_index, row_slot, w,
+                     tile_expert, num_tiles, config, interpret, x_sorted.dtype)
 
 
 def w4a16_matmul_reference(x: jax.Array, w_q: nvfp4.NVFP4Tensor) -> jax.Array:

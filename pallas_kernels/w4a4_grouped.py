@@ -20,7 +20,6 @@ from pallas_kernels.w4a4_matmul import (
     W4A4MatmulConfig,
     _check,
     as_kernel_weights,
-    combine,
     run_tiles,
 )
 from quads_jax.quant import nvfp4, ops
@@ -133,10 +132,8 @@ def w4a4_grouped_matmul(
     b_rows, row_scales = aq.kernel_operands(acts, w.mma_dtype)
     block_m = config.block_m or grouped_block_m(m, e)
     row_index, tile_expert, num_tiles, row_slot = tile_plan(gs, m, block_m)
-    parts = run_tiles(b_rows, row_index, row_slot, w, tile_expert, num_tiles, config, interpret)
-    g_w = jnp.pad(w.global_scale, (0, 1))[rexp]
-    y = combine(parts, row_scales, g_w, w.n, w.code_factor)
-    return y.astype(x_sorted.dtype)
+    return run_tiles(b_rows, row_scales, row_index, row_slot, w, tile_expert, num_tiles, config,
+                     interpret, x_sorted.dtype)
 
 
 def w4a4_grouped_matmul_reference(

@@ -124,23 +124,36 @@ def gather_tiles(b_rows: tuple[jax.Array, ...], row_index: jax.Array, dtype, k_p
 
 
 def rows_from_tiles(out: jax.Array, row_slot: jax.Array | int) -> jax.Array:
-    """Kernel partial sums ``[T, k_splits, A, Np, block_m]`` -> float32 rows ``[M, A, Np]``.
+    """Kernel partial sums ``[T, k_splits, A, Np, block_m]`` -> rows ``[M, A, Np]``.
 
-    The K splits are summed and the tiles transposed to rows (XLA's tiled transpose, coalesced
-    both ways), then row ``i`` is taken from tile slot ``row_slot[i] = t * block_m + r`` (a slot
-    ``>= T * block_m`` gives a zero row); an int ``row_slot`` M takes the first M slots (dense).
-    A gather straight from the ``[Np, block_m]`` layout, without the transpose, reads 4-byte
-    elements 64+ bytes apart: on the H200 it was 1.5x slower (2026-12-03, docs/bench/rollout.md).
+    The K splits are summed (in float32; one split keeps its dtype) and the tiles transposed to
+    rows (XLA's tiled transpose, coalesced both ways), then row ``i`` is taken from tile slot
+    ``row_slot[i] = t * block_m + r`` (a slot ``>= T * block_m`` gives a zero row); an int
+    ``row_slot`` M takes the first M slots (dense). A gather straight from the ``[Np, block_m]``
+    layout, without the transpose, reads 4-byte elements 64+ bytes apart: on the H200 it was
+    1.5x slower (2026-12-03, docs/bench/rollout.md).
     """
-    t_max, _, a, n_pad, block_m = out.shape
-    rows = jnp.transpose(jnp.sum(out, axis=1), (0, 3, 1, 2)).reshape(t_max * block_m, a, n_pad)
+    t_max, splits, a, n_pad, block_m = out.shape
+    summed = out[:, 0] if splits == 1 else jnp.sum(out, axis=1, dtype=jnp.float32)
+    rows = jnp.transpose(summed, (0, 3, 1, 2)).reshape(t_max * block_m, a, n_pad)
     if isinstance(row_slot, int):
         return rows[:row_slot]
     return jnp.pad(rows, ((0, 1), (0, 0), (0, 0)))[row_slot]
 
 
+def slot_scales(row_scales: tuple[jax.Array, ...], row_index: jax.Array, tile_expert: jax.Array,
+                w: W4A4Weights) -> jax.Array:
+    """float32 ``[T, A, block_m]``: each token slot's scale for the kernel's epilogue, the row's
+    activation global scale times the tile's weight global scale and ``1 / w.code_factor``
+    (0 for empty slots)."""
+    g_t = w.global_scale[tile_expert] * jnp.float32(w.code_factor)  # [T]
+    per_operand = [jnp.pad(g.astype(jnp.float32), (0, 1))[row_index] for g in row_scales]
+    return jnp.stack(per_operand, axis=1) * g_t[:, None, None]
+
+
 def run_tiles(
     b_rows: tuple[jax.Array, ...],
+    row_scales: tuple[jax.Array, ...],
     row_index: jax.Array,
     row_slot: jax.Array | int,
     w: W4A4Weights,
@@ -148,12 +161,16 @@ def run_tiles(
     num_tiles: jax.Array,
     config: W4A4MatmulConfig,
     interpret: bool,
+    out_dtype,
 ) -> jax.Array:
-    """Gather rows into token tiles, run the kernel, return float32 rows ``[M, A, Np]``.
+    """Gather rows into token tiles, run the kernel, return the scaled rows ``[M, N]``.
 
+    ``b_rows``: the B operands ``[M, K]`` and ``row_scales`` their float32 ``[M]`` global
+    scales (applied in the kernel's epilogue with the weight's, ``slot_scales``);
     ``row_index``: int32 ``[T, block_m]`` source row of each tile slot (``M`` = a zero row);
     ``row_slot``: int32 ``[M]`` tile slot of each row (``T * block_m`` = a zero row), or an
-    int M: the first M slots (``rows_from_tiles``).
+    int M: the first M slots (``rows_from_tiles``). The kernel stores ``out_dtype`` when K is
+    not split, float32 partial sums otherwise.
     """
     tiles = gather_tiles(b_rows, row_index, jnp.dtype(w.mma_dtype), w.k_pad)
     num_sms = config.num_sms or _num_sms()
@@ -162,8 +179,12 @@ def run_tiles(
         row_index.shape[0] * (w.n_pad // N_TILE // config.n_group), w.k_pad // K_TILE, num_sms
     )
     tcfg = config.tile_config(k_splits, num_sms, config.n_group)
-    out = nvfp4_tile_gemm(tiles, w, tile_expert, num_tiles, config=tcfg, interpret=interpret)
-    return rows_from_tiles(out, row_slot)
+    out = nvfp4_tile_gemm(
+        tiles, w, tile_expert, num_tiles, config=tcfg, interpret=interpret,
+        col_scales=slot_scales(row_scales, row_index, tile_expert, w),
+        out_dtype=out_dtype if k_splits == 1 else jnp.float32,
+    )
+    return rows_from_tiles(out, row_slot)[:, 0, : w.n].astype(out_dtype)
 
 
 def dense_plan(m: int, block_m: int | None):
@@ -177,11 +198,13 @@ def dense_plan(m: int, block_m: int | None):
     return row_index, jnp.zeros((t,), jnp.int32), jnp.full((1,), t, jnp.int32)
 
 
-def run_dense(b_rows: tuple[jax.Array, ...], w: W4A4Weights, config, interpret: bool):
-    """Dense rows ``[M, K]`` in consecutive token tiles through the kernel: ``[M, A, Np]``."""
+def run_dense(b_rows: tuple[jax.Array, ...], row_scales: tuple[jax.Array, ...], w: W4A4Weights,
+              config, interpret: bool, out_dtype) -> jax.Array:
+    """Dense rows ``[M, K]`` in consecutive token tiles through the kernel: ``[M, N]``."""
     m = b_rows[0].shape[0]
     row_index, tile_expert, num_tiles = dense_plan(m, config.block_m)
-    return run_tiles(b_rows, row_index, m, w, tile_expert, num_tiles, config, interpret)
+    return run_tiles(b_rows, row_scales, row_index, m, w, tile_expert, num_tiles, config,
+                     interpret, out_dtype)
 
 
 def dense_prefill_parts(b_rows: tuple[jax.Array, ...], w: W4A4Weights) -> jax.Array:
@@ -246,10 +269,9 @@ def w4a4_matmul(
                              static_blocks=rac_blocks, static_scale=act_global_scale)
     b_rows, row_scales = aq.kernel_operands(acts, w.mma_dtype)
     m = x.shape[0]
-    if config.prefill_min_rows is not None and m >= config.prefill_min_rows:
-        parts = dense_prefill_parts(b_rows, w)
-    else:
-        parts = run_dense(b_rows, w, config, interpret)
+    if config.prefill_min_rows is None or m < config.prefill_min_rows:
+        return run_dense(b_rows, row_scales, w, config, interpret, x.dtype)
+    parts = dense_prefill_parts(b_rows, w)
     g_w = jnp.broadcast_to(w.global_scale[0], (m,))
     return combine(parts, row_scales, g_w, w.n, w.code_factor).astype(x.dtype)
 

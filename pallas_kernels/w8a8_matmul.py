@@ -25,7 +25,7 @@ from pallas_kernels.fp8_tiles_mgpu import (
 )
 from pallas_kernels.layout import N_TILE
 from pallas_kernels.nvfp4_tiles_mgpu import _num_sms
-from pallas_kernels.w4a4_grouped import _check_group_sizes, grouped_block_m, row_experts, tile_plan
+from pallas_kernels.w4a4_grouped import _check_group_sizes, grouped_block_m, tile_plan
 from pallas_kernels.w4a4_matmul import auto_k_splits, dense_plan, gather_tiles, rows_from_tiles
 from quads_jax.quant import fp8
 
@@ -74,18 +74,23 @@ def _check(x: jax.Array, w: FP8Weights, act_granularity: str) -> None:
         raise ValueError(f"x: K={x.shape[1]} does not match the weight's K={w.k}")
 
 
-def _run(qx: fp8.FP8Tensor, w, row_index, row_slot, tile_expert, num_tiles, config, interpret):
+def _act_scale(qx: fp8.FP8Tensor, m: int) -> jax.Array:
+    return jnp.broadcast_to(jnp.asarray(qx.scale, jnp.float32).reshape(-1, 1), (m, 1))
+
+
+def _run(qx: fp8.FP8Tensor, w, row_index, row_slot, tile_expert, num_tiles, config, interpret,
+         out_dtype) -> jax.Array:
+    """Tiles through the kernel; the scales are applied in its epilogue: ``[M, N]``."""
+    m = qx.data.shape[0]
     (tiles,) = gather_tiles((qx.data,), row_index, jnp.float8_e4m3fn, w.k_pad)
     num_sms = config.num_sms or _num_sms()
     k_splits = config.k_splits or auto_k_splits(
         row_index.shape[0] * (w.n_pad // N_TILE), w.k_pad // K_TILE, num_sms)
     cfg = FP8GemmConfig(k_splits, config.max_concurrent_steps, num_sms)
-    out = fp8_tile_gemm((tiles,), w, tile_expert, num_tiles, config=cfg, interpret=interpret)
-    return rows_from_tiles(out, row_slot)[:, 0]  # [M, Np]
-
-
-def _act_scale(qx: fp8.FP8Tensor, m: int) -> jax.Array:
-    return jnp.broadcast_to(jnp.asarray(qx.scale, jnp.float32).reshape(-1, 1), (m, 1))
+    act = jnp.pad(_act_scale(qx, m)[:, 0], (0, 1))[row_index][:, None]  # [T, 1, block_m]
+    out = fp8_tile_gemm((tiles,), w, tile_expert, num_tiles, config=cfg, interpret=interpret,
+                        col_scales=act, out_dtype=out_dtype if k_splits == 1 else jnp.float32)
+    return rows_from_tiles(out, row_slot)[:, 0, : w.n].astype(out_dtype)
 
 
 def w8a8_matmul(x: jax.Array, w_q, *, act_granularity: str = "token",
@@ -104,8 +109,7 @@ def w8a8_matmul(x: jax.Array, w_q, *, act_granularity: str = "token",
     m = x.shape[0]
     qx = fp8.quantize(x, granularity=act_granularity)
     row_index, tile_expert, num_tiles = dense_plan(m, config.block_m)
-    y = _run(qx, w, row_index, m, tile_expert, num_tiles, config, interpret)[:, : w.n]
-    return (y * _act_scale(qx, m) * w.scale[0, : w.n]).astype(x.dtype)
+    return _run(qx, w, row_index, m, tile_expert, num_tiles, config, interpret, x.dtype)
 
 
 def w8a8_grouped_matmul(x_sorted: jax.Array, w_q, group_sizes: jax.Array, *,
@@ -127,9 +131,8 @@ def w8a8_grouped_matmul(x_sorted: jax.Array, w_q, group_sizes: jax.Array, *,
     qx = fp8.quantize(x_sorted, granularity=act_granularity)
     block_m = config.block_m or grouped_block_m(m, e)
     row_index, tile_expert, num_tiles, row_slot = tile_plan(gs, m, block_m)
-    parts = _run(qx, w, row_index, row_slot, tile_expert, num_tiles, config, interpret)[:, : w.n]
-    w_rows = jnp.pad(w.scale, ((0, 1), (0, 0)))[row_experts(gs, m), : w.n]
-    return (parts * _act_scale(qx, m) * w_rows).astype(x_sorted.dtype)
+    return _run(qx, w, row_index, row_slot, tile_expert, num_tiles, config, interpret,
+                x_sorted.dtype)
 
 
 def w8a8_reference(x: jax.Array, w_q: fp8.FP8Tensor, group_sizes: jax.Array | None = None, *,

@@ -40,7 +40,12 @@ from pallas_kernels.layout import prepare_w4a4_weights
 from pallas_kernels.w4a4_grouped import w4a4_grouped_matmul
 from pallas_kernels.w4a4_matmul import W4A4MatmulConfig, w4a4_matmul
 from pallas_kernels.w4a16_matmul import w4a16_grouped_matmul, w4a16_matmul
-from pallas_kernels.w8a8_matmul import W8A8MatmulConfig, w8a8_grouped_matmul, w8a8_matmul
+from pallas_kernels.w8a8_matmul import (
+    W8A8MatmulConfig,
+    w8a8_grouped_matmul,
+    w8a8_matmul,
+    w8a8_reference,
+)
 from quads_jax.quant import fp8, nvfp4
 
 L2_FLUSH_BYTES = 160e6
@@ -196,6 +201,8 @@ def _call_with_traced_args(fn):
     f = getattr(fn, "__wrapped__", fn)
     arrays, static = {}, {}
     for k, v in inspect.signature(f).parameters.items():
+        if v.default is inspect.Parameter.empty:
+            raise ValueError(f"{k}: pass every input as a default (lambda x=x: ...)")
         leaves = jax.tree.leaves(v.default)
         is_arr = leaves and all(isinstance(a, jax.Array | np.ndarray) for a in leaves)
         (arrays if is_arr else static)[k] = v.default
@@ -324,7 +331,7 @@ def run_checks():
     x = rand(30, (16, S(4096, 8, 256)))
     wq, ww = nvfp4_weight(31, (S(14336, 16, 128), x.shape[1]), "bfloat16")
     ok &= check("dense w4a16 bf16 M=16 K=4096 N=14336",
-                jax.jit(lambda: w4a16_matmul(x, ww, config=kcfg(mma_dtype="bfloat16"))).__call__,
+                jax.jit(lambda x=x, ww=ww: w4a16_matmul(x, ww, config=kcfg(mma_dtype="bfloat16"))),
                 lambda: jnp.dot(x.astype(jnp.float32), nvfp4.dequantize(wq).T,
                                 precision="highest"), (16, ww.n), tol=1e-2)
     e, k, n = S(128, 16, 8), S(2048, 8, 256), S(768, 6, 128)
@@ -343,10 +350,28 @@ def run_checks():
     xb = rand(50, (int(gs.sum()), k))
     wq16, ww16 = nvfp4_weight(40, (e, n, k), "bfloat16")
     ok &= check("grouped w4a16 E=128 tokens=64",
-                jax.jit(lambda: w4a16_grouped_matmul(
-                    xb, ww16, gs, config=kcfg(mma_dtype="bfloat16"))).__call__,
+                jax.jit(lambda xb=xb, ww16=ww16, gs=gs: w4a16_grouped_matmul(
+                    xb, ww16, gs, config=kcfg(mma_dtype="bfloat16"))),
                 lambda: jax.lax.ragged_dot(xb.astype(jnp.float32), jnp.swapaxes(
                     nvfp4.dequantize(wq16), 1, 2), gs, precision="highest"), (xb.shape[0], n),
+                tol=1e-2)
+    # FP8 (scales applied in the kernel's epilogue): close to, not equal to, an f32 product
+    # (Hopper's FP8 tensor cores accumulate with fewer bits), hence the looser tolerance.
+    x = rand(60, (16, S(4096, 8, 256)))
+    w8 = fp8.quantize(rand(61, (S(14336, 16, 128), x.shape[1])), granularity="channel")
+    w8k = our_fp8_weight(w8)
+    ok &= check("dense w8a8 M=16 K=4096 N=14336",
+                jax.jit(lambda x=x, w=w8k: w8a8_matmul(x, w, config=fp8_cfg())),
+                lambda: w8a8_reference(x.astype(jnp.float32), w8), (16, w8.shape[0]),
+                tol=1e-2)
+    w8g = fp8.quantize(rand(62, (e, n, k)), granularity="channel")
+    gs = routing(8, S(64, 16, 4), e, min(8, e), True)
+    xg = rand(63, (int(gs.sum()) + 3, k))
+    w8gk = our_fp8_weight(w8g)
+    ok &= check("grouped w8a8 E=128 tokens=64",
+                jax.jit(lambda xg=xg, w=w8gk, gs=gs: w8a8_grouped_matmul(
+                    xg, w, gs, config=fp8_cfg())),
+                lambda: w8a8_reference(xg.astype(jnp.float32), w8g, gs), (xg.shape[0], n),
                 tol=1e-2)
     return ok
 
@@ -508,13 +533,17 @@ def enable_smoke():
     from pallas_kernels import w4a4_matmul as wm
     from pallas_kernels import w8a8_matmul as w8
 
-    def stand_in(b_tiles, w, tile_expert, num_tiles, *, config, interpret=False):
+    def stand_in(b_tiles, w, tile_expert, num_tiles, *, config, interpret=False,
+                 col_scales=None, out_dtype=jnp.float32):
         del num_tiles, config, interpret
-        return nvfp4_tiles_mgpu.tile_gemm_reference(b_tiles, w, tile_expert)
+        return nvfp4_tiles_mgpu.tile_gemm_reference(b_tiles, w, tile_expert, col_scales,
+                                                    out_dtype)
 
-    def fp8_stand_in(b_tiles, w, tile_expert, num_tiles, *, config, interpret=False):
+    def fp8_stand_in(b_tiles, w, tile_expert, num_tiles, *, config, interpret=False,
+                     col_scales=None, out_dtype=jnp.float32):
         del num_tiles, config, interpret
-        return fp8_tiles_mgpu.fp8_tile_gemm_reference(b_tiles, w, tile_expert)
+        return fp8_tiles_mgpu.fp8_tile_gemm_reference(b_tiles, w, tile_expert, col_scales,
+                                                      out_dtype)
 
     wm.nvfp4_tile_gemm = stand_in
     w8.fp8_tile_gemm = fp8_stand_in
