@@ -334,6 +334,13 @@ def run_checks():
                 jax.jit(lambda x=x, ww=ww: w4a16_matmul(x, ww, config=kcfg(mma_dtype="bfloat16"))),
                 lambda: jnp.dot(x.astype(jnp.float32), nvfp4.dequantize(wq).T,
                                 precision="highest"), (16, ww.n), tol=1e-2)
+    return run_grouped_checks() and ok
+
+
+def run_grouped_checks():
+    """The grouped (MoE) checks (NVFP4 +-RAC, W4A16) and both FP8 paths."""
+    ok = True
+    racc = aq.RACConfig()
     e, k, n = S(128, 16, 8), S(2048, 8, 256), S(768, 6, 128)
     wq, ww = nvfp4_weight(40, (e, n, k))
     for tokens, skew in ((1, False), (64, True), (256, False)):
@@ -587,6 +594,9 @@ def main(argv=None):
             run_diagnostics()
         if "all" in parts or "check" in parts:
             run_checks()
+            write_outputs(args.out)
+        elif "check-grouped" in parts:
+            run_grouped_checks()
             write_outputs(args.out)
         if "mini" in parts:
             run_mini_checks()

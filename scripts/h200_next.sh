@@ -4,10 +4,11 @@
 #
 #   run: COMMIT=<sha> bash scripts/h200_next.sh   (on the device machine, from the repo root)
 #
-# 1. The GPU checks of every kernel path (bench_kernels --part check: NVFP4 dense/grouped +-RAC,
-#    W4A16, FP8), now that the epilogues apply the scales and store the caller's dtype.
-# 2. bench_rollout, all four arms at batch 128 / prompt 256, traced.
-# 3. nvfp4 with cuBLAS GEMMs and dynamic-slice fusion (below).
+# 1. The GPU checks the previous call's time limit cut (bench_kernels --part check-grouped:
+#    grouped NVFP4 +-RAC at 256 tokens, grouped W4A16, dense and grouped FP8), for the epilogues
+#    that apply the scales and store the caller's dtype.
+# 2. bench_rollout, all four arms at batch 128 / prompt 256, traced, with the decode program's
+#    compiler options (engine.DECODE_COMPILER_OPTIONS).
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
@@ -21,11 +22,7 @@ rollout() {  # rollout TAG SECONDS ARGS...
     --out "$OUT/$tag" "$@" > "$OUT/$tag.log" 2>&1
   echo "$tag rc $?"; grep -E "^\||busy|^ +[0-9.]+ ms" "$OUT/$tag.log" | cut -c1-120
 }
-XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 170 python3 scripts/bench_kernels.py --part check \
-  --out "$OUT/check" > "$OUT/check.log" 2>&1
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 150 python3 scripts/bench_kernels.py \
+  --part check-grouped --out "$OUT/check" > "$OUT/check.log" 2>&1
 echo "check rc $?"; grep -E "PASS|FAIL" "$OUT/check.log" | cut -c1-110
 rollout rollout 300 --quick --profile-steps 4 --precisions nvfp4,nvfp4_rac,bf16,fp8 --budget-s 240
-# 3. The per-layer copies of the scanned attention weights (memcpy128, 1.2 ms per step): with
-#    cuBLAS instead of XLA's Triton GEMM, dynamic-slice fusion can read the stacked weight in place.
-XLA_FLAGS="--xla_gpu_enable_triton_gemm=false --xla_gpu_enable_dynamic_slice_fusion=true" \
-  rollout rollout_cublas 150 --quick --profile-steps 4 --precisions nvfp4 --budget-s 100

@@ -431,9 +431,21 @@ def _check_inputs(prompts, prompt_mask, config: SamplerConfig, model_config):
 
 
 _STATIC = ("config", "model_config", "recipe")
+# XLA options of the programs that run the decode loop (a while loop around a scan over the
+# stacked layers). With XLA's Triton GEMM fusions, every step copied each layer's four attention
+# projections out of the stacked weights before multiplying (192 copies, 1.2 ms of a 21 ms step
+# of the 30B shape at batch 128 on the H200); cuBLAS GEMMs with dynamic-slice fusion read them
+# in place: 21.15 -> 20.11 ms (2026-12-03, docs/BENCHMARKS.md). The prefill program keeps XLA's
+# defaults (under these options its tokens/s fell 22.0k -> 16.8k); `generate` compiles prefill
+# and decode as one program, where the decode loop's time dominates. GPU-only options: the CPU
+# backend ignores them.
+DECODE_COMPILER_OPTIONS = {
+    "xla_gpu_enable_triton_gemm": False,
+    "xla_gpu_enable_dynamic_slice_fusion": True,
+}
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@functools.partial(jax.jit, static_argnames=_STATIC, compiler_options=DECODE_COMPILER_OPTIONS)
 def _generate_jit(params, prompts, prompt_mask, rng, *, config, model_config, recipe) -> Rollout:
     state = _prefill(params, prompts, prompt_mask, rng, config, model_config, recipe)
     state = _decode_loop(params, state, jnp.int32(config.max_new_tokens), config, model_config,
@@ -446,7 +458,8 @@ def _prefill_jit(params, prompts, prompt_mask, rng, *, config, model_config, rec
     return _prefill(params, prompts, prompt_mask, rng, config, model_config, recipe)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",),
+                   compiler_options=DECODE_COMPILER_OPTIONS)
 def _decode_jit(params, state, max_steps, *, config, model_config, recipe):
     return _decode_loop(params, state, max_steps, config, model_config, recipe)
 
