@@ -147,3 +147,29 @@ def test_bad_inputs_raise():
                     interpret=True)
     with pytest.raises(ValueError, match="W4A16 needs"):
         w4a16_matmul(jnp.ones((4, 64)), prepare_w4a4_weights(wq, mma_dtype="float16"))
+
+
+@pytest.mark.parametrize("out_dtype", [None, jnp.float32, jnp.bfloat16])
+def test_tile_gemm_epilogue_scales_sums_and_stores(out_dtype):
+    """The tile kernel on two operands (RAC), raw (``col_scales`` None: one float32 output per
+    operand) or with the epilogue (one scaled sum in ``out_dtype``), against its jnp reference."""
+    from pallas_kernels.nvfp4_tiles_mgpu import TileGemmConfig, nvfp4_tile_gemm, tile_gemm_reference
+
+    t, bm, k, n, e = 3, 8, 256, 256, 2
+    wq = nvfp4.quantize(jax.random.normal(jax.random.key(1), (e, n, k)))
+    w = prepare_w4a4_weights(wq, mma_dtype="float16")
+    b = tuple(nvfp4.dequantize(nvfp4.quantize(jax.random.normal(jax.random.key(2 + a), (t, bm, k))),
+                               jnp.float16) for a in range(2))
+    te = jnp.array([1, 0, 1], jnp.int32)
+    cs = None if out_dtype is None else jax.random.uniform(jax.random.key(5), (t, 2, bm)) + 0.5
+    cfg = TileGemmConfig(a_via_smem=True, num_sms=2, max_concurrent_steps=1)
+    kw = {} if out_dtype is None else dict(col_scales=cs, out_dtype=out_dtype)
+    y = nvfp4_tile_gemm(b, w, te, jnp.array([t], jnp.int32), config=cfg, interpret=True, **kw)
+    want = tile_gemm_reference(b, w, te, cs, out_dtype or jnp.float32)
+    assert y.shape == want.shape == (t, 1, 2 if out_dtype is None else 1, n, bm)
+    assert y.dtype == want.dtype
+    tol = 1e-5 if y.dtype == jnp.float32 else 8e-3  # bf16: one rounding of the stored value
+    assert _rel(y, want) < tol
+    if cs is not None:  # the sum of the scaled products, not of the raw ones
+        raw = tile_gemm_reference(b, w, te)
+        assert _rel(y, jnp.sum(raw, axis=2, keepdims=True)) > 1e-2
