@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The next H200 call in one script (~8 minutes). Every step has its own time limit,
+# The next H200 call in one script (~6 minutes). Every step has its own time limit,
 # so a slow step cannot starve the later ones; logs and JSON land under $OUT.
 #
 #   run: COMMIT=<sha> bash scripts/h200_next.sh   (on the device machine, from the repo root)
@@ -22,7 +22,7 @@ rollout() {  # rollout TAG SECONDS ARGS...
     --out "$OUT/$tag" "$@" > "$OUT/$tag.log" 2>&1
   echo "$tag rc $?"; grep -E "^\||busy|^ +[0-9.]+ ms" "$OUT/$tag.log" | cut -c1-120
 }
-XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 150 python3 scripts/bench_kernels.py \
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 120 python3 scripts/bench_kernels.py \
   --part check-grouped --out "$OUT/check" > "$OUT/check.log" 2>&1
 echo "check rc $?"; grep -E "PASS|FAIL" "$OUT/check.log" | cut -c1-110
-rollout rollout 300 --quick --profile-steps 4 --precisions nvfp4,nvfp4_rac,bf16,fp8 --budget-s 240
+rollout rollout 250 --quick --profile-steps 4 --precisions nvfp4,nvfp4_rac,bf16,fp8 --budget-s 200
