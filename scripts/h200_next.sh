@@ -1,28 +1,47 @@
 #!/usr/bin/env bash
-# The next H200 call in one script (~6 minutes). Every step has its own time limit,
-# so a slow step cannot starve the later ones; logs and JSON land under $OUT.
+# The next H200 calls, one script (each step has its own time limit, so a slow step cannot
+# starve the later ones; logs and JSON land under $OUT). COMMIT must name the commit that runs:
+# the device copy's git HEAD can be stale (session 12 wrote a wrong commit into the JSON).
 #
-#   run: COMMIT=<sha> bash scripts/h200_next.sh   (on the device machine, from the repo root)
+#   run: COMMIT=<sha> bash scripts/h200_next.sh STEP...   (on the device machine, repo root)
 #
-# 1. The GPU checks the previous call's time limit cut (bench_kernels --part check-grouped:
-#    grouped NVFP4 +-RAC at 256 tokens, grouped W4A16, dense and grouped FP8), for the epilogues
-#    that apply the scales and store the caller's dtype.
-# 2. bench_rollout, all four arms at batch 128 / prompt 256, traced, with the decode program's
-#    compiler options (engine.DECODE_COMPILER_OPTIONS).
+# Steps (about 3-4 minutes each; at most two per call):
+#   check  the GPU checks of every kernel path (bench_kernels --part check, then check-grouped)
+#   b128   the four arms at batch 128 / prompt 256, traced (the reference row)
+#   b32    the four arms at batch 32 / prompt 256
+#   b256   the four arms at batch 256 / prompt 256 (rows still missing in docs/BENCHMARKS.md)
+#   p1024  nvfp4_rac and bf16 at batch 128 / prompt 1024
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
 mkdir -p "$OUT"
-commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+if [ -z "${COMMIT:-}" ]; then
+  echo "COMMIT=<sha> is required (the commit that runs; git HEAD on the device can be stale)"
+  exit 2
+fi
+ALL=nvfp4,nvfp4_rac,bf16,fp8
 
 rollout() {  # rollout TAG SECONDS ARGS...
   local tag=$1 limit=$2; shift 2
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout "$limit" python3 scripts/bench_rollout.py \
-    --no-ragged --bf16-path mgpu --no-split --commit "$commit" \
+    --no-ragged --bf16-path mgpu --no-split --commit "$COMMIT" \
     --out "$OUT/$tag" "$@" > "$OUT/$tag.log" 2>&1
   echo "$tag rc $?"; grep -E "^\||busy|^ +[0-9.]+ ms" "$OUT/$tag.log" | cut -c1-120
 }
-XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 120 python3 scripts/bench_kernels.py \
-  --part check-grouped --out "$OUT/check" > "$OUT/check.log" 2>&1
-echo "check rc $?"; grep -E "PASS|FAIL" "$OUT/check.log" | cut -c1-110
-rollout rollout 250 --quick --profile-steps 4 --precisions nvfp4,nvfp4_rac,bf16,fp8 --budget-s 200
+check() {  # check PART SECONDS
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout "$2" python3 scripts/bench_kernels.py \
+    --part "$1" --out "$OUT/$1" > "$OUT/$1.log" 2>&1
+  echo "$1 rc $?"; grep -E "PASS|FAIL" "$OUT/$1.log" | cut -c1-110
+}
+short="--decode-steps 16 --reps 2 --prefill-reps 1"
+for step in "$@"; do
+  case $step in
+    check) check check 170; check check-grouped 120 ;;
+    b128) rollout b128 250 --quick --profile-steps 4 --precisions $ALL --budget-s 200 ;;
+    b32) rollout b32 220 --batches 32 --prompts 256 $short --precisions $ALL --budget-s 170 ;;
+    b256) rollout b256 280 --batches 256 --prompts 256 $short --precisions $ALL --budget-s 220 ;;
+    p1024) rollout p1024 220 --batches 128 --prompts 1024 $short --precisions nvfp4_rac,bf16 \
+      --budget-s 170 ;;
+    *) echo "unknown step $step (check b128 b32 b256 p1024)"; exit 2 ;;
+  esac
+done
