@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from quads_jax.models.config import ModelConfig
 from quads_jax.models.layers import swiglu
@@ -64,6 +65,12 @@ def router_stats(routing: Routing, token_mask: jax.Array) -> RouterStats:
     )
 
 
+# The mesh axis that the stacked expert dimension is sharded over (``quads_jax.train.mesh``) and
+# the axes that may shard tokens (its batch axes), in order.
+EXPERT_AXIS = "expert"
+TOKEN_AXES = ("data", "fsdp", "expert")
+
+
 def moe_block(
     config: ModelConfig, p: dict, x: jax.Array, site: str, recipe: QuantRecipe
 ) -> tuple[jax.Array, Routing]:
@@ -71,28 +78,118 @@ def moe_block(
 
     ``p``: ``router [E, H]``, ``experts.gate_up [E, 2I, H]`` (gate rows first),
     ``experts.down [E, H, I]``. ``site`` is the layer prefix, e.g. ``layers.3.mlp``.
+
+    Under a mesh (``jax.set_mesh``) whose ``expert`` axis has more than one device and divides
+    E, the expert matmuls run expert-parallel (``expert_parallel``): each device multiplies
+    only its own experts' weights, so the weights are never gathered, whatever kernel runs.
+    """
+    routing = route(config, p["router"], x, f"{site}.router", recipe)
+    ep = expert_parallel_size(config.num_experts)
+    if ep > 1:
+        y = expert_parallel(config, p["experts"], x, routing, site, recipe)
+    else:
+        y = _experts(config, p["experts"], x, routing.expert_ids, routing.weights, site, recipe)
+    return y, routing
+
+
+def _experts(config, experts, x, expert_ids, weights, site, recipe, first=None):
+    """The top-k expert outputs of tokens ``x [N, H]``, combined: ``[N, H]`` in x's dtype, or
+    float32 partial sums with ``first``.
+
+    ``experts`` hold experts ``[first, first + E_local)`` (``first`` None: all of them); slots
+    routed to other experts contribute zero.
     """
     n, h = x.shape
     k = config.num_experts_per_tok
-    routing = route(config, p["router"], x, f"{site}.router", recipe)
-    flat_ids = routing.expert_ids.reshape(-1)  # slot s = token s // k, choice s % k
+    flat_ids = expert_ids.reshape(-1)  # slot s = token s // k, choice s % k
     order = jnp.argsort(flat_ids, stable=True)
-    group_sizes = jnp.bincount(flat_ids, length=config.num_experts).astype(jnp.int32)
+    counts = jnp.bincount(flat_ids, length=config.num_experts).astype(jnp.int32)
     x_sorted = x[order // k]
-    experts = p["experts"]
+    offset = None
+    if first is None:
+        group_sizes = counts
+    else:
+        # The local experts' rows are one contiguous range of the sorted rows: rotate it to the
+        # front, where the grouped matmul expects it (rows past the local groups come out 0).
+        e_local = experts["gate_up"].shape[0]
+        group_sizes = jax.lax.dynamic_slice_in_dim(counts, first, e_local)
+        expert = jnp.arange(config.num_experts, dtype=jnp.int32)
+        offset = jnp.sum(jnp.where(expert < first, counts, 0))
+        x_sorted = jnp.roll(x_sorted, -offset, axis=0)
     gate_up = ops.grouped_linear(
         x_sorted, experts["gate_up"], group_sizes, f"{site}.experts.gate_up", recipe
     )
     out = ops.grouped_linear(
         swiglu(gate_up), experts["down"], group_sizes, f"{site}.experts.down", recipe
     )
+    if offset is not None:
+        out = jnp.roll(out, offset, axis=0)
     # Unsort with a gather: XLA fuses it into the weighted sum below, while a scatter of the
     # [N*k, H] rows would be a pass of its own. The inverse permutation is a scatter of N*k ints.
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     slots = out[inverse].reshape(n, k, h)
-    weights = routing.weights.astype(x.dtype).astype(jnp.float32)  # HF casts to the model dtype
-    y = jnp.sum(slots.astype(jnp.float32) * weights[..., None], axis=1)
-    return y.astype(x.dtype), routing
+    w = weights.astype(x.dtype).astype(jnp.float32)  # HF casts to the model dtype
+    y = jnp.sum(slots.astype(jnp.float32) * w[..., None], axis=1)
+    return y if first is not None else y.astype(x.dtype)
+
+
+def expert_parallel_size(num_experts: int) -> int:
+    """Devices along the current mesh's ``expert`` axis, or 1 (no mesh, no such axis, one
+    device, or an axis that does not divide ``num_experts``)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or EXPERT_AXIS not in mesh.axis_names:
+        return 1
+    ep = mesh.shape[EXPERT_AXIS]
+    return ep if ep > 1 and num_experts % ep == 0 else 1
+
+
+def _token_axes(mesh, n: int) -> tuple[str, ...]:
+    """The batch axes that shard the ``n`` tokens: in ``TOKEN_AXES`` order, while they divide n."""
+    axes, size = [], 1
+    for a in TOKEN_AXES:
+        if a in mesh.axis_names and mesh.shape[a] > 1 and n % (size * mesh.shape[a]) == 0:
+            axes.append(a)
+            size *= mesh.shape[a]
+    return tuple(axes)
+
+
+def expert_parallel(config: ModelConfig, experts: dict, x: jax.Array, routing: Routing,
+                    site: str, recipe: QuantRecipe) -> jax.Array:
+    """The expert matmuls with experts sharded over the mesh's ``expert`` axis: ``[N, H]``.
+
+    In a ``shard_map`` over the whole mesh: every leaf of ``experts`` whose first dimension is E
+    (weights, their scales, calibration) is split over ``expert``, everything else replicated;
+    tokens stay sharded over the batch axes that divide them. Where tokens are split over
+    ``expert`` too, each device all-gathers its expert group's tokens, computes the slots
+    routed to its own experts, and a reduce-scatter returns each device its tokens' float32
+    sums; otherwise a psum over ``expert`` does. The result equals the unsharded block up to
+    the order of the float32 additions of a token's k slots. Other axes (``tensor``) replicate
+    the expert matmuls.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    e = config.num_experts
+    tok = _token_axes(mesh, x.shape[0])
+    tok_spec = P(tok or None)
+    w_specs = jax.tree.map(lambda a: P(EXPERT_AXIS) if a.ndim and a.shape[0] == e else P(),
+                           experts)
+    gathered = EXPERT_AXIS in tok
+
+    def body(experts, x, ids, weights):
+        if gathered:
+            x, ids, weights = (jax.lax.all_gather(a, EXPERT_AXIS, tiled=True)
+                               for a in (x, ids, weights))
+        e_local = e // jax.lax.axis_size(EXPERT_AXIS)
+        first = jax.lax.axis_index(EXPERT_AXIS) * e_local
+        y = _experts(config, experts, x, ids, weights, site, recipe, first=first)
+        if gathered:
+            y = jax.lax.psum_scatter(y, EXPERT_AXIS, scatter_dimension=0, tiled=True)
+        else:
+            y = jax.lax.psum(y, EXPERT_AXIS)
+        return y.astype(x.dtype)
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(w_specs, tok_spec, tok_spec, tok_spec),
+                       out_specs=tok_spec)
+    return fn(experts, x, routing.expert_ids, routing.weights)
 
 
 def dense_mlp(p: dict, x: jax.Array, site: str, recipe: QuantRecipe) -> jax.Array:

@@ -236,7 +236,14 @@ class Trainer:
         return state, rollout_params, metrics
 
     def run(self) -> dict[str, Any]:
-        """SFT (unless resuming), then RL; returns the summary (also written as summary.json)."""
+        """SFT (unless resuming), then RL; returns the summary (also written as summary.json).
+
+        Runs under ``jax.set_mesh(self.mesh)``: the MoE blocks then run expert-parallel when the
+        mesh has an ``expert`` axis (``models.moe.expert_parallel``)."""
+        with jax.set_mesh(self.mesh):
+            return self._run()
+
+    def _run(self) -> dict[str, Any]:
         c = self.config
         start_rl_step, resumed = 0, False
         rl_loss = rl_loss_fn(self.apply_fn, c.grpo, c.rl.aux_loss_coef)
