@@ -112,8 +112,13 @@ def test_spec_drops_axes_that_do_not_divide():
 
 
 @pytest.mark.slow
-def test_sharded_step_real_moe_expert_parallel():
-    """The real tiny Qwen3-MoE with the QAT trainer recipe: data x fsdp x expert == 1 device."""
+@pytest.mark.parametrize("in_mesh", [False, True])
+def test_sharded_step_real_moe_expert_parallel(in_mesh, monkeypatch):
+    """The real tiny Qwen3-MoE with the QAT trainer recipe: data x fsdp x expert == 1 device,
+    by XLA's partitioner alone or (``in_mesh``, as the RL loop runs) with the MoE blocks in
+    the expert-parallel ``shard_map``."""
+    import contextlib
+
     from quads_jax import models
     from quads_jax.quant.recipe import get_recipe
     from quads_jax.testing import tiny_config
@@ -141,8 +146,15 @@ def test_sharded_step_real_moe_expert_parallel():
     assert sh.params["layers"][0]["mlp"]["experts"]["gate_up"].spec[1] == "expert"
     b_sh = jax.tree.map(lambda x: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
         None, *mesh_lib.batch_sharding(mesh, x.shape[1:], "fsdp").spec)), batch)
-    out, m = jit_sharded(update, sh, b_sh, mesh)(jax.device_put(state, sh),
-                                                  jax.device_put(batch, b_sh))
+    from quads_jax.models import moe
+
+    calls = []
+    traced = moe.expert_parallel
+    monkeypatch.setattr(moe, "expert_parallel", lambda *a: calls.append(1) or traced(*a))
+    with jax.set_mesh(mesh) if in_mesh else contextlib.nullcontext():
+        out, m = jit_sharded(update, sh, b_sh, mesh)(jax.device_put(state, sh),
+                                                      jax.device_put(batch, b_sh))
+    assert bool(calls) == in_mesh
     np.testing.assert_allclose(float(m["train/loss"]), float(ref_m["train/loss"]), rtol=1e-5)
     # Adam turns f32 reduction-order noise of near-zero gradients into visible update noise;
     # 1e-4 is 1% of one update at lr 1e-2, far below any real sharding bug (a whole update).
