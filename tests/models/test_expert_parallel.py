@@ -2,10 +2,12 @@
 axis divides E, each device multiplies only its own experts, and the block equals the
 unsharded one (reference path and the trainer's fake-quant, with gradients).
 
-Not covered here: the Mosaic GPU kernels under it. The wrapper only relies on the grouped
+Not run here: the Mosaic GPU kernels under it. The wrapper only relies on the grouped
 matmul's contract (rows past the groups come out zero), which the kernels' own tests check,
 but the GPU interpreter cannot run on several fake devices at once (its simulated shared
-memory is process-global) and no multi-GPU machine was lent to run it for real."""
+memory is process-global) and no multi-GPU machine was lent to run it for real. That the
+kernels lower for cuda inside the shard_map, on the local experts' shapes, is tested in
+``tests/pallas_kernels/test_w4a4_kernels_lower_cuda.py``."""
 
 import jax
 import jax.numpy as jnp

@@ -53,3 +53,32 @@ def test_grouped_lowers_for_cuda(n, n_group):
     cfg = W4A4MatmulConfig(n_group=n_group)
     _export(lambda x, w, gs: w4a4_grouped_matmul(x, w, gs, rac=aq.RACConfig(), config=cfg),
             x, w, gs)
+
+
+def test_expert_parallel_moe_block_lowers_for_cuda(monkeypatch):
+    """The MoE block's expert-parallel shard_map around the W4A4 + RAC grouped kernels, for 4
+    H200s along ``expert``: the kernels lower with the local experts' shapes (2 of 8)."""
+    from quads_jax.models import init_params
+    from quads_jax.models.moe import moe_block
+    from quads_jax.quant import kernel_backend, ops
+    from quads_jax.quant.recipe import get_recipe
+    from quads_jax.testing import tiny_config
+
+    cfg = tiny_config(dtype="bfloat16")
+    recipe = get_recipe("rollout_quads")
+    p = jax.tree.map(lambda a: a[0], init_params(cfg, jax.random.key(0))["layers"][0]["mlp"])
+    p = dict(p, experts={k: kernel_backend.prepare_weights(v, "w4a4_nvfp4_rac", recipe)
+                         for k, v in p["experts"].items()})
+    mesh = AbstractMesh((4,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,),
+                        abstract_device=H200.abstract_device)
+    monkeypatch.setattr(ops.jax, "default_backend", lambda: "gpu")  # "auto" picks the kernels
+    with jax.sharding.use_abstract_mesh(mesh):
+        exp = export.export(
+            jax.jit(lambda p, x: moe_block(cfg, p, x, "layers.0.mlp", recipe)[0]),
+            platforms=["cuda"],
+            disabled_checks=[export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2")],
+        )(p, jnp.ones((16, 64), jnp.bfloat16))
+    text = exp.mlir_module()
+    assert "mosaic_gpu" in text
+    assert "tensor<2x1x128x64xui16>" in text  # the local experts' codes inside the shard_map
+    assert "reduce_scatter" in text
