@@ -478,7 +478,7 @@ def main(argv=None) -> int:
     models.layers.set_decode_attention(args.decode_attention)
     if args.w4a4_n_group != 1:
         from quads_jax.quant import kernel_backend
-        kernel_backend.W4A4_OVERRIDES["n_group"] = args.w4a4_n_group
+        kernel_backend.set_w4a4_overrides(n_group=args.w4a4_n_group)
     clock = Clock(args.budget_s)
     os.makedirs(args.out, exist_ok=True)
     open(os.path.join(args.out, "rollout.jsonl"), "w").close()

@@ -12,6 +12,8 @@ A ``rac.CalibratedWeight`` wrapper supplies static RAC blocks and static activat
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -31,9 +33,23 @@ from quads_jax.quant import fp8, nvfp4, ops
 from quads_jax.quant.rac import CalibratedWeight
 
 INTERPRET_NUM_SMS = 4
-# W4A4MatmulConfig fields every registered NVFP4 kernel call uses (benchmarks and ablations set
-# them, e.g. {"n_group": 1}); empty = the config's defaults.
-W4A4_OVERRIDES: dict = {}
+# W4A4MatmulConfig fields every registered NVFP4 kernel call uses (``set_w4a4_overrides``;
+# benchmarks and ablations); empty = the config's defaults.
+_W4A4_OVERRIDES: dict = {}
+
+
+def set_w4a4_overrides(**fields) -> None:
+    """Ablations: ``W4A4MatmulConfig`` fields that every registered NVFP4 kernel call then
+    uses (e.g. ``n_group=2``); no arguments restores the defaults. Checked at once: an unknown
+    field or a bad value raises ``ValueError`` and changes nothing. Like
+    ``models.layers.set_decode_attention``, it takes effect at the next trace."""
+    names = {f.name for f in dataclasses.fields(W4A4MatmulConfig)} - {"mma_dtype"}
+    if unknown := sorted(set(fields) - names):
+        raise ValueError(f"set_w4a4_overrides: unknown field(s) {unknown}; "
+                         f"one of {sorted(names)} (mma_dtype follows the weights' layout)")
+    W4A4MatmulConfig(**fields)  # validates the values
+    _W4A4_OVERRIDES.clear()
+    _W4A4_OVERRIDES.update(fields)
 
 
 def _mma_dtype(mode: str, recipe) -> str:
@@ -72,10 +88,8 @@ def _unpack(w, mode: str, recipe):
 
 
 def _config(interpret: bool, mma_dtype: str) -> W4A4MatmulConfig:
-    if interpret:
-        return W4A4MatmulConfig(a_via_smem=True, num_sms=INTERPRET_NUM_SMS, mma_dtype=mma_dtype,
-                                **W4A4_OVERRIDES)
-    return W4A4MatmulConfig(mma_dtype=mma_dtype, **W4A4_OVERRIDES)
+    base = dict(a_via_smem=True, num_sms=INTERPRET_NUM_SMS) if interpret else {}
+    return W4A4MatmulConfig(mma_dtype=mma_dtype, **{**base, **_W4A4_OVERRIDES})
 
 
 def _w4a4_kwargs(mode: str, recipe, blocks, scale) -> dict:

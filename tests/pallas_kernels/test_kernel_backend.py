@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from pallas_kernels.layout import W4A4Weights
 from quads_jax.quant import kernel_backend, ops
@@ -27,3 +28,17 @@ def test_ops_linear_interpret_matches_reference_path():
     got = ops.linear(x, prepared, site, QuantRecipe(rules=rules, backend="interpret"))
     err = np.max(np.abs(np.asarray(got) - np.asarray(ref))) / np.max(np.abs(np.asarray(ref)))
     assert got.shape == (3, 128) and got.dtype == jnp.float32 and err < 1e-5
+
+
+def test_w4a4_overrides_are_checked_and_used():
+    try:
+        kernel_backend.set_w4a4_overrides(n_group=2, num_sms=2)
+        cfg = kernel_backend._config(True, "float16")
+        assert (cfg.n_group, cfg.num_sms, cfg.a_via_smem) == (2, 2, True)
+        for bad in (dict(n_groups=2), dict(mma_dtype="bfloat16"), dict(block_m=12)):
+            with pytest.raises(ValueError, match="block_m|unknown field"):
+                kernel_backend.set_w4a4_overrides(**bad)
+        assert kernel_backend._config(False, "float16").n_group == 2  # a bad call changed nothing
+    finally:
+        kernel_backend.set_w4a4_overrides()
+    assert kernel_backend._config(False, "float16") == kernel_backend.W4A4MatmulConfig()
