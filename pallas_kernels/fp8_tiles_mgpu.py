@@ -6,9 +6,9 @@ Computes, for every token tile ``t < num_tiles`` (``num_tiles`` read at run time
 
 with ``W`` and ``B`` E4M3 and the product on the FP8 tensor cores (``wgmma`` e4m3 x e4m3, f32
 accumulation), both operands straight from shared memory: nothing is decoded, so one compute
-warpgroup (wgmma M = 128: two instructions per K step) keeps up with the copies. With
-``col_scales`` the epilogue applies the per-channel weight scales and per-token activation
-scales and stores the caller's dtype (as the NVFP4 kernel); K splits are summed outside.
+warpgroup (wgmma M = 128: two instructions per K step) keeps up with the copies. The epilogue
+applies the per-channel weight scales and the token slots' activation scales (``col_scales``)
+and stores the caller's dtype (as the NVFP4 kernel); K splits are summed outside.
 
 Same schedule as ``nvfp4_tiles_mgpu`` (swap-AB: weight rows are the wgmma M side, tokens the N
 side; a TMA warpgroup; a persistent grid over (token tile, 128-row weight tile, K split)), so the
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.layout import N_TILE, tile_rows, untile_rows
-from pallas_kernels.nvfp4_tiles_mgpu import _num_sms, check_schedule, work_item
+from pallas_kernels.nvfp4_tiles_mgpu import _num_sms, check_col_scales, check_schedule, work_item
 from quads_jax.quant import fp8
 
 K_TILE = 128  # K bytes per row per pipeline step: one 128-byte swizzle row of E4M3 values
@@ -144,7 +144,7 @@ def fp8_tile_gemm(
     num_tiles: jax.Array,
     *,
     config: FP8GemmConfig,
-    col_scales: jax.Array | None = None,
+    col_scales: jax.Array,
     out_dtype=jnp.float32,
     interpret: bool = False,
 ) -> jax.Array:
@@ -155,12 +155,11 @@ def fp8_tile_gemm(
       w: the weights in kernel layout, ``E`` matrices ``[Np, Kp]``.
       tile_expert: int32 ``[T]``, the matrix each token tile multiplies.
       num_tiles: int32 ``[1]``; tiles ``t >= num_tiles[0]`` are skipped (their output is garbage).
-      col_scales: None, or float32 ``[T, 1, block_m]`` token-slot scales: the epilogue then
-        multiplies by them and by the tile's per-channel weight scales (``w.scale``) and stores
-        ``out_dtype`` (as the NVFP4 kernel's epilogue).
+      col_scales: float32 ``[T, 1, block_m]`` token-slot scales: the epilogue multiplies by them
+        and by the tile's per-channel weight scales (``w.scale``) and stores ``out_dtype``.
     Returns:
-      ``[T, k_splits, 1, Np, block_m]`` partial sums (the module docstring's ``out``): float32
-      and unscaled without ``col_scales``, scaled in ``out_dtype`` with them.
+      ``[T, k_splits, 1, Np, block_m]`` scaled partial sums (the module docstring's ``out``) in
+      ``out_dtype``.
     """
     (b,) = b_tiles
     n_pad, k_pad = w.n_pad, w.k_pad
@@ -180,11 +179,8 @@ def fp8_tile_gemm(
     n_tiles = n_pad // N_TILE
     num_sms = config.num_sms or _num_sms()
     num_work = t_max * n_tiles * config.k_splits
-    out_dtype = jnp.dtype(jnp.float32 if col_scales is None else out_dtype)
-    if col_scales is not None and (col_scales.shape != (t_max, 1, block_m)
-                                   or col_scales.dtype != jnp.float32):
-        raise ValueError(f"col_scales: {col_scales.dtype}{list(col_scales.shape)}; need "
-                         f"float32{[t_max, 1, block_m]}")
+    out_dtype = jnp.dtype(out_dtype)
+    check_col_scales(col_scales, (t_max, 1, block_m))
     stage_bytes = N_TILE * K_TILE + block_m * K_TILE
     stages = min(config.max_concurrent_steps, k_steps,
                  (SMEM_BYTES - N_TILE * block_m * out_dtype.itemsize) // stage_bytes)
@@ -194,12 +190,8 @@ def fp8_tile_gemm(
         plgpu.BlockSpec((block_m, K_TILE), lambda k: (0, k), transforms=_swizzled()),
     ]
 
-    def kernel(tile_expert_gmem, num_tiles_gmem, w_gmem, *rest):
-        if col_scales is None:
-            b_gmem, out_gmem, out_smem = rest
-        else:
-            ws_gmem, cs_gmem, b_gmem, out_gmem, out_smem = rest
-
+    def kernel(tile_expert_gmem, num_tiles_gmem, w_gmem, ws_gmem, cs_gmem, b_gmem, out_gmem,
+               out_smem):
         def get_pipeline(body, compute_context):
             return plgpu.emit_pipeline_warp_specialized(
                 body, grid=(k_steps,), memory_registers=40, in_specs=in_specs, wg_axis="wg",
@@ -221,21 +213,17 @@ def fp8_tile_gemm(
 
                 def compute_context(eval_pipeline):
                     def acc_scope(acc_ref):
-                        if col_scales is None:
-                            eval_pipeline(acc_ref)
-                            out_smem[...] = acc_ref[...]
-                        else:  # scales loaded before the K loop, their latency hidden by it
-                            rows = ws_gmem.at[expert, pl.ds(ni * N_TILE, N_TILE)]
-                            row_s = plgpu.load(rows, layout=plgpu.Layout.WGMMA.reduce(1),
-                                               optimized=False)
-                            col_s = plgpu.load(cs_gmem.at[t, 0],
-                                               layout=plgpu.Layout.WGMMA.reduce(0),
-                                               optimized=False)
-                            eval_pipeline(acc_ref)
-                            shape = (N_TILE, block_m)
-                            y = (acc_ref[...] * lax.broadcast_in_dim(row_s, shape, (0,))
-                                 * lax.broadcast_in_dim(col_s, shape, (1,)))
-                            out_smem[...] = y.astype(out_dtype)
+                        # Scales loaded before the K loop, so their latency hides behind it.
+                        rows = ws_gmem.at[expert, pl.ds(ni * N_TILE, N_TILE)]
+                        row_s = plgpu.load(rows, layout=plgpu.Layout.WGMMA.reduce(1),
+                                           optimized=False)
+                        col_s = plgpu.load(cs_gmem.at[t, 0], layout=plgpu.Layout.WGMMA.reduce(0),
+                                           optimized=False)
+                        eval_pipeline(acc_ref)
+                        shape = (N_TILE, block_m)
+                        y = (acc_ref[...] * lax.broadcast_in_dim(row_s, shape, (0,))
+                             * lax.broadcast_in_dim(col_s, shape, (1,)))
+                        out_smem[...] = y.astype(out_dtype)
                         plgpu.commit_smem()
                         plgpu.copy_smem_to_gmem(
                             out_smem, out_gmem.at[t, split, 0, pl.ds(ni * N_TILE, N_TILE)])
@@ -269,19 +257,15 @@ def fp8_tile_gemm(
         scratch_types=[plgpu.SMEM((N_TILE, block_m), out_dtype)],
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    scaled = () if col_scales is None else (w.scale, col_scales)
-    return call(tile_expert, num_tiles, w.data, *scaled, b)
+    return call(tile_expert, num_tiles, w.data, w.scale, col_scales, b)
 
 
 def fp8_tile_gemm_reference(b_tiles: tuple[jax.Array], w: FP8Weights, tile_expert: jax.Array,
-                            col_scales: jax.Array | None = None,
-                            out_dtype=jnp.float32) -> jax.Array:
-    """``[T, 1, 1, Np, block_m]``: the kernel's result with ``k_splits=1`` in jnp (float32,
-    without the scales, or with ``col_scales`` scaled like the kernel's epilogue)."""
+                            col_scales: jax.Array, out_dtype=jnp.float32) -> jax.Array:
+    """``[T, 1, 1, Np, block_m]``: the kernel's result with ``k_splits=1`` in jnp."""
     (b,) = b_tiles
     wd = untile_rows(w.data).astype(jnp.float32)  # [E, Np, Kp]
     e = jnp.clip(tile_expert, 0, w.num_experts - 1)
     out = jnp.einsum("tnk,tmk->tnm", wd[e], b.astype(jnp.float32), precision="highest")
-    if col_scales is not None:
-        out = (out * w.scale[e][:, :, None] * col_scales).astype(out_dtype)
+    out = (out * w.scale[e][:, :, None] * col_scales).astype(out_dtype)
     return out[:, None, None]

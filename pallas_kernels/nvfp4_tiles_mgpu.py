@@ -121,6 +121,13 @@ def check_n_group(n_group: int, n_pad: int) -> None:
                          f"tiles of {N_TILE} (N padded to {n_pad})")
 
 
+def check_col_scales(col_scales: jax.Array, shape: tuple[int, ...]) -> None:
+    """The epilogue's token-slot scales must be float32 ``shape``."""
+    if col_scales.shape != shape or col_scales.dtype != jnp.float32:
+        raise ValueError(f"col_scales: {col_scales.dtype}{list(col_scales.shape)}; need "
+                         f"float32{list(shape)}")
+
+
 def _num_sms() -> int:
     if abstract_device := jax.sharding.get_abstract_mesh().abstract_device:
         return abstract_device.num_cores
@@ -269,11 +276,7 @@ def nvfp4_tile_gemm(
         out_dtype, num_out = jnp.dtype(jnp.float32), num_acc
     else:
         out_dtype, num_out = jnp.dtype(out_dtype), 1
-        if col_scales.shape != (t_max, num_acc, block_m) or col_scales.dtype != jnp.float32:
-            raise ValueError(
-                f"col_scales: {col_scales.dtype}{list(col_scales.shape)}; need float32"
-                f"{[t_max, num_acc, block_m]}"
-            )
+        check_col_scales(col_scales, (t_max, num_acc, block_m))
     num_sms = config.num_sms or _num_sms()
     num_work = t_max * n_items * config.k_splits
     item = mma_dtype.itemsize

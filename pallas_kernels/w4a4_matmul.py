@@ -123,22 +123,30 @@ def gather_tiles(b_rows: tuple[jax.Array, ...], row_index: jax.Array, dtype, k_p
     return tuple(tiles)
 
 
-def rows_from_tiles(out: jax.Array, row_slot: jax.Array | int) -> jax.Array:
-    """Kernel partial sums ``[T, k_splits, A, Np, block_m]`` -> rows ``[M, A, Np]``.
+def stored_dtype(out_dtype, k_splits: int):
+    """What the tile kernels' epilogue stores: the caller's dtype, or float32 partial sums
+    when K is split (summed by ``rows_from_tiles``)."""
+    return out_dtype if k_splits == 1 else jnp.float32
 
-    The K splits are summed (in float32; one split keeps its dtype) and the tiles transposed to
-    rows (XLA's tiled transpose, coalesced both ways), then row ``i`` is taken from tile slot
+
+def rows_from_tiles(out: jax.Array, row_slot: jax.Array | int, n: int, dtype) -> jax.Array:
+    """Scaled kernel output ``[T, k_splits, 1, Np, block_m]`` -> rows ``[M, n]`` in ``dtype``.
+
+    The K splits are summed (in float32) and the tiles transposed to rows (XLA's tiled
+    transpose, coalesced both ways), then row ``i`` is taken from tile slot
     ``row_slot[i] = t * block_m + r`` (a slot ``>= T * block_m`` gives a zero row); an int
-    ``row_slot`` M takes the first M slots (dense). A gather straight from the ``[Np, block_m]``
-    layout, without the transpose, reads 4-byte elements 64+ bytes apart: on the H200 it was
-    1.5x slower (2026-12-03, docs/bench/rollout.md).
+    ``row_slot`` M takes the first M slots (dense). A gather straight from the
+    ``[Np, block_m]`` layout, without the transpose, reads 4-byte elements 64+ bytes apart: on
+    the H200 it was 1.5x slower (2026-12-03, docs/bench/rollout.md).
     """
-    t_max, splits, a, n_pad, block_m = out.shape
-    summed = out[:, 0] if splits == 1 else jnp.sum(out, axis=1, dtype=jnp.float32)
-    rows = jnp.transpose(summed, (0, 3, 1, 2)).reshape(t_max * block_m, a, n_pad)
+    t_max, splits, _, n_pad, block_m = out.shape
+    summed = out[:, 0, 0] if splits == 1 else jnp.sum(out[:, :, 0], axis=1, dtype=jnp.float32)
+    rows = jnp.transpose(summed, (0, 2, 1)).reshape(t_max * block_m, n_pad)
     if isinstance(row_slot, int):
-        return rows[:row_slot]
-    return jnp.pad(rows, ((0, 1), (0, 0), (0, 0)))[row_slot]
+        rows = rows[:row_slot]
+    else:
+        rows = jnp.pad(rows, ((0, 1), (0, 0)))[row_slot]
+    return rows[:, :n].astype(dtype)
 
 
 def slot_scales(row_scales: tuple[jax.Array, ...], row_index: jax.Array, tile_expert: jax.Array,
@@ -182,9 +190,9 @@ def run_tiles(
     out = nvfp4_tile_gemm(
         tiles, w, tile_expert, num_tiles, config=tcfg, interpret=interpret,
         col_scales=slot_scales(row_scales, row_index, tile_expert, w),
-        out_dtype=out_dtype if k_splits == 1 else jnp.float32,
+        out_dtype=stored_dtype(out_dtype, k_splits),
     )
-    return rows_from_tiles(out, row_slot)[:, 0, : w.n].astype(out_dtype)
+    return rows_from_tiles(out, row_slot, w.n, out_dtype)
 
 
 def dense_plan(m: int, block_m: int | None):

@@ -26,7 +26,13 @@ from pallas_kernels.fp8_tiles_mgpu import (
 from pallas_kernels.layout import N_TILE
 from pallas_kernels.nvfp4_tiles_mgpu import _num_sms
 from pallas_kernels.w4a4_grouped import _check_group_sizes, grouped_block_m, tile_plan
-from pallas_kernels.w4a4_matmul import auto_k_splits, dense_plan, gather_tiles, rows_from_tiles
+from pallas_kernels.w4a4_matmul import (
+    auto_k_splits,
+    dense_plan,
+    gather_tiles,
+    rows_from_tiles,
+    stored_dtype,
+)
 from quads_jax.quant import fp8
 
 ACT_GRANULARITIES = ("token", "tensor")
@@ -89,8 +95,8 @@ def _run(qx: fp8.FP8Tensor, w, row_index, row_slot, tile_expert, num_tiles, conf
     cfg = FP8GemmConfig(k_splits, config.max_concurrent_steps, num_sms)
     act = jnp.pad(_act_scale(qx, m)[:, 0], (0, 1))[row_index][:, None]  # [T, 1, block_m]
     out = fp8_tile_gemm((tiles,), w, tile_expert, num_tiles, config=cfg, interpret=interpret,
-                        col_scales=act, out_dtype=out_dtype if k_splits == 1 else jnp.float32)
-    return rows_from_tiles(out, row_slot)[:, 0, : w.n].astype(out_dtype)
+                        col_scales=act, out_dtype=stored_dtype(out_dtype, k_splits))
+    return rows_from_tiles(out, row_slot, w.n, out_dtype)
 
 
 def w8a8_matmul(x: jax.Array, w_q, *, act_granularity: str = "token",

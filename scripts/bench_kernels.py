@@ -546,8 +546,8 @@ def enable_smoke():
         return nvfp4_tiles_mgpu.tile_gemm_reference(b_tiles, w, tile_expert, col_scales,
                                                     out_dtype)
 
-    def fp8_stand_in(b_tiles, w, tile_expert, num_tiles, *, config, interpret=False,
-                     col_scales=None, out_dtype=jnp.float32):
+    def fp8_stand_in(b_tiles, w, tile_expert, num_tiles, *, config, col_scales,
+                     out_dtype=jnp.float32, interpret=False):
         del num_tiles, config, interpret
         return fp8_tiles_mgpu.fp8_tile_gemm_reference(b_tiles, w, tile_expert, col_scales,
                                                       out_dtype)

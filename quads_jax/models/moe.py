@@ -17,6 +17,7 @@ from quads_jax.models.config import ModelConfig
 from quads_jax.models.layers import swiglu
 from quads_jax.quant import ops
 from quads_jax.quant.recipe import QuantRecipe
+from quads_jax.train.mesh import BATCH_AXES
 
 
 class Routing(NamedTuple):
@@ -65,10 +66,9 @@ def router_stats(routing: Routing, token_mask: jax.Array) -> RouterStats:
     )
 
 
-# The mesh axis that the stacked expert dimension is sharded over (``quads_jax.train.mesh``) and
-# the axes that may shard tokens (its batch axes), in order.
+# The mesh axis that the stacked expert dimension is sharded over; tokens may be sharded over
+# the mesh's batch axes (both from the one axis table, ``quads_jax.train.mesh``).
 EXPERT_AXIS = "expert"
-TOKEN_AXES = ("data", "fsdp", "expert")
 
 
 def moe_block(
@@ -89,12 +89,11 @@ def moe_block(
         y = expert_parallel(config, p["experts"], x, routing, site, recipe)
     else:
         y = _experts(config, p["experts"], x, routing.expert_ids, routing.weights, site, recipe)
-    return y, routing
+    return y.astype(x.dtype), routing
 
 
 def _experts(config, experts, x, expert_ids, weights, site, recipe, first=None):
-    """The top-k expert outputs of tokens ``x [N, H]``, combined: ``[N, H]`` in x's dtype, or
-    float32 partial sums with ``first``.
+    """The top-k expert outputs of tokens ``x [N, H]``, combined: float32 ``[N, H]``.
 
     ``experts`` hold experts ``[first, first + E_local)`` (``first`` None: all of them); slots
     routed to other experts contribute zero.
@@ -129,8 +128,7 @@ def _experts(config, experts, x, expert_ids, weights, site, recipe, first=None):
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     slots = out[inverse].reshape(n, k, h)
     w = weights.astype(x.dtype).astype(jnp.float32)  # HF casts to the model dtype
-    y = jnp.sum(slots.astype(jnp.float32) * w[..., None], axis=1)
-    return y if first is not None else y.astype(x.dtype)
+    return jnp.sum(slots.astype(jnp.float32) * w[..., None], axis=1)
 
 
 def expert_parallel_size(num_experts: int) -> int:
@@ -144,9 +142,9 @@ def expert_parallel_size(num_experts: int) -> int:
 
 
 def _token_axes(mesh, n: int) -> tuple[str, ...]:
-    """The batch axes that shard the ``n`` tokens: in ``TOKEN_AXES`` order, while they divide n."""
+    """The batch axes that shard the ``n`` tokens: in ``BATCH_AXES`` order, while they divide n."""
     axes, size = [], 1
-    for a in TOKEN_AXES:
+    for a in BATCH_AXES:
         if a in mesh.axis_names and mesh.shape[a] > 1 and n % (size * mesh.shape[a]) == 0:
             axes.append(a)
             size *= mesh.shape[a]
@@ -155,7 +153,8 @@ def _token_axes(mesh, n: int) -> tuple[str, ...]:
 
 def expert_parallel(config: ModelConfig, experts: dict, x: jax.Array, routing: Routing,
                     site: str, recipe: QuantRecipe) -> jax.Array:
-    """The expert matmuls with experts sharded over the mesh's ``expert`` axis: ``[N, H]``.
+    """The expert matmuls with experts sharded over the mesh's ``expert`` axis: float32
+    ``[N, H]``.
 
     In a ``shard_map`` over the whole mesh: every leaf of ``experts`` whose first dimension is E
     (weights, their scales, calibration) is split over ``expert``, everything else replicated;
@@ -185,7 +184,7 @@ def expert_parallel(config: ModelConfig, experts: dict, x: jax.Array, routing: R
             y = jax.lax.psum_scatter(y, EXPERT_AXIS, scatter_dimension=0, tiled=True)
         else:
             y = jax.lax.psum(y, EXPERT_AXIS)
-        return y.astype(x.dtype)
+        return y
 
     fn = jax.shard_map(body, mesh=mesh, in_specs=(w_specs, tok_spec, tok_spec, tok_spec),
                        out_specs=tok_spec)
