@@ -230,12 +230,13 @@ def kv_bytes(config: ModelConfig, rows: int, slots: int) -> int:
         config.head_dim * 2
 
 
-def profile_decode(dec, params, start, steps: int, tag: str) -> dict:
-    """Kernel totals of ``steps`` decode steps under ``jax.profiler`` (see trace_summary)."""
+def profile_decode(dec, params, start, steps: int, tag: str, top: int = 16) -> dict:
+    """Kernel totals of ``steps`` decode steps under ``jax.profiler`` (see trace_summary): the
+    ``top`` kernels by summed time."""
     try:
         summary = trace_summary.trace(
             lambda: jax.block_until_ready(dec(params, start, jnp.int32(steps))), tag,
-            steps=steps, top=16)
+            steps=steps, top=top)
     except Exception as e:  # noqa: BLE001  (a missing profiler must not lose the timings)
         print(f"profile {tag} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
         return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -292,7 +293,8 @@ def bench_case(params, cfg, recipe, batch, prompt, args, bandwidth, tag="") -> d
     profile = {}
     if args.profile_steps:
         profile = profile_decode(dec, params, jax.block_until_ready(fresh(state)),
-                                 args.profile_steps, f"{tag}_b{batch}_p{prompt}")
+                                 args.profile_steps, f"{tag}_b{batch}_p{prompt}",
+                                 top=args.profile_top)
     t_step = statistics.median(times) / max(ran, 1)
 
     slots = prompt + int(state.step) + ran // 2  # slots that must be read, mid-window
@@ -453,6 +455,8 @@ def parse_args(argv):
     p.add_argument("--profile-steps", type=int, default=0,
                    help="also trace this many decode steps per case and record where the "
                    "device time goes (scripts/trace_summary.py)")
+    p.add_argument("--profile-top", type=int, default=16,
+                   help="kernels listed per traced case (by summed device time)")
     p.add_argument("--ragged", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--budget-s", type=float, default=1e9, help="start no new case after this")
     p.add_argument("--bf16-flops", type=float, default=790e12, help="measured bf16 rate (KINDS)")

@@ -11,6 +11,8 @@
 #   b32    the four arms at batch 32 / prompt 256
 #   b256   the four arms at batch 256 / prompt 256 (rows still missing in docs/BENCHMARKS.md)
 #   p1024  nvfp4_rac and bf16 at batch 128 / prompt 1024
+#   prof   nvfp4_rac, nvfp4 and bf16 at batch 128, traced with the top 120 kernels per arm, and
+#          the decode programs' optimized HLO ($OUT/hlo.tgz) to name each fusion of the trace
 #   hlo    nvfp4 at batch 128 with the decode program's optimized HLO dumped to $OUT/hlo (what
 #          the 386 small `memcpy32_post` copies per step and the MoE block's fusions are)
 set -u
@@ -44,8 +46,13 @@ for step in "$@"; do
     b256) rollout b256 280 --batches 256 --prompts 256 $short --precisions $ALL --budget-s 220 ;;
     p1024) rollout p1024 220 --batches 128 --prompts 1024 $short --precisions nvfp4_rac,bf16 \
       --budget-s 170 ;;
+    prof) XLA_FLAGS="--xla_dump_to=/tmp/hlo_prof --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
+      rollout prof 300 --quick --profile-steps 4 --profile-top 120 \
+      --precisions nvfp4_rac,nvfp4,bf16 --budget-s 240
+      (cd /tmp/hlo_prof && tar czf "$OUT/hlo.tgz" $(ls | grep -E "after_optimizations.txt$"))
+      ls -la "$OUT" ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
-    *) echo "unknown step $step (check b128 b32 b256 p1024 hlo)"; exit 2 ;;
+    *) echo "unknown step $step (check b128 b32 b256 p1024 prof hlo)"; exit 2 ;;
   esac
 done
