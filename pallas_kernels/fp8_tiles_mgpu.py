@@ -2,13 +2,13 @@
 
 Computes, for every token tile ``t < num_tiles`` (``num_tiles`` read at run time)::
 
-    out[t, s, 0, n, m] = sum_{k in split s} W_e[n, k] * B[t, m, k],   e = tile_expert[t]
+    out[t, s, 0, m, n] = sum_{k in split s} W_e[n, k] * B[t, m, k],   e = tile_expert[t]
 
 with ``W`` and ``B`` E4M3 and the product on the FP8 tensor cores (``wgmma`` e4m3 x e4m3, f32
 accumulation), both operands straight from shared memory: nothing is decoded, so one compute
 warpgroup (wgmma M = 128: two instructions per K step) keeps up with the copies. The epilogue
 applies the per-channel weight scales and the token slots' activation scales (``col_scales``)
-and stores the caller's dtype (as the NVFP4 kernel); K splits are summed outside.
+and stores the caller's dtype, token-major (as the NVFP4 kernel); K splits are summed outside.
 
 Same schedule as ``nvfp4_tiles_mgpu`` (swap-AB: weight rows are the wgmma M side, tokens the N
 side; a TMA warpgroup; a persistent grid over (token tile, 128-row weight tile, K split)), so the
@@ -33,7 +33,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.layout import N_TILE, tile_rows, untile_rows
-from pallas_kernels.nvfp4_tiles_mgpu import _num_sms, check_col_scales, check_schedule, work_item
+from pallas_kernels.nvfp4_tiles_mgpu import (
+    _num_sms,
+    check_col_scales,
+    check_schedule,
+    store_transposed,
+    work_item,
+)
 from quads_jax.quant import fp8
 
 K_TILE = 128  # K bytes per row per pipeline step: one 128-byte swizzle row of E4M3 values
@@ -158,7 +164,7 @@ def fp8_tile_gemm(
       col_scales: float32 ``[T, 1, block_m]`` token-slot scales: the epilogue multiplies by them
         and by the tile's per-channel weight scales (``w.scale``) and stores ``out_dtype``.
     Returns:
-      ``[T, k_splits, 1, Np, block_m]`` scaled partial sums (the module docstring's ``out``) in
+      ``[T, k_splits, 1, block_m, Np]`` scaled partial sums (the module docstring's ``out``) in
       ``out_dtype``.
     """
     (b,) = b_tiles
@@ -223,10 +229,10 @@ def fp8_tile_gemm(
                         shape = (N_TILE, block_m)
                         y = (acc_ref[...] * lax.broadcast_in_dim(row_s, shape, (0,))
                              * lax.broadcast_in_dim(col_s, shape, (1,)))
-                        out_smem[...] = y.astype(out_dtype)
+                        store_transposed(out_smem, y.astype(out_dtype))
                         plgpu.commit_smem()
                         plgpu.copy_smem_to_gmem(
-                            out_smem, out_gmem.at[t, split, 0, pl.ds(ni * N_TILE, N_TILE)])
+                            out_smem, out_gmem.at[t, split, 0, :, pl.ds(ni * N_TILE, N_TILE)])
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
                     pl.run_scoped(acc_scope, plgpu.ACC((N_TILE, block_m), jnp.float32))
@@ -248,13 +254,13 @@ def fp8_tile_gemm(
 
     call = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((t_max, config.k_splits, 1, n_pad, block_m), out_dtype),
+        out_type=jax.ShapeDtypeStruct((t_max, config.k_splits, 1, block_m, n_pad), out_dtype),
         grid=(num_sms,),
         grid_names=("sm",),
         num_threads=2,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        scratch_types=[plgpu.SMEM((N_TILE, block_m), out_dtype)],
+        scratch_types=[plgpu.SMEM((block_m, N_TILE), out_dtype)],
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
     return call(tile_expert, num_tiles, w.data, w.scale, col_scales, b)
@@ -262,10 +268,10 @@ def fp8_tile_gemm(
 
 def fp8_tile_gemm_reference(b_tiles: tuple[jax.Array], w: FP8Weights, tile_expert: jax.Array,
                             col_scales: jax.Array, out_dtype=jnp.float32) -> jax.Array:
-    """``[T, 1, 1, Np, block_m]``: the kernel's result with ``k_splits=1`` in jnp."""
+    """``[T, 1, 1, block_m, Np]``: the kernel's result with ``k_splits=1`` in jnp."""
     (b,) = b_tiles
     wd = untile_rows(w.data).astype(jnp.float32)  # [E, Np, Kp]
     e = jnp.clip(tile_expert, 0, w.num_experts - 1)
-    out = jnp.einsum("tnk,tmk->tnm", wd[e], b.astype(jnp.float32), precision="highest")
-    out = (out * w.scale[e][:, :, None] * col_scales).astype(out_dtype)
+    out = jnp.einsum("tnk,tmk->tmn", wd[e], b.astype(jnp.float32), precision="highest")
+    out = (out * w.scale[e][:, None, :] * col_scales[:, 0, :, None]).astype(out_dtype)
     return out[:, None, None]

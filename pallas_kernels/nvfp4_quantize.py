@@ -1,6 +1,6 @@
 """Activation quantization for the W4A4 kernels, with the RAC residual, in one XLA pass.
 
-``nvfp4_quantize`` calls ``quads_jax.quant.nvfp4.quantize`` itself, so its codes, block scales
+``nvfp4_quantize`` calls ``quads_jax.quant.nvfp4.quantize_codes`` itself, so its codes, block scales
 and global scales are bit-identical to the trainer's and the reference's by construction (same
 explicit reciprocal; no second implementation to drift). It runs as an XLA fusion in the same
 jitted program as the GEMM kernel, not inside the Mosaic GPU kernel: a per-token global scale
@@ -78,15 +78,20 @@ class QuantizedActivations:
     """What the W4A4 kernels consume.
 
     Attributes:
-      q: NVFP4 activations ``[M, K]`` (global scale ``[M, 1]`` per token or ``[]`` per batch).
-      residual: the RAC residual of the selected blocks, NVFP4 ``[M, K]`` (zero blocks outside
+      q: NVFP4 activations ``[M, K]``, unpacked codes (global scale ``[M, 1]`` per token or
+        ``[]`` per batch): the kernels build their operands from the codes, and a pack would be
+        a wasted pass (``nvfp4.NVFP4Codes.pack`` gives the interchange format).
+      residual: the RAC residual of the selected blocks, NVFP4 codes ``[M, K]`` (zero blocks outside
         the selection), bf16 ``[M, K]`` for ``rac_residual_format="bf16"``, or None.
       mask: bool ``[M, K/16]`` selected blocks, or None without RAC.
+      q_rows: None, or int32 ``[M]``: ``q`` holds the distinct rows ``[R, K]`` and GEMM row
+        ``i`` is ``q``'s row ``q_rows[i]`` (``nvfp4_quantize``'s ``source_rows``).
     """
 
-    q: nvfp4.NVFP4Tensor
-    residual: nvfp4.NVFP4Tensor | jax.Array | None = None
+    q: nvfp4.NVFP4Codes
+    residual: nvfp4.NVFP4Codes | jax.Array | None = None
     mask: jax.Array | None = None
+    q_rows: jax.Array | None = None
 
 
 def _check_x(x: jax.Array, act_scale_mode: str, static_scale) -> None:
@@ -101,15 +106,15 @@ def _check_x(x: jax.Array, act_scale_mode: str, static_scale) -> None:
         )
 
 
-def act_quantize(x: jax.Array, act_scale_mode: str, static_scale=None) -> nvfp4.NVFP4Tensor:
+def act_quantize(x: jax.Array, act_scale_mode: str, static_scale=None) -> nvfp4.NVFP4Codes:
     """NVFP4 activations: per_token (``g [M, 1]``), per_batch (``g []``), static (given per
     row ``[M]`` or scalar, stored as ``[M, 1]``); as ``quads_jax.quant.ops.act_quantize``."""
     if act_scale_mode == "per_token":
-        return nvfp4.quantize(x, scale_mode="row")
+        return nvfp4.quantize_codes(x, scale_mode="row")
     if act_scale_mode == "per_batch":
-        return nvfp4.quantize(x, scale_mode="tensor")
+        return nvfp4.quantize_codes(x, scale_mode="tensor")
     g = jnp.broadcast_to(jnp.asarray(static_scale, jnp.float32).reshape(-1, 1), (x.shape[0], 1))
-    return nvfp4.quantize(x, global_scale=g, scale_mode="row")
+    return nvfp4.quantize_codes(x, global_scale=g, scale_mode="row")
 
 
 def nvfp4_quantize(
@@ -121,6 +126,7 @@ def nvfp4_quantize(
     num_experts: int | None = None,
     static_blocks: jax.Array | None = None,
     static_scale: jax.Array | None = None,
+    source_rows: jax.Array | None = None,
 ) -> QuantizedActivations:
     """Quantize activations ``x: [M, K]`` (bf16/f16/f32, K % 16 == 0) and their RAC residual.
 
@@ -131,31 +137,41 @@ def nvfp4_quantize(
       row_expert: int32 ``[M]`` expert of each row (grouped GEMMs: online_batch then selects
         blocks per expert); num_experts: E, with row_expert.
       static_blocks: bool ``[K/16]`` or ``[E, K/16]`` for ``rac_selection="static"``.
+      source_rows: None, or int32 ``[M]`` with ``x`` the distinct rows ``[R, K]``: the GEMM's
+        rows are ``x[source_rows]``. Per-token quantization is row by row, so ``q`` is computed
+        once per distinct row (``q_rows`` = ``source_rows``), bit-identical to quantizing the
+        gathered rows; the RAC residual is selected and quantized per GEMM row. Other scale
+        modes quantize the gathered rows.
     """
     _check_x(x, act_scale_mode, static_scale)
+    if source_rows is not None and act_scale_mode != "per_token":
+        x, source_rows = x[source_rows], None  # a per-batch or per-expert scale spans GEMM rows
     q = act_quantize(x, act_scale_mode, static_scale)
     if rac_config is None:
-        return QuantizedActivations(q=q)
+        return QuantizedActivations(q=q, q_rows=source_rows)
     r = nvfp4.residual(x, q)
+    if source_rows is not None:
+        x, r = x[source_rows], r[source_rows]
     mask = rac.block_mask(
         x, r, rac_config, row_expert=row_expert, num_experts=num_experts,
         static_blocks=static_blocks,
     )
     r_s = rac.masked_residual(r, mask)
     if rac_config.rac_residual_format == "bf16":
-        return QuantizedActivations(q=q, residual=r_s.astype(jnp.bfloat16), mask=mask)
+        return QuantizedActivations(q=q, residual=r_s.astype(jnp.bfloat16), mask=mask,
+                                    q_rows=source_rows)
     if rac_config.rac_residual_scale == "shared":
         mode = "row" if q.global_scale.ndim else "tensor"
-        r_q = nvfp4.quantize(r_s, global_scale=q.global_scale, scale_mode=mode)
+        r_q = nvfp4.quantize_codes(r_s, global_scale=q.global_scale, scale_mode=mode)
     else:
-        r_q = nvfp4.quantize(r_s, scale_mode="tensor" if act_scale_mode == "per_batch" else "row")
-    return QuantizedActivations(q=q, residual=r_q, mask=mask)
+        r_q = nvfp4.quantize_codes(
+            r_s, scale_mode="tensor" if act_scale_mode == "per_batch" else "row")
+    return QuantizedActivations(q=q, residual=r_q, mask=mask, q_rows=source_rows)
 
 
-def mma_operand(q: nvfp4.NVFP4Tensor, dtype) -> tuple[jax.Array, jax.Array]:
+def mma_operand(q: nvfp4.NVFP4Codes | nvfp4.NVFP4Tensor, dtype) -> tuple[jax.Array, jax.Array]:
     """``(e2m1 * s_b)`` ``[M, K]`` in ``dtype`` (exact) and the float32 global scale per row ``[M]``."""
-    unit = nvfp4.NVFP4Tensor(q.packed, q.scales, jnp.ones((), jnp.float32), q.dtype)
-    vals = nvfp4.dequantize(unit, jnp.float32).astype(dtype)
+    vals = nvfp4.unscaled_values(q).astype(dtype)
     g = jnp.broadcast_to(jnp.asarray(q.global_scale, jnp.float32).reshape(-1), (q.shape[0],))
     return vals, g
 
@@ -163,11 +179,12 @@ def mma_operand(q: nvfp4.NVFP4Tensor, dtype) -> tuple[jax.Array, jax.Array]:
 def kernel_operands(
     acts: QuantizedActivations, dtype
 ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
-    """The kernel's B operands (1 or 2 arrays ``[M, K]`` in ``dtype``) and their per-row scales."""
+    """The kernel's B operands (1 or 2 arrays ``[M, K]`` in ``dtype``; the first ``[R, K]``
+    with ``acts.q_rows``) and their per-row scales."""
     b0, g0 = mma_operand(acts.q, dtype)
     if acts.residual is None:
         return (b0,), (g0,)
-    if isinstance(acts.residual, nvfp4.NVFP4Tensor):
+    if isinstance(acts.residual, nvfp4.NVFP4Codes):
         b1, g1 = mma_operand(acts.residual, dtype)
     else:
         b1, g1 = acts.residual.astype(dtype), jnp.ones((b0.shape[0],), jnp.float32)
@@ -175,9 +192,11 @@ def kernel_operands(
 
 
 def dequantized_sum(acts: QuantizedActivations) -> tuple[jax.Array, ...]:
-    """float32 ``dq(Q(x))`` and, with RAC, ``dq(Q(R_S))``: the references' activation operands."""
-    out = [nvfp4.dequantize(acts.q, jnp.float32)]
-    if isinstance(acts.residual, nvfp4.NVFP4Tensor):
+    """float32 ``dq(Q(x))`` and, with RAC, ``dq(Q(R_S))``: the references' activation operands
+    (``[M, K]``: ``q_rows`` applied)."""
+    q = nvfp4.dequantize(acts.q, jnp.float32)
+    out = [q if acts.q_rows is None else q[acts.q_rows]]
+    if isinstance(acts.residual, nvfp4.NVFP4Codes):
         out.append(nvfp4.dequantize(acts.residual, jnp.float32))
     elif acts.residual is not None:
         out.append(acts.residual.astype(jnp.float32))

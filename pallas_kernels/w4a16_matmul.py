@@ -11,7 +11,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.w4a4_grouped import _check_group_sizes, grouped_block_m, tile_plan
+from pallas_kernels.w4a4_grouped import (
+    _check_group_sizes,
+    expected_tiles,
+    grouped_block_m,
+    tile_plan,
+)
 from pallas_kernels.w4a4_matmul import (
     W4A4MatmulConfig,
     _check,
@@ -67,7 +72,8 @@ def w4a16_grouped_matmul(
     row_index, tile_expert, num_tiles, row_slot = tile_plan(gs, m, block_m)
     ones = jnp.ones((m,), jnp.float32)
     return run_tiles((x_sorted.astype(jnp.bfloat16),), (ones,), row_index, row_slot, w,
-                     tile_expert, num_tiles, config, interpret, x_sorted.dtype)
+                     tile_expert, num_tiles, config, interpret, x_sorted.dtype,
+                     live_tiles=expected_tiles(m, e, block_m))
 
 
 def w4a16_matmul_reference(x: jax.Array, w_q: nvfp4.NVFP4Tensor) -> jax.Array:

@@ -81,6 +81,15 @@ def tile_plan(group_sizes: jax.Array, m: int, block_m: int):
     return row_index, te, tile_ends[-1:].astype(jnp.int32), row_slot
 
 
+def expected_tiles(m: int, num_experts: int, block_m: int) -> int:
+    """The token tiles a balanced routing of ``m`` rows fills (static, for the split-K choice):
+    one per expert that can get a row, or the rows' own count if larger, at most
+    ``tile_plan``'s ``T``. Planning with ``T`` itself (the worst case) took split-K on the
+    decode step's gate_up (1 024 rows over 128 experts: ~130 live tiles of T = 192), which made
+    the kernel store float32 partial sums for an extra pass to add."""
+    return min(m // block_m + num_experts, max(min(num_experts, m), -(-m // block_m)))
+
+
 def _static_rows(scale, rexp: jax.Array, e: int):
     """A calibrated activation scale ``[]`` or per expert ``[E]`` as a per-row array."""
     if scale is None or jnp.ndim(scale) == 0:
@@ -88,13 +97,38 @@ def _static_rows(scale, rexp: jax.Array, e: int):
     return jnp.asarray(scale, jnp.float32).reshape(e)[jnp.minimum(rexp, e - 1)]
 
 
-def _grouped_acts(x, rexp, e, act_scale_mode, rac, rac_blocks, act_global_scale):
+def _grouped_acts(x, rexp, e, act_scale_mode, rac, rac_blocks, act_global_scale,
+                  source_rows=None):
     """Quantized activations of sorted rows; RAC's online_batch selection is per expert."""
     return aq.nvfp4_quantize(
         x, act_scale_mode=act_scale_mode, rac_config=rac,
         row_expert=jnp.minimum(rexp, e - 1), num_experts=e, static_blocks=rac_blocks,
-        static_scale=_static_rows(act_global_scale, rexp, e),
+        static_scale=_static_rows(act_global_scale, rexp, e), source_rows=source_rows,
     )
+
+
+def check_source_rows(source_rows, num_rows: int) -> jax.Array:
+    """``source_rows`` must be an int vector; returns it as int32 ``[M]``."""
+    sr = jnp.asarray(source_rows)
+    if sr.ndim != 1 or not jnp.issubdtype(sr.dtype, jnp.integer):
+        raise ValueError(f"source_rows: {sr.dtype}{list(sr.shape)}; need an int vector [M]")
+    if not isinstance(sr, jax.core.Tracer) and sr.size and (
+            int(sr.min()) < 0 or int(sr.max()) >= num_rows):
+        raise ValueError(f"source_rows: values in [{int(sr.min())}, {int(sr.max())}]; need "
+                         f"[0, {num_rows}) (rows of x)")
+    return sr.astype(jnp.int32)
+
+
+def operand_tile_rows(acts: aq.QuantizedActivations, row_index: jax.Array) -> tuple:
+    """Each kernel operand's source row of every tile slot (``kernel_operands`` order): the
+    GEMM rows' ``row_index``, mapped through ``acts.q_rows`` for an operand that holds distinct
+    rows (the empty-slot index M becomes that operand's own zero row R)."""
+    n_ops = 1 if acts.residual is None else 2
+    if acts.q_rows is None:
+        return (row_index,) * n_ops
+    r = acts.q.shape[0]
+    q_index = jnp.concatenate([acts.q_rows, jnp.full((1,), r, jnp.int32)])[row_index]
+    return (q_index,) + (row_index,) * (n_ops - 1)
 
 
 def w4a4_grouped_matmul(
@@ -108,6 +142,7 @@ def w4a4_grouped_matmul(
     act_global_scale: jax.Array | None = None,
     config: W4A4MatmulConfig | None = None,
     interpret: bool = False,
+    source_rows: jax.Array | None = None,
 ) -> jax.Array:
     """Grouped ``Y[rows of e] = Q(x) @ Q(W_e)^T`` (+ RAC): ``[M, N]`` in ``x_sorted.dtype``.
 
@@ -119,21 +154,29 @@ def w4a4_grouped_matmul(
       act_scale_mode / rac / rac_blocks (``[E, K/16]`` for static selection) /
         act_global_scale (``[]`` or ``[E]``, static mode): as ``w4a4_matmul``; online_batch RAC
         selects blocks per expert.
+      source_rows: None, or int32 ``[M]``: ``x_sorted`` holds distinct rows ``[R, K]`` and the
+        sorted rows are ``x_sorted[source_rows]`` (a MoE token's k slots): per-token activations
+        are quantized once per distinct row and gathered into the tiles (same result).
     """
     config = config or W4A4MatmulConfig()
     w = as_kernel_weights(w_q, config.mma_dtype)
     if not w.stacked:
         raise ValueError("w_q: a dense [N, K] weight; w4a4_grouped_matmul needs [E, N, K]")
     _check(x_sorted, w)
-    m, e = x_sorted.shape[0], w.num_experts
+    if source_rows is not None:
+        source_rows = check_source_rows(source_rows, x_sorted.shape[0])
+    m = x_sorted.shape[0] if source_rows is None else source_rows.shape[0]
+    e = w.num_experts
     gs = _check_group_sizes(group_sizes, e, m)
     rexp = row_experts(gs, m)
-    acts = _grouped_acts(x_sorted, rexp, e, act_scale_mode, rac, rac_blocks, act_global_scale)
+    acts = _grouped_acts(x_sorted, rexp, e, act_scale_mode, rac, rac_blocks, act_global_scale,
+                         source_rows)
     b_rows, row_scales = aq.kernel_operands(acts, w.mma_dtype)
     block_m = config.block_m or grouped_block_m(m, e)
     row_index, tile_expert, num_tiles, row_slot = tile_plan(gs, m, block_m)
     return run_tiles(b_rows, row_scales, row_index, row_slot, w, tile_expert, num_tiles, config,
-                     interpret, x_sorted.dtype)
+                     interpret, x_sorted.dtype, live_tiles=expected_tiles(m, e, block_m),
+                     operand_rows=operand_tile_rows(acts, row_index))
 
 
 def w4a4_grouped_matmul_reference(

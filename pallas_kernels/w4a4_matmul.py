@@ -91,14 +91,23 @@ def _round_up(v: int, m: int) -> int:
     return -(-v // m) * m
 
 
+# The SM-wave efficiency at which auto_k_splits stops splitting K: more splits restart the copy
+# pipeline more often and make the kernel store float32 partial sums for an extra pass.
+GOOD_WAVE_EFFICIENCY = 0.85
+
+
 def auto_k_splits(work_items: int, k_steps: int, num_sms: int) -> int:
-    """Split-K factor: best SM-wave efficiency with >= 2 K steps per split; ties: fewer splits."""
+    """Split-K factor: the fewest splits (each of >= 2 K steps) whose SM-wave efficiency
+    (items / SM slots of the last full wave) reaches ``GOOD_WAVE_EFFICIENCY``, else the most
+    efficient (ties: fewer splits)."""
     best, best_eff = 1, 0.0
     for s in range(1, k_steps + 1):
         if k_steps % s or (s > 1 and k_steps // s < 2):
             continue
         items = work_items * s
         eff = items / (-(-items // num_sms) * num_sms)
+        if eff >= GOOD_WAVE_EFFICIENCY:
+            return s
         if eff > best_eff + 1e-9:
             best, best_eff = s, eff
     return best
@@ -130,32 +139,32 @@ def stored_dtype(out_dtype, k_splits: int):
 
 
 def rows_from_tiles(out: jax.Array, row_slot: jax.Array | int, n: int, dtype) -> jax.Array:
-    """Scaled kernel output ``[T, k_splits, 1, Np, block_m]`` -> rows ``[M, n]`` in ``dtype``.
+    """Scaled kernel output ``[T, k_splits, 1, block_m, Np]`` -> rows ``[M, n]`` in ``dtype``.
 
-    The K splits are summed (in float32) and the tiles transposed to rows (XLA's tiled
-    transpose, coalesced both ways), then row ``i`` is taken from tile slot
-    ``row_slot[i] = t * block_m + r`` (a slot ``>= T * block_m`` gives a zero row); an int
-    ``row_slot`` M takes the first M slots (dense). A gather straight from the
-    ``[Np, block_m]`` layout, without the transpose, reads 4-byte elements 64+ bytes apart: on
-    the H200 it was 1.5x slower (2026-12-03, docs/bench/rollout.md).
+    The K splits are summed (in float32); row ``i`` is tile slot ``row_slot[i] = t * block_m +
+    r`` (a slot ``>= T * block_m`` gives a zero row), an int ``row_slot`` M takes the first M
+    slots (dense). The kernels store token-major tiles, so this is a gather of whole rows that
+    XLA fuses into the consumer (before 2026-12-03 they stored ``[Np, block_m]`` and an XLA
+    transpose of every output came first: 15-22 us per layer of the decode step on the H200).
     """
-    t_max, splits, _, n_pad, block_m = out.shape
+    t_max, splits, _, block_m, n_pad = out.shape
     summed = out[:, 0, 0] if splits == 1 else jnp.sum(out[:, :, 0], axis=1, dtype=jnp.float32)
-    rows = jnp.transpose(summed, (0, 2, 1)).reshape(t_max * block_m, n_pad)
+    rows = summed.reshape(t_max * block_m, n_pad)
     if isinstance(row_slot, int):
         rows = rows[:row_slot]
     else:
-        rows = jnp.pad(rows, ((0, 1), (0, 0)))[row_slot]
+        rows = jnp.take(rows, row_slot, axis=0, mode="fill", fill_value=0)
     return rows[:, :n].astype(dtype)
 
 
-def slot_scales(row_scales: tuple[jax.Array, ...], row_index: jax.Array, tile_expert: jax.Array,
-                w: W4A4Weights) -> jax.Array:
+def slot_scales(row_scales: tuple[jax.Array, ...], operand_rows: tuple[jax.Array, ...],
+                tile_expert: jax.Array, w: W4A4Weights) -> jax.Array:
     """float32 ``[T, A, block_m]``: each token slot's scale for the kernel's epilogue, the row's
     activation global scale times the tile's weight global scale and ``1 / w.code_factor``
-    (0 for empty slots)."""
+    (0 for empty slots). ``operand_rows``: each operand's ``[T, block_m]`` source rows."""
     g_t = w.global_scale[tile_expert] * jnp.float32(w.code_factor)  # [T]
-    per_operand = [jnp.pad(g.astype(jnp.float32), (0, 1))[row_index] for g in row_scales]
+    per_operand = [jnp.pad(g.astype(jnp.float32), (0, 1))[idx]
+                   for g, idx in zip(row_scales, operand_rows, strict=True)]
     return jnp.stack(per_operand, axis=1) * g_t[:, None, None]
 
 
@@ -170,6 +179,8 @@ def run_tiles(
     config: W4A4MatmulConfig,
     interpret: bool,
     out_dtype,
+    live_tiles: int | None = None,
+    operand_rows: tuple[jax.Array, ...] | None = None,
 ) -> jax.Array:
     """Gather rows into token tiles, run the kernel, return the scaled rows ``[M, N]``.
 
@@ -178,18 +189,24 @@ def run_tiles(
     ``row_index``: int32 ``[T, block_m]`` source row of each tile slot (``M`` = a zero row);
     ``row_slot``: int32 ``[M]`` tile slot of each row (``T * block_m`` = a zero row), or an
     int M: the first M slots (``rows_from_tiles``). The kernel stores ``out_dtype`` when K is
-    not split, float32 partial sums otherwise.
+    not split, float32 partial sums otherwise. ``live_tiles``: the tiles expected to hold rows
+    (static; None: all ``T``), what the split-K choice counts. ``operand_rows``: per operand,
+    its own ``[T, block_m]`` source rows (an operand of distinct rows, ``w4a4_grouped``);
+    None: ``row_index`` for every operand.
     """
-    tiles = gather_tiles(b_rows, row_index, jnp.dtype(w.mma_dtype), w.k_pad)
+    operand_rows = operand_rows or (row_index,) * len(b_rows)
+    tiles = tuple(gather_tiles((b,), idx, jnp.dtype(w.mma_dtype), w.k_pad)[0]
+                  for b, idx in zip(b_rows, operand_rows, strict=True))
     num_sms = config.num_sms or _num_sms()
     check_n_group(config.n_group, w.n_pad)
+    tiles_used = live_tiles or row_index.shape[0]
     k_splits = config.k_splits or auto_k_splits(
-        row_index.shape[0] * (w.n_pad // N_TILE // config.n_group), w.k_pad // K_TILE, num_sms
+        tiles_used * (w.n_pad // N_TILE // config.n_group), w.k_pad // K_TILE, num_sms
     )
     tcfg = config.tile_config(k_splits, num_sms, config.n_group)
     out = nvfp4_tile_gemm(
         tiles, w, tile_expert, num_tiles, config=tcfg, interpret=interpret,
-        col_scales=slot_scales(row_scales, row_index, tile_expert, w),
+        col_scales=slot_scales(row_scales, operand_rows, tile_expert, w),
         out_dtype=stored_dtype(out_dtype, k_splits),
     )
     return rows_from_tiles(out, row_slot, w.n, out_dtype)

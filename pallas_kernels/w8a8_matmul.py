@@ -25,7 +25,12 @@ from pallas_kernels.fp8_tiles_mgpu import (
 )
 from pallas_kernels.layout import N_TILE
 from pallas_kernels.nvfp4_tiles_mgpu import _num_sms
-from pallas_kernels.w4a4_grouped import _check_group_sizes, grouped_block_m, tile_plan
+from pallas_kernels.w4a4_grouped import (
+    _check_group_sizes,
+    expected_tiles,
+    grouped_block_m,
+    tile_plan,
+)
 from pallas_kernels.w4a4_matmul import (
     auto_k_splits,
     dense_plan,
@@ -85,13 +90,14 @@ def _act_scale(qx: fp8.FP8Tensor, m: int) -> jax.Array:
 
 
 def _run(qx: fp8.FP8Tensor, w, row_index, row_slot, tile_expert, num_tiles, config, interpret,
-         out_dtype) -> jax.Array:
-    """Tiles through the kernel; the scales are applied in its epilogue: ``[M, N]``."""
+         out_dtype, live_tiles: int | None = None) -> jax.Array:
+    """Tiles through the kernel; the scales are applied in its epilogue: ``[M, N]``
+    (``live_tiles`` as ``w4a4_matmul.run_tiles``)."""
     m = qx.data.shape[0]
     (tiles,) = gather_tiles((qx.data,), row_index, jnp.float8_e4m3fn, w.k_pad)
     num_sms = config.num_sms or _num_sms()
     k_splits = config.k_splits or auto_k_splits(
-        row_index.shape[0] * (w.n_pad // N_TILE), w.k_pad // K_TILE, num_sms)
+        (live_tiles or row_index.shape[0]) * (w.n_pad // N_TILE), w.k_pad // K_TILE, num_sms)
     cfg = FP8GemmConfig(k_splits, config.max_concurrent_steps, num_sms)
     act = jnp.pad(_act_scale(qx, m)[:, 0], (0, 1))[row_index][:, None]  # [T, 1, block_m]
     out = fp8_tile_gemm((tiles,), w, tile_expert, num_tiles, config=cfg, interpret=interpret,
@@ -138,7 +144,7 @@ def w8a8_grouped_matmul(x_sorted: jax.Array, w_q, group_sizes: jax.Array, *,
     block_m = config.block_m or grouped_block_m(m, e)
     row_index, tile_expert, num_tiles, row_slot = tile_plan(gs, m, block_m)
     return _run(qx, w, row_index, row_slot, tile_expert, num_tiles, config, interpret,
-                x_sorted.dtype)
+                x_sorted.dtype, live_tiles=expected_tiles(m, e, block_m))
 
 
 def w8a8_reference(x: jax.Array, w_q: fp8.FP8Tensor, group_sizes: jax.Array | None = None, *,

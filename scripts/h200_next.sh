@@ -7,11 +7,12 @@
 #
 # Steps (about 3-4 minutes each; at most two per call):
 #   check  the GPU checks of every kernel path (bench_kernels --part check, then check-grouped)
+#   gcheck the grouped W4A4 / W4A16 and the FP8 checks alone (check-grouped)
 #   b128   the four arms at batch 128 / prompt 256, traced (the reference row)
 #   b32    the four arms at batch 32 / prompt 256
 #   b256   the four arms at batch 256 / prompt 256 (rows still missing in docs/BENCHMARKS.md)
 #   p1024  nvfp4_rac and bf16 at batch 128 / prompt 1024
-#   prof   nvfp4_rac, nvfp4 and bf16 at batch 128, traced with the top 120 kernels per arm, and
+#   prof   the four arms at batch 128, traced with the top 120 kernels per arm, and
 #          the decode programs' optimized HLO ($OUT/hlo.tgz) to name each fusion of the trace
 #   hlo    nvfp4 at batch 128 with the decode program's optimized HLO dumped to $OUT/hlo (what
 #          the 386 small `memcpy32_post` copies per step and the MoE block's fusions are)
@@ -41,6 +42,7 @@ short="--decode-steps 16 --reps 2 --prefill-reps 1"
 for step in "$@"; do
   case $step in
     check) check check 170; check check-grouped 120 ;;
+    gcheck) check check-grouped 120 ;;
     b128) rollout b128 250 --quick --profile-steps 4 --precisions $ALL --budget-s 200 ;;
     b32) rollout b32 220 --batches 32 --prompts 256 $short --precisions $ALL --budget-s 170 ;;
     b256) rollout b256 280 --batches 256 --prompts 256 $short --precisions $ALL --budget-s 220 ;;
@@ -48,11 +50,11 @@ for step in "$@"; do
       --budget-s 170 ;;
     prof) XLA_FLAGS="--xla_dump_to=/tmp/hlo_prof --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout prof 300 --quick --profile-steps 4 --profile-top 120 \
-      --precisions nvfp4_rac,nvfp4,bf16 --budget-s 240
+      --precisions nvfp4_rac,nvfp4,bf16,fp8 --budget-s 250
       (cd /tmp/hlo_prof && tar czf "$OUT/hlo.tgz" $(ls | grep -E "after_optimizations.txt$"))
       ls -la "$OUT" ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
-    *) echo "unknown step $step (check b128 b32 b256 p1024 prof hlo)"; exit 2 ;;
+    *) echo "unknown step $step (check gcheck b128 b32 b256 p1024 prof hlo)"; exit 2 ;;
   esac
 done

@@ -122,15 +122,18 @@ def _materialized(y: jax.Array) -> jax.Array:
 
 
 def _grouped(mode: str):
-    def fn(x: jax.Array, w, group_sizes: jax.Array, *, recipe, site: str, interpret: bool):
+    def fn(x: jax.Array, w, group_sizes: jax.Array, *, recipe, site: str, interpret: bool,
+           source_rows: jax.Array | None = None):
         del site
         w, blocks, scale = _unpack(w, mode, recipe)
         config = _config(interpret, w.mma_dtype)
         gs = jnp.asarray(group_sizes, jnp.int32)
         if mode == "w4a16_nvfp4":
+            x = x if source_rows is None else x[source_rows]
             y = w4a16_grouped_matmul(x, w, gs, config=config, interpret=interpret)
         else:
             y = w4a4_grouped_matmul(x, w, gs, config=config, interpret=interpret,
+                                    source_rows=source_rows,
                                     **_w4a4_kwargs(mode, recipe, blocks, scale))
         return _materialized(y)
 
@@ -167,4 +170,4 @@ ops.register_kernel("w8a8_fp8", "dense", _fp8_dense)
 ops.register_kernel("w8a8_fp8", "grouped", _fp8_grouped)
 for _mode in ("w4a4_nvfp4", "w4a4_nvfp4_rac", "w4a16_nvfp4"):
     ops.register_kernel(_mode, "dense", _dense(_mode))
-    ops.register_kernel(_mode, "grouped", _grouped(_mode))
+    ops.register_kernel(_mode, "grouped", _grouped(_mode), source_rows=_mode != "w4a16_nvfp4")

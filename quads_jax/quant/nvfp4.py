@@ -226,21 +226,40 @@ def block_scales_and_reciprocals(x_blocks: jax.Array, g: jax.Array) -> tuple[jax
     return s_e4m3[..., 0], r
 
 
-def quantize(
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NVFP4Codes:
+    """An ``NVFP4Tensor`` before its codes are packed two per byte: what ``quantize_codes``
+    computes, ``dequantize`` reads and the W4A4 kernels' activation operands are built from.
+    A jitted program that never asks for the packed bytes never computes them (XLA cannot fold
+    a pack followed by an unpack: both are bit operations of their own fusions).
+
+    Attributes:
+      codes: uint8 ``[..., K]`` E2M1 codes in [0, 16).
+      scales, global_scale, dtype: as ``NVFP4Tensor``.
+    """
+
+    codes: jax.Array
+    scales: jax.Array
+    global_scale: jax.Array
+    dtype: jnp.dtype = dataclasses.field(default=jnp.dtype(jnp.bfloat16), metadata={"static": True})
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.codes.shape)
+
+    def pack(self) -> NVFP4Tensor:
+        """The packed tensor (the interchange format), bit for bit what ``quantize`` returns."""
+        return NVFP4Tensor(pack_codes(self.codes), self.scales, self.global_scale, self.dtype)
+
+
+def quantize_codes(
     x: jax.Array,
     *,
     global_scale: jax.Array | None = None,
     scale_mode: ScaleMode = "tensor",
-) -> NVFP4Tensor:
-    """Quantize ``x [..., K]`` (bf16, f16 or f32; K % 16 == 0) to NVFP4.
-
-    Args:
-      x: the array; blocks of 16 along the last axis.
-      global_scale: optional float32 decode scale ``g`` of ``global_scale_shape(x.shape,
-        scale_mode)`` (e.g. from ``shared_global_scale``); computed from ``x`` when None.
-      scale_mode: "tensor" (one scale), "row" (one per ``[..., :]`` row) or "expert" (one per
-        2-D matrix of a stacked ``[..., N, K]``, e.g. per expert of ``[E, N, K]``).
-    """
+) -> NVFP4Codes:
+    """``quantize`` without the packing step: same codes, block scales and global scale."""
     x = jnp.asarray(x) if not isinstance(x, jax.Array) else x
     _check_input(x)
     _check_mode(scale_mode, x.ndim)
@@ -262,25 +281,55 @@ def quantize(
     g_b = g[..., None]  # broadcast against [..., K/16, 1]
     s_e4m3, r = block_scales_and_reciprocals(blocks, g_b)
     codes = round_to_e2m1_code(blocks.astype(jnp.float32) * r).reshape(x.shape)
-    return NVFP4Tensor(
-        packed=pack_codes(codes), scales=s_e4m3, global_scale=g, dtype=jnp.dtype(x.dtype)
-    )
+    return NVFP4Codes(codes=codes, scales=s_e4m3, global_scale=g, dtype=jnp.dtype(x.dtype))
 
 
-def dequantize(q: NVFP4Tensor, dtype: jnp.dtype | None = jnp.float32) -> jax.Array:
-    """``(e2m1(code) * s_b) * g`` in float32, cast to ``dtype`` (None: the logical dtype)."""
-    if not isinstance(q, NVFP4Tensor):
-        raise ValueError(f"dequantize expects an NVFP4Tensor, got {type(q).__name__}")
-    vals = e2m1_code_to_float(unpack_codes(q.packed))
+def quantize(
+    x: jax.Array,
+    *,
+    global_scale: jax.Array | None = None,
+    scale_mode: ScaleMode = "tensor",
+) -> NVFP4Tensor:
+    """Quantize ``x [..., K]`` (bf16, f16 or f32; K % 16 == 0) to NVFP4.
+
+    Args:
+      x: the array; blocks of 16 along the last axis.
+      global_scale: optional float32 decode scale ``g`` of ``global_scale_shape(x.shape,
+        scale_mode)`` (e.g. from ``shared_global_scale``); computed from ``x`` when None.
+      scale_mode: "tensor" (one scale), "row" (one per ``[..., :]`` row) or "expert" (one per
+        2-D matrix of a stacked ``[..., N, K]``, e.g. per expert of ``[E, N, K]``).
+    """
+    return quantize_codes(x, global_scale=global_scale, scale_mode=scale_mode).pack()
+
+
+def codes_of(q: NVFP4Tensor | NVFP4Codes) -> jax.Array:
+    """uint8 codes ``[..., K]`` of a packed or unpacked NVFP4 tensor."""
+    if isinstance(q, NVFP4Codes):
+        return q.codes
+    if isinstance(q, NVFP4Tensor):
+        return unpack_codes(q.packed)
+    raise ValueError(f"expected an NVFP4Tensor or NVFP4Codes, got {type(q).__name__}")
+
+
+def unscaled_values(q: NVFP4Tensor | NVFP4Codes) -> jax.Array:
+    """float32 ``e2m1(code) * s_b`` ``[..., K]``, without the global scale (exact in bf16/f16)."""
+    vals = e2m1_code_to_float(codes_of(q))
     k = vals.shape[-1]
     vals = vals.reshape(vals.shape[:-1] + (k // BLOCK_SIZE, BLOCK_SIZE))
-    out = (vals * q.scales.astype(jnp.float32)[..., None]) * q.global_scale[..., None]
-    return out.reshape(q.shape).astype(q.dtype if dtype is None else dtype)
+    return (vals * q.scales.astype(jnp.float32)[..., None]).reshape(q.shape)
+
+
+def dequantize(q: NVFP4Tensor | NVFP4Codes, dtype: jnp.dtype | None = jnp.float32) -> jax.Array:
+    """``(e2m1(code) * s_b) * g`` in float32, cast to ``dtype`` (None: the logical dtype)."""
+    if not isinstance(q, NVFP4Tensor | NVFP4Codes):
+        raise ValueError(f"dequantize expects an NVFP4Tensor or NVFP4Codes, got {type(q).__name__}")
+    out = unscaled_values(q) * q.global_scale  # [], [..., 1] or [..., 1, 1]: broadcasts
+    return out.astype(q.dtype if dtype is None else dtype)
 
 
 def qdq(x: jax.Array, *, global_scale=None, scale_mode: ScaleMode = "tensor") -> jax.Array:
     """Quantize then dequantize, returned in ``x.dtype``."""
-    q = quantize(x, global_scale=global_scale, scale_mode=scale_mode)
+    q = quantize_codes(x, global_scale=global_scale, scale_mode=scale_mode)
     return dequantize(q, x.dtype)
 
 
@@ -293,6 +342,6 @@ def fake_quant(x: jax.Array, *, global_scale=None, scale_mode: ScaleMode = "tens
     return straight_through(x, y)
 
 
-def residual(x: jax.Array, q: NVFP4Tensor) -> jax.Array:
+def residual(x: jax.Array, q: NVFP4Tensor | NVFP4Codes) -> jax.Array:
     """``x - dequantize(q)`` in float32: the activation residual that RAC compensates."""
     return x.astype(jnp.float32) - dequantize(q, jnp.float32)

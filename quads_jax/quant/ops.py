@@ -19,7 +19,8 @@ The jnp code of each mode below is the ground truth for the Pallas kernels. Exac
 Kernel hook: ``register_kernel(mode, "dense"|"grouped", fn)``. With ``recipe.backend == "auto"``
 on a GPU, or ``"interpret"`` anywhere, a registered kernel replaces the jnp path; it is called as
 ``fn(x, w, *, recipe, site, interpret)`` / ``fn(x, w, group_sizes, *, recipe, site, interpret)``
-with ``x`` 2-D ``[M, K]``; its result (any float dtype) is cast to ``x.dtype`` (or ``linear``'s
+with ``x`` 2-D ``[M, K]`` (a grouped kernel registered with ``source_rows=True`` is also given
+``source_rows=`` and then gets the distinct rows, see ``grouped_linear``); its result (any float dtype) is cast to ``x.dtype`` (or ``linear``'s
 ``out_dtype``) here. ``quads_jax.quant.kernel_backend`` (the kernels' module) is imported lazily
 the first time a kernel could run.
 
@@ -47,6 +48,7 @@ from quads_jax.quant.recipe import FP8_WEIGHT_MODES, MODES, NVFP4_WEIGHT_MODES, 
 
 KERNEL_KINDS = ("dense", "grouped")
 _KERNELS: dict[tuple[str, str], Callable] = {}
+_TAKES_SOURCE_ROWS: set[tuple[str, str]] = set()  # grouped kernels that gather rows themselves
 _KERNEL_MODULE = "quads_jax.quant.kernel_backend"
 _kernel_module_loaded = False
 _recorders: list[list] = []  # active ``record_inputs`` contexts
@@ -54,13 +56,21 @@ _BF16_RECIPE = QuantRecipe(name="bf16")
 
 
 # ------------------------------------------------------------------------------ kernel registry
-def register_kernel(mode: str, kind: str, fn: Callable) -> None:
-    """Register a kernel for ``mode`` (one of recipe.MODES) and ``kind`` (dense | grouped)."""
+def register_kernel(mode: str, kind: str, fn: Callable, *, source_rows: bool = False) -> None:
+    """Register a kernel for ``mode`` (one of recipe.MODES) and ``kind`` (dense | grouped).
+
+    ``source_rows``: a grouped kernel that takes ``source_rows=`` (``grouped_linear``'s distinct
+    rows plus their index); others get the gathered rows."""
     if mode not in MODES:
         raise ValueError(f"register_kernel: mode={mode!r} must be one of {MODES}")
     if kind not in KERNEL_KINDS:
         raise ValueError(f"register_kernel: kind={kind!r} must be one of {KERNEL_KINDS}")
+    if source_rows and kind != "grouped":
+        raise ValueError("register_kernel: source_rows=True is for grouped kernels only")
     _KERNELS[(mode, kind)] = fn
+    _TAKES_SOURCE_ROWS.discard((mode, kind))
+    if source_rows:
+        _TAKES_SOURCE_ROWS.add((mode, kind))
 
 
 def registered_kernels() -> tuple[tuple[str, str], ...]:
@@ -152,11 +162,9 @@ def fake_quant_weight(w, mode: str, site: str, recipe: QuantRecipe) -> jax.Array
     return nvfp4.fake_quant(w, scale_mode="expert")
 
 
-def nvfp4_unscaled(q: nvfp4.NVFP4Tensor) -> jax.Array:
+def nvfp4_unscaled(q: nvfp4.NVFP4Tensor | nvfp4.NVFP4Codes) -> jax.Array:
     """``e2m1(code) * s_b`` without the global scale, bf16 (exact) ``[..., K]``."""
-    vals = rac.block_view(nvfp4.e2m1_code_to_float(nvfp4.unpack_codes(q.packed)))
-    out = vals * q.scales.astype(jnp.float32)[..., None]
-    return out.reshape(q.shape).astype(jnp.bfloat16)
+    return nvfp4.unscaled_values(q).astype(jnp.bfloat16)
 
 
 # ------------------------------------------------------------------------------ matmul cores
@@ -213,14 +221,14 @@ def act_quantize(
     *,
     static_scale: jax.Array | None = None,
     row_expert: jax.Array | None = None,
-) -> nvfp4.NVFP4Tensor:
-    """NVFP4 activations ``[M, K]`` with the recipe's global scale mode (QUADS_SPEC section 5):
+) -> nvfp4.NVFP4Codes:
+    """NVFP4 activations (unpacked codes) ``[M, K]`` with the recipe's global scale mode (QUADS_SPEC section 5):
     per_token (``g [M, 1]``), per_batch (``g []``) or static (calibrated ``[]`` / ``[E]``)."""
     mode = recipe.act_scale_mode
     if mode == "per_token":
-        return nvfp4.quantize(x, scale_mode="row")
+        return nvfp4.quantize_codes(x, scale_mode="row")
     if mode == "per_batch":
-        return nvfp4.quantize(x, scale_mode="tensor")
+        return nvfp4.quantize_codes(x, scale_mode="tensor")
     if static_scale is None:
         raise ValueError(
             "act_scale_mode='static' needs a calibrated scale: pass the weight as a "
@@ -228,7 +236,7 @@ def act_quantize(
         )
     g = _per_row(static_scale, row_expert) if static_scale.ndim else static_scale
     g = jnp.broadcast_to(jnp.asarray(g, jnp.float32).reshape(-1, 1), (x.shape[0], 1))
-    return nvfp4.quantize(x, global_scale=g, scale_mode="row")
+    return nvfp4.quantize_codes(x, global_scale=g, scale_mode="row")
 
 
 def _rac_residual_product(x, qx, qw, recipe, group_sizes, row_expert, calib) -> jax.Array:
@@ -247,9 +255,9 @@ def _rac_residual_product(x, qx, qw, recipe, group_sizes, row_expert, calib) -> 
         return acc * _per_row(qw.global_scale, row_expert)
     if recipe.rac_residual_scale == "shared":
         scale_mode = "row" if qx.global_scale.ndim else "tensor"
-        q_r = nvfp4.quantize(r_s, global_scale=qx.global_scale, scale_mode=scale_mode)
+        q_r = nvfp4.quantize_codes(r_s, global_scale=qx.global_scale, scale_mode=scale_mode)
     else:
-        q_r = nvfp4.quantize(
+        q_r = nvfp4.quantize_codes(
             r_s, scale_mode="tensor" if recipe.act_scale_mode == "per_batch" else "row"
         )
     return _nvfp4_product(q_r, qw, group_sizes, row_expert)
@@ -341,14 +349,20 @@ def grouped_linear(
     group_sizes: jax.Array,
     site: str,
     recipe: QuantRecipe | None = None,
+    *,
+    source_rows: jax.Array | None = None,
 ) -> jax.Array:
     """Grouped ``y[m] = x[m] @ W[e(m)]^T`` for rows sorted by expert.
 
     Args:
-      x_sorted: ``[M, K]``, rows of expert 0 first, then expert 1, ...
+      x_sorted: ``[M, K]``, rows of expert 0 first, then expert 1, ...; with ``source_rows``
+        the distinct rows ``[R, K]`` that the sorted rows are taken from.
       w: ``[E, N, K]`` master array / ``NVFP4Tensor`` / ``FP8Tensor`` / ``CalibratedWeight``.
       group_sizes: int32 ``[E]``, rows per expert (zeros allowed; sum <= M, rows past the sum
         get zeros).
+      source_rows: None, or int32 ``[M]``: sorted row ``i`` is ``x_sorted[source_rows[i]]``
+        (a MoE token's k slots share one row). Same result as passing the gathered rows; a
+        kernel registered with ``source_rows=True`` quantizes each distinct row once.
     Returns ``[M, N]`` in ``x_sorted.dtype``.
     """
     recipe = recipe or _BF16_RECIPE
@@ -358,15 +372,24 @@ def grouped_linear(
             f"site {site!r}: group_sizes shape {tuple(group_sizes.shape)} must be "
             f"({w.shape[0]},), one per expert of the weight"
         )
+    if source_rows is not None and (source_rows.ndim != 1
+                                    or not jnp.issubdtype(source_rows.dtype, jnp.integer)):
+        raise ValueError(f"site {site!r}: source_rows {source_rows.dtype}"
+                         f"{list(source_rows.shape)} must be an int vector [M]")
     mode = recipe.mode_for(site)
     group_sizes = group_sizes.astype(jnp.int32)
-    _record(site, x_sorted, group_sizes)
     kernel = _kernel_for(mode, "grouped", recipe)
+    kw = dict(recipe=recipe, site=site, interpret=recipe.backend == "interpret")
+    if source_rows is not None and (mode, "grouped") in _TAKES_SOURCE_ROWS and kernel is not None:
+        if _recorders:
+            _record(site, x_sorted[source_rows], group_sizes)
+        y = kernel(x_sorted, w, group_sizes, source_rows=source_rows.astype(jnp.int32), **kw)
+        return y.astype(x_sorted.dtype)
+    if source_rows is not None:
+        x_sorted = x_sorted[source_rows]
+    _record(site, x_sorted, group_sizes)
     if kernel is not None:
-        y = kernel(
-            x_sorted, w, group_sizes, recipe=recipe, site=site,
-            interpret=recipe.backend == "interpret",
-        )
+        y = kernel(x_sorted, w, group_sizes, **kw)
     else:
         y = _reference(x_sorted, w, mode, site, recipe, group_sizes)
     return y.astype(x_sorted.dtype)

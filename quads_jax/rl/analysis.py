@@ -69,8 +69,8 @@ def _gemm_errors(x: jax.Array, w: jax.Array, recipe) -> dict[str, jax.Array]:
 
 
 def _flip_rate(x_trainer: jax.Array, x_rollout: jax.Array, recipe) -> jax.Array:
-    a = nvfp4.unpack_codes(ops.act_quantize(x_trainer, recipe).packed)
-    b = nvfp4.unpack_codes(ops.act_quantize(x_rollout, recipe).packed)
+    a = ops.act_quantize(x_trainer, recipe).codes
+    b = ops.act_quantize(x_rollout, recipe).codes
     return jnp.mean((a != b).astype(jnp.float32))
 
 

@@ -12,6 +12,7 @@ from quads_jax.models import (
     KVCache,
     forward,
     init_params,
+    moe,
     param_sites,
     split_layer_groups,
 )
@@ -69,6 +70,19 @@ def test_sparse_moe_equals_dense_reference(params, norm_topk):
     y_ref = moe_dense_reference(c, p, x)
     np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), atol=2e-5, rtol=1e-5)
     assert float(jnp.abs(y).max()) > 1e-2
+
+
+@pytest.mark.parametrize("slots,limit", [(96, None), (96, 0), (1, None)])
+def test_sort_slots_is_the_stable_argsort(slots, limit, monkeypatch):
+    """Counting (decode) and sorting (above the pair limit) give jnp's stable argsort."""
+    if limit is not None:
+        monkeypatch.setattr(moe, "PAIRWISE_SORT_LIMIT", limit)
+    ids = jax.random.randint(jax.random.key(slots), (slots,), 0, 7).astype(jnp.int32)
+    order, inverse, counts = moe.sort_slots(ids, 7)
+    want = np.argsort(np.asarray(ids), kind="stable")
+    np.testing.assert_array_equal(order, want)
+    np.testing.assert_array_equal(np.asarray(order)[np.asarray(inverse)], np.arange(slots))
+    np.testing.assert_array_equal(counts, np.bincount(np.asarray(ids), minlength=7))
 
 
 def test_moe_block_gradients_match_dense_reference(params):

@@ -4,6 +4,8 @@ loop, straight-through gradients, the kernel hook, bad inputs."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -119,6 +121,36 @@ def test_grouped_equals_per_expert_loop(data, mode):
             np.testing.assert_allclose(f64(y[start:start + n]), f64(ref), rtol=1e-2,
                                        atol=1e-2 * float(jnp.abs(ref).max()))
         start += n
+
+
+@pytest.mark.parametrize("mode", ["bf16", "w4a4_nvfp4_rac"])
+def test_grouped_source_rows_equal_the_gathered_rows(data, mode, monkeypatch):
+    """``source_rows``: the distinct rows plus their index give the gathered rows' result; a
+    kernel registered with ``source_rows=True`` gets them as they are, others gathered."""
+    x, _, we = data
+    recipe = recipe_for(mode)
+    src = jnp.asarray([3, 3, 0, 5, 1, 1, 1, 7, 2], jnp.int32)
+    gs = jnp.asarray([4, 0, 5, 0], jnp.int32)
+    xb = x.astype(jnp.bfloat16)
+    want = ops.grouped_linear(xb[src], we, gs, SITE, recipe)
+    np.testing.assert_array_equal(ops.grouped_linear(xb, we, gs, SITE, recipe, source_rows=src),
+                                  want)
+    seen = []
+
+    def kernel(x, w, group_sizes, *, recipe, site, interpret, source_rows=None):
+        seen.append((x.shape[0], source_rows is not None))
+        return jnp.zeros((src.shape[0], w.shape[1]), jnp.float32)
+
+    monkeypatch.setattr(ops, "_KERNELS", {})
+    monkeypatch.setattr(ops, "_TAKES_SOURCE_ROWS", set())
+    monkeypatch.setattr(ops, "_kernel_module_loaded", True)
+    interp = dataclasses.replace(recipe, backend="interpret")
+    for takes in (True, False):
+        ops.register_kernel(mode, "grouped", kernel, source_rows=takes)
+        ops.grouped_linear(xb, we, gs, SITE, interp, source_rows=src)
+    assert seen == [(xb.shape[0], True), (src.shape[0], False)]
+    with pytest.raises(ValueError, match="grouped kernels only"):
+        ops.register_kernel(mode, "dense", kernel, source_rows=True)
 
 
 def test_w4a4_bf16_operands_are_exact(data):
