@@ -37,6 +37,8 @@ from pallas_kernels.nvfp4_tiles_mgpu import (
     _num_sms,
     check_col_scales,
     check_schedule,
+    pipeline_stages,
+    run_work_items,
     store_transposed,
     work_item,
 )
@@ -129,11 +131,13 @@ class FP8GemmConfig:
       k_splits: K ranges computed by different CTAs; must divide ``Kp // 128``.
       max_concurrent_steps: pipeline depth (SMEM stages of weights + activations).
       num_sms: persistent CTAs; None = the device's SM count.
+      chain_items: chain the work items' pipelines (``nvfp4_tiles_mgpu.run_work_items``).
     """
 
     k_splits: int = 1
     max_concurrent_steps: int = 4
     num_sms: int | None = None
+    chain_items: bool = True
 
     def __post_init__(self):
         check_schedule(self)
@@ -184,12 +188,11 @@ def fp8_tile_gemm(
     k_steps = k_steps_total // config.k_splits
     n_tiles = n_pad // N_TILE
     num_sms = config.num_sms or _num_sms()
-    num_work = t_max * n_tiles * config.k_splits
     out_dtype = jnp.dtype(out_dtype)
     check_col_scales(col_scales, (t_max, 1, block_m))
     stage_bytes = N_TILE * K_TILE + block_m * K_TILE
-    stages = min(config.max_concurrent_steps, k_steps,
-                 (SMEM_BYTES - N_TILE * block_m * out_dtype.itemsize) // stage_bytes)
+    stages = pipeline_stages(config.max_concurrent_steps, k_steps,
+                             (SMEM_BYTES - N_TILE * block_m * out_dtype.itemsize) // stage_bytes)
 
     in_specs = [
         plgpu.BlockSpec((N_TILE, K_TILE), lambda k: (k, 0), transforms=_swizzled()),
@@ -198,10 +201,11 @@ def fp8_tile_gemm(
 
     def kernel(tile_expert_gmem, num_tiles_gmem, w_gmem, ws_gmem, cs_gmem, b_gmem, out_gmem,
                out_smem):
-        def get_pipeline(body, compute_context):
+        def get_pipeline(body, compute_context, state=None):
             return plgpu.emit_pipeline_warp_specialized(
                 body, grid=(k_steps,), memory_registers=40, in_specs=in_specs, wg_axis="wg",
-                num_compute_wgs=1, max_concurrent_steps=stages, compute_context=compute_context)
+                num_compute_wgs=1, max_concurrent_steps=stages, compute_context=compute_context,
+                pipeline_state=state)
 
         ignore = lambda *_, **__: None  # noqa: E731
 
@@ -212,9 +216,8 @@ def fp8_tile_gemm(
             collective_axes="wg",
         )
         def _pipeline_scope(pipeline_allocs):
-            @plgpu.nd_loop((num_work,), collective_axes="sm")
-            def _work_loop(loop_info: plgpu.NDLoopInfo):
-                split, ni, t = work_item(loop_info.index[0], config.k_splits, n_tiles)
+            def work_body(idx):
+                split, ni, t = work_item(idx, config.k_splits, n_tiles)
                 expert = tile_expert_gmem[t]
 
                 def compute_context(eval_pipeline):
@@ -242,13 +245,13 @@ def fp8_tile_gemm(
                     plgpu.wgmma_wait(0)
                     return acc
 
-                @pl.when(t < num_tiles_gmem[0])
-                def _run():
-                    get_pipeline(mma_body, compute_context)(
-                        w_gmem.at[expert, ni, pl.ds(split * k_steps * N_TILE, k_steps * N_TILE)],
-                        b_gmem.at[t, :, pl.ds(split * k_steps * K_TILE, k_steps * K_TILE)],
-                        allocations=pipeline_allocs,
-                    )
+                refs = (w_gmem.at[expert, ni, pl.ds(split * k_steps * N_TILE, k_steps * N_TILE)],
+                        b_gmem.at[t, :, pl.ds(split * k_steps * K_TILE, k_steps * K_TILE)])
+                return refs, mma_body, compute_context
+
+            run_work_items(get_pipeline, pipeline_allocs,
+                           num_tiles_gmem[0] * (n_tiles * config.k_splits), config.chain_items,
+                           work_body)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

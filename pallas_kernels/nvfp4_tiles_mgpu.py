@@ -82,6 +82,9 @@ class TileGemmConfig:
         work item restarts the copy pipeline once per group. Must divide the weight's 128-row
         tile count. Those savings did not show on the H200: the rollout's kernel time was the
         same at 2 as at 1 (``W4A4MatmulConfig.n_group``).
+      chain_items: chain the pipelines of an SM's work items (``run_work_items``): the copies
+        of the next item start while the current one computes. The pipeline depth is then the
+        deepest that divides the item's K steps (``pipeline_stages``).
     """
 
     k_splits: int = 1
@@ -92,6 +95,7 @@ class TileGemmConfig:
     mma_overlap: int = 0
     ablation: str | None = None
     n_group: int = 1
+    chain_items: bool = True
 
     def __post_init__(self):
         check_schedule(self)
@@ -122,6 +126,45 @@ def check_n_group(n_group: int, n_pad: int) -> None:
     if (n_pad // N_TILE) % n_group:
         raise ValueError(f"n_group={n_group} does not divide the {n_pad // N_TILE} weight-row "
                          f"tiles of {N_TILE} (N padded to {n_pad})")
+
+
+def pipeline_stages(max_stages: int, k_steps: int, smem_limit: int) -> int:
+    """The deepest pipeline (<= ``max_stages`` and the SMEM limit) whose depth divides the
+    work item's ``k_steps``: chained pipelines (``run_work_items``) need that. 0: none fits."""
+    cap = min(max_stages, k_steps, smem_limit)
+    return max((d for d in range(1, cap + 1) if k_steps % d == 0), default=0)
+
+
+def run_work_items(make_pipeline, allocations, num_live_work, chain: bool, work_body) -> None:
+    """The persistent work loop over the ``num_live_work`` live items (a run-time count, so
+    tiles past ``num_tiles`` cost nothing), each item one pipeline over its K steps.
+
+    ``work_body(idx) -> (gmem refs, body, compute_context)`` for item ``idx``;
+    ``make_pipeline(body, compute_context, state)`` emits the pipeline. With ``chain`` an SM's
+    pipelines are chained (``pipeline_state`` START / STEADY / STOP): the copy warpgroup runs
+    on into the next item's first K steps while the compute warpgroups finish the current one,
+    so an item does not start with an empty pipeline (an HBM round trip per item, with 3 to 8
+    K steps per item in decode). An SM with one item runs it unchained.
+    """
+
+    @plgpu.nd_loop((num_live_work,), collective_axes="sm")
+    def _work_loop(loop_info: plgpu.NDLoopInfo):
+        refs, body, context = work_body(loop_info.index[0])
+        if not chain:
+            make_pipeline(body, context, None)(*refs, allocations=allocations)
+            return
+        j, n = loop_info.local_index, loop_info.num_local_steps
+        stages = plgpu.PipelinePipeline
+        state = jnp.where(j == 0, int(stages.START),
+                          jnp.where(j == n - 1, int(stages.STOP), int(stages.STEADY)))
+
+        @pl.when(n == 1)
+        def _alone():
+            make_pipeline(body, context, None)(*refs, allocations=allocations)
+
+        @pl.when(n > 1)
+        def _chained():
+            make_pipeline(body, context, state.astype(jnp.int32))(*refs, allocations=allocations)
 
 
 def check_col_scales(col_scales: jax.Array, shape: tuple[int, ...]) -> None:
@@ -288,13 +331,13 @@ def nvfp4_tile_gemm(
         out_dtype, num_out = jnp.dtype(out_dtype), 1
         check_col_scales(col_scales, (t_max, num_acc, block_m))
     num_sms = config.num_sms or _num_sms()
-    num_work = t_max * n_items * config.k_splits
     item = mma_dtype.itemsize
     stage_bytes = (n_group * (N_TILE * KW_TILE * 2 + (K_TILE // 16) * N_TILE * item)
                    + num_acc * block_m * K_TILE * item)
     fixed = NUM_COMPUTE_WGS * WG_ROWS * (block_m * out_dtype.itemsize
                                          + (CHUNK * item if config.a_via_smem else 0))
-    stages = min(config.max_concurrent_steps, k_steps, (SMEM_BYTES - fixed) // stage_bytes)
+    stages = pipeline_stages(config.max_concurrent_steps, k_steps,
+                             (SMEM_BYTES - fixed) // stage_bytes)
     if stages < 1:
         raise ValueError(
             f"block_m={block_m} with {num_acc} activation operand(s) needs {stage_bytes + fixed} "
@@ -323,7 +366,7 @@ def nvfp4_tile_gemm(
         out_gmem, out_smem = rest[num_acc], rest[num_acc + 1]
         a_smem = rest[num_acc + 2] if config.a_via_smem else None
 
-        def get_pipeline(body, compute_context):
+        def get_pipeline(body, compute_context, state=None):
             return plgpu.emit_pipeline_warp_specialized(
                 body,
                 grid=(k_steps,),
@@ -333,6 +376,7 @@ def nvfp4_tile_gemm(
                 num_compute_wgs=NUM_COMPUTE_WGS,
                 max_concurrent_steps=stages,
                 compute_context=compute_context,
+                pipeline_state=state,
             )
 
         ignore = lambda *_, **__: None  # noqa: E731
@@ -350,9 +394,8 @@ def nvfp4_tile_gemm(
             wg = lax.axis_index("wg")
             rows = pl.ds(wg * WG_ROWS, WG_ROWS)
 
-            @plgpu.nd_loop((num_work,), collective_axes="sm")
-            def _work_loop(loop_info: plgpu.NDLoopInfo):
-                split, gi, t = work_item(loop_info.index[0], config.k_splits, n_items)
+            def work_body(idx):
+                split, gi, t = work_item(idx, config.k_splits, n_items)
                 expert = tile_expert_gmem[t]
 
                 def store(value, j: int, a: int):
@@ -421,18 +464,18 @@ def nvfp4_tile_gemm(
                         plgpu.wgmma_wait(0 if last or a_smem is not None
                                          else config.mma_overlap * num_acc)
 
-                @pl.when(t < num_tiles_gmem[0])
-                def _run():
-                    k_rows = pl.ds(split * k_steps * N_TILE, k_steps * N_TILE)
-                    k_blocks = pl.ds(split * k_steps * (K_TILE // 16), k_steps * (K_TILE // 16))
-                    k_cols = pl.ds(split * k_steps * K_TILE, k_steps * K_TILE)
-                    tiles = pl.ds(gi * n_group, n_group)
-                    get_pipeline(mma_body, compute_context)(
-                        codes_gmem.at[expert, tiles, k_rows],
+                k_rows = pl.ds(split * k_steps * N_TILE, k_steps * N_TILE)
+                k_blocks = pl.ds(split * k_steps * (K_TILE // 16), k_steps * (K_TILE // 16))
+                k_cols = pl.ds(split * k_steps * K_TILE, k_steps * K_TILE)
+                tiles = pl.ds(gi * n_group, n_group)
+                refs = (codes_gmem.at[expert, tiles, k_rows],
                         scales_gmem.at[expert, tiles, k_blocks],
-                        *[b.at[t, :, k_cols] for b in b_gmems],
-                        allocations=pipeline_allocs,
-                    )
+                        *[b.at[t, :, k_cols] for b in b_gmems])
+                return refs, mma_body, compute_context
+
+            run_work_items(get_pipeline, pipeline_allocs,
+                           num_tiles_gmem[0] * (n_items * config.k_splits), config.chain_items,
+                           work_body)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
