@@ -337,6 +337,25 @@ def run_checks():
     return run_grouped_checks() and ok
 
 
+def run_moe_checks():
+    """The decode step's MoE operand path: 256 tokens, top-8 over 128 experts, gate_up's input
+    as distinct token rows plus ``source_rows`` (quantized once per token), +-RAC."""
+    ok = True
+    e, k, n, tokens = S(128, 16, 8), S(2048, 8, 256), S(768, 6, 128), S(256, 16, 4)
+    wq, ww = nvfp4_weight(40, (e, n, k))
+    ids = jax.random.randint(jax.random.key(70), (tokens * min(8, e),), 0, e)
+    order = jnp.argsort(ids, stable=True)
+    gs = jnp.bincount(ids, length=e).astype(jnp.int32)
+    src = (order // min(8, e)).astype(jnp.int32)
+    x = rand(71, (tokens, k), jnp.float32)  # float32 output: the f32 accumulation is compared
+    for r in (None, aq.RACConfig()):
+        ok &= check(f"grouped w4a4{'+RAC' if r else ''} source_rows E=128 tokens={tokens} top-8",
+                    jax.jit(lambda x=x, gs=gs, src=src, r=r: w4a4_grouped_matmul(
+                        x, ww, gs, rac=r, config=kcfg(), source_rows=src)),
+                    lambda r=r: deq_ref(x[src], wq, r, gs), (src.shape[0], n))
+    return ok
+
+
 def run_grouped_checks():
     """The grouped (MoE) checks (NVFP4 +-RAC, W4A16) and both FP8 paths."""
     ok = True
@@ -597,6 +616,9 @@ def main(argv=None):
             write_outputs(args.out)
         elif "check-grouped" in parts:
             run_grouped_checks()
+            write_outputs(args.out)
+        if "check-moe" in parts:
+            run_moe_checks()
             write_outputs(args.out)
         if "mini" in parts:
             run_mini_checks()

@@ -8,6 +8,7 @@
 # Steps (about 3-4 minutes each; at most two per call):
 #   check  the GPU checks of every kernel path (bench_kernels --part check, then check-grouped)
 #   gcheck the grouped W4A4 / W4A16 and the FP8 checks alone (check-grouped)
+#   mcheck the decode MoE operand path: 256 tokens top-8 with source_rows, +-RAC (check-moe)
 #   b128   the four arms at batch 128 / prompt 256, traced (the reference row)
 #   b32    the four arms at batch 32 / prompt 256
 #   b256   the four arms at batch 256 / prompt 256 (rows still missing in docs/BENCHMARKS.md)
@@ -43,6 +44,7 @@ for step in "$@"; do
   case $step in
     check) check check 170; check check-grouped 120 ;;
     gcheck) check check-grouped 120 ;;
+    mcheck) check check-moe 100 ;;
     b128) rollout b128 250 --quick --profile-steps 4 --precisions $ALL --budget-s 200 ;;
     b32) rollout b32 220 --batches 32 --prompts 256 $short --precisions $ALL --budget-s 170 ;;
     b256) rollout b256 280 --batches 256 --prompts 256 $short --precisions $ALL --budget-s 220 ;;
@@ -55,6 +57,6 @@ for step in "$@"; do
       ls -la "$OUT" ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
-    *) echo "unknown step $step (check gcheck b128 b32 b256 p1024 prof hlo)"; exit 2 ;;
+    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof hlo)"; exit 2 ;;
   esac
 done
