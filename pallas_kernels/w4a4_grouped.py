@@ -126,9 +126,14 @@ def operand_tile_rows(acts: aq.QuantizedActivations, row_index: jax.Array) -> tu
     n_ops = 1 if acts.residual is None else 2
     if acts.q_rows is None:
         return (row_index,) * n_ops
-    r = acts.q.shape[0]
-    q_index = jnp.concatenate([acts.q_rows, jnp.full((1,), r, jnp.int32)])[row_index]
+    q_index = source_tile_rows(acts.q_rows, acts.q.shape[0], row_index)
     return (q_index,) + (row_index,) * (n_ops - 1)
+
+
+def source_tile_rows(source_rows: jax.Array, num_rows: int, row_index: jax.Array) -> jax.Array:
+    """``row_index`` (GEMM rows, M = empty slot) mapped to rows of an operand of ``num_rows``
+    distinct rows through ``source_rows [M]`` (empty slots -> ``num_rows``, its zero row)."""
+    return jnp.concatenate([source_rows, jnp.full((1,), num_rows, jnp.int32)])[row_index]
 
 
 def w4a4_grouped_matmul(

@@ -27,8 +27,10 @@ from pallas_kernels.layout import N_TILE
 from pallas_kernels.nvfp4_tiles_mgpu import _num_sms
 from pallas_kernels.w4a4_grouped import (
     _check_group_sizes,
+    check_source_rows,
     expected_tiles,
     grouped_block_m,
+    source_tile_rows,
     tile_plan,
 )
 from pallas_kernels.w4a4_matmul import (
@@ -126,24 +128,35 @@ def w8a8_matmul(x: jax.Array, w_q, *, act_granularity: str = "token",
 
 def w8a8_grouped_matmul(x_sorted: jax.Array, w_q, group_sizes: jax.Array, *,
                         act_granularity: str = "token", config: W8A8MatmulConfig | None = None,
-                        interpret: bool = False) -> jax.Array:
+                        interpret: bool = False,
+                        source_rows: jax.Array | None = None) -> jax.Array:
     """Grouped ``Y[rows of e] = Q8(x) @ Q8(W_e)^T``: ``[M, N]``; rows past the groups are 0.
 
     Args:
       x_sorted: ``[M, K]`` rows sorted by expert. w_q: ``FP8Tensor [E, N, K]`` or stacked
         ``FP8Weights``. group_sizes: int ``[E]`` rows per expert, summing to at most M.
+      source_rows: None, or int32 ``[M]`` with ``x_sorted`` the distinct rows: the sorted rows
+        are ``x_sorted[source_rows]``; per-token scales are then computed once per distinct
+        row (as ``w4a4_grouped_matmul``; same result).
     """
     config = config or W8A8MatmulConfig()
     w = as_fp8_weights(w_q)
     if not w.stacked:
         raise ValueError("w_q: a dense [N, K] weight; w8a8_grouped_matmul needs [E, N, K]")
     _check(x_sorted, w, act_granularity)
-    m, e = x_sorted.shape[0], w.num_experts
+    if source_rows is not None:
+        source_rows = check_source_rows(source_rows, x_sorted.shape[0])
+        if act_granularity != "token":  # a tensor scale spans the GEMM's rows
+            x_sorted, source_rows = x_sorted[source_rows], None
+    m = x_sorted.shape[0] if source_rows is None else source_rows.shape[0]
+    e = w.num_experts
     gs = _check_group_sizes(group_sizes, e, m)
     qx = fp8.quantize(x_sorted, granularity=act_granularity)
     block_m = config.block_m or grouped_block_m(m, e)
     row_index, tile_expert, num_tiles, row_slot = tile_plan(gs, m, block_m)
-    return _run(qx, w, row_index, row_slot, tile_expert, num_tiles, config, interpret,
+    tile_rows = row_index if source_rows is None else source_tile_rows(
+        source_rows, x_sorted.shape[0], row_index)
+    return _run(qx, w, tile_rows, row_slot, tile_expert, num_tiles, config, interpret,
                 x_sorted.dtype, live_tiles=expected_tiles(m, e, block_m))
 
 

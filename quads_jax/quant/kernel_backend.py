@@ -158,16 +158,16 @@ def _fp8_dense(x: jax.Array, w, *, recipe, site: str, interpret: bool) -> jax.Ar
 
 
 def _fp8_grouped(x: jax.Array, w, group_sizes: jax.Array, *, recipe, site: str,
-                 interpret: bool) -> jax.Array:
+                 interpret: bool, source_rows: jax.Array | None = None) -> jax.Array:
     del site
     return _materialized(w8a8_grouped_matmul(
         x, _fp8_weights(w, recipe), jnp.asarray(group_sizes, jnp.int32),
         act_granularity=recipe.fp8_act_granularity, config=_fp8_config(interpret),
-        interpret=interpret))
+        interpret=interpret, source_rows=source_rows))
 
 
 ops.register_kernel("w8a8_fp8", "dense", _fp8_dense)
-ops.register_kernel("w8a8_fp8", "grouped", _fp8_grouped)
+ops.register_kernel("w8a8_fp8", "grouped", _fp8_grouped, source_rows=True)
 for _mode in ("w4a4_nvfp4", "w4a4_nvfp4_rac", "w4a16_nvfp4"):
     ops.register_kernel(_mode, "dense", _dense(_mode))
     ops.register_kernel(_mode, "grouped", _grouped(_mode), source_rows=_mode != "w4a16_nvfp4")

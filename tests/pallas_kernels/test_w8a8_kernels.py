@@ -54,6 +54,20 @@ def test_grouped_interpret_matches_reference_with_empty_and_uneven_groups():
     np.testing.assert_array_equal(np.asarray(y[25:]), 0.0)
 
 
+@pytest.mark.parametrize("act", ["token", "tensor"])
+def test_grouped_source_rows_equal_the_gathered_rows(act):
+    """Distinct rows plus ``source_rows`` (a MoE token's slots): the same result, bit for bit."""
+    w = fp8.quantize(jax.random.normal(jax.random.key(4), (3, 136, 256)), granularity="channel")
+    x = jax.random.normal(jax.random.key(5), (6, 256), jnp.float32)
+    src = jnp.asarray([0, 2, 2, 5, 1, 1, 4, 3, 0, 5], jnp.int32)
+    gs = jnp.asarray([4, 0, 6], jnp.int32)
+    cfg = W8A8MatmulConfig(num_sms=4, block_m=8)
+    y = w8a8_grouped_matmul(x, w, gs, act_granularity=act, config=cfg, interpret=True,
+                            source_rows=src)
+    want = w8a8_grouped_matmul(x[src], w, gs, act_granularity=act, config=cfg, interpret=True)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
+
+
 def test_fp8_kernels_lower_for_cuda():
     def lower(fn, *args):
         with jax.sharding.use_abstract_mesh(H200):
