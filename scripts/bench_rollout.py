@@ -449,6 +449,9 @@ def parse_args(argv):
     p.add_argument("--w4a4-n-group", type=int, choices=(1, 2, 4), default=1,
                    help="weight-row tiles per work item of the NVFP4 kernels "
                    "(W4A4MatmulConfig.n_group)")
+    p.add_argument("--grouped-barrier", action=argparse.BooleanOptionalAction, default=True,
+                   help="the optimization barrier after the grouped kernels "
+                   "(kernel_backend.set_grouped_barrier; an ablation)")
     p.add_argument("--decode-at", choices=("mid", "start"), default="mid",
                    help="time the decode steps at the middle of the generation (default; the "
                    "attention reads the slots written so far) or right after the prompt")
@@ -480,9 +483,10 @@ def main(argv=None) -> int:
     if args.bf16_path:
         BF16_PATH["path"] = args.bf16_path
     models.layers.set_decode_attention(args.decode_attention)
-    if args.w4a4_n_group != 1:
+    if args.w4a4_n_group != 1 or not args.grouped_barrier:
         from quads_jax.quant import kernel_backend
         kernel_backend.set_w4a4_overrides(n_group=args.w4a4_n_group)
+        kernel_backend.set_grouped_barrier(args.grouped_barrier)
     clock = Clock(args.budget_s)
     os.makedirs(args.out, exist_ok=True)
     open(os.path.join(args.out, "rollout.jsonl"), "w").close()
@@ -492,7 +496,8 @@ def main(argv=None) -> int:
     bandwidth = copy_bandwidth(2**32 if gpu else 2**26)
     record(args.out, dict(kind="device", device=str(device.device_kind), jax=jax.__version__,
                           commit=args.commit, decode_attention=args.decode_attention,
-                          w4a4_n_group=args.w4a4_n_group, copy_bandwidth_TBps=bandwidth / 1e12,
+                          w4a4_n_group=args.w4a4_n_group, grouped_barrier=args.grouped_barrier,
+                          copy_bandwidth_TBps=bandwidth / 1e12,
                           date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())))
     if args.ragged and gpu:
         rows = bench_ragged_dot(cfg, [1024, 32768], 5)

@@ -113,12 +113,26 @@ def _dense(mode: str):
     return fn
 
 
+_GROUPED_BARRIER = {"on": True}
+
+
+def set_grouped_barrier(on: bool) -> None:
+    """Ablation: keep (True, the default) or drop the optimization barrier after the grouped
+    kernels (``_materialized``); takes effect at the next trace."""
+    if not isinstance(on, bool):
+        raise ValueError(f"set_grouped_barrier: on={on!r}; need True or False")
+    _GROUPED_BARRIER["on"] = on
+
+
 def _materialized(y: jax.Array) -> jax.Array:
     """The grouped result as its own buffer. Without the barrier XLA fused the kernel's
     row-slot gather and scaling into the MoE block's unsort-and-combine, recomputing them per
     element: on the H200 that fusion took 53 us per layer in the nvfp4 decode step, where the
-    bf16 arm's unsort of a materialized result took 4 us (2026-12-03, docs/bench/rollout.md)."""
-    return jax.lax.optimization_barrier(y)
+    bf16 arm's unsort of a materialized result took 4 us (2026-12-03, docs/bench/rollout.md).
+    Since the kernels store token-major tiles the read-back is a plain row gather, which the
+    barrier now forces into a buffer of its own (5.1 us per layer for down): whether the
+    barrier still pays is open (``set_grouped_barrier``; ``bench_rollout --no-grouped-barrier``)."""
+    return jax.lax.optimization_barrier(y) if _GROUPED_BARRIER["on"] else y
 
 
 def _grouped(mode: str):
