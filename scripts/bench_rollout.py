@@ -247,7 +247,7 @@ def profile_decode(dec, params, start, steps: int, tag: str, top: int = 16) -> d
 def bench_case(params, cfg, recipe, batch, prompt, args, bandwidth, tag="") -> dict:
     chunk = args.prefill_chunk if args.prefill_chunk and batch % args.prefill_chunk == 0 else 0
     sc = engine.SamplerConfig(max_new_tokens=args.new_tokens, temperature=1.0,
-                              prefill_chunk=chunk)
+                              prefill_chunk=chunk, unroll_decode_layers=args.unroll_decode)
     prompts = jax.random.randint(jax.random.key(batch + prompt), (batch, prompt), 0, cfg.vocab_size)
     mask = jnp.ones((batch, prompt), bool)
     rng = jax.random.key(0)
@@ -449,6 +449,9 @@ def parse_args(argv):
     p.add_argument("--w4a4-n-group", type=int, choices=(1, 2, 4), default=1,
                    help="weight-row tiles per work item of the NVFP4 kernels "
                    "(W4A4MatmulConfig.n_group)")
+    p.add_argument("--unroll-decode", action="store_true",
+                   help="decode steps with the layers unrolled (SamplerConfig."
+                   "unroll_decode_layers; an ablation: longer compile)")
     p.add_argument("--grouped-barrier", action=argparse.BooleanOptionalAction, default=True,
                    help="the optimization barrier after the grouped kernels "
                    "(kernel_backend.set_grouped_barrier; an ablation)")
@@ -497,6 +500,7 @@ def main(argv=None) -> int:
     record(args.out, dict(kind="device", device=str(device.device_kind), jax=jax.__version__,
                           commit=args.commit, decode_attention=args.decode_attention,
                           w4a4_n_group=args.w4a4_n_group, grouped_barrier=args.grouped_barrier,
+                          unroll_decode=args.unroll_decode,
                           copy_bandwidth_TBps=bandwidth / 1e12,
                           date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())))
     if args.ragged and gpu:

@@ -17,6 +17,8 @@
 #          the decode programs' optimized HLO ($OUT/hlo.tgz) to name each fusion of the trace
 #   nobar  nvfp4 and nvfp4_rac at batch 128 without the optimization barrier after the grouped
 #          kernels (compare with the b128 / prof rows of the same commit)
+#   unroll nvfp4 and bf16 at batch 128 with the decode step's layers unrolled (no per-layer
+#          dynamic slices of the stacked weights; compare with prof / b128 of the same commit)
 #   hlo    nvfp4 at batch 128 with the decode program's optimized HLO dumped to $OUT/hlo (what
 #          the 386 small `memcpy32_post` copies per step and the MoE block's fusions are)
 set -u
@@ -59,8 +61,9 @@ for step in "$@"; do
       ls -la "$OUT" ;;
     nobar) rollout nobar 220 --quick --no-grouped-barrier --precisions nvfp4,nvfp4_rac \
       --budget-s 170 ;;
+    unroll) rollout unroll 280 --quick --unroll-decode --precisions nvfp4,bf16 --budget-s 220 ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
-    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar hlo)"; exit 2 ;;
+    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll hlo)"; exit 2 ;;
   esac
 done

@@ -55,6 +55,10 @@ class SamplerConfig:
       pad_token_id: written after a sequence ends and in the prompt padding.
       return_expert_ids: also return the routed expert ids of every token (router replay).
       kv_cache_dtype: "model" (the model's compute dtype), "bfloat16" or "float32".
+      unroll_decode_layers: the decode step runs its layers as a Python loop instead of a
+        ``lax.scan`` (``models.forward(unroll_layers=True)``): every weight slice is static,
+        so no dynamic-slice offsets per layer, at the price of a program ~L times larger to
+        compile. Off by default; an ablation until measured.
       prefill_chunk: prefill this many prompts per pass (0: all at once); must divide the
         batch. Bounds prefill memory (attention scores) for large batches of long prompts.
     """
@@ -70,6 +74,7 @@ class SamplerConfig:
     return_expert_ids: bool = False
     kv_cache_dtype: str = "model"
     prefill_chunk: int = 0
+    unroll_decode_layers: bool = False
 
     def __post_init__(self) -> None:
         name = "SamplerConfig"
@@ -87,6 +92,8 @@ class SamplerConfig:
               "an int >= 0 (0: the whole batch at once)")
         check(name, "kv_cache_dtype", self.kv_cache_dtype, self.kv_cache_dtype in KV_CACHE_DTYPES,
               f"one of {list(KV_CACHE_DTYPES)}")
+        check(name, "unroll_decode_layers", self.unroll_decode_layers,
+              isinstance(self.unroll_decode_layers, bool), "True or False")
 
     @property
     def sampling(self) -> SamplingParams:
@@ -315,7 +322,8 @@ def _decode_step(params, state: DecodeState, config, model_config, recipe) -> De
     positions = (state.prompt_length + state.step - 1)[:, None]
     out = models.forward(model_config, params, state.last_token[:, None],
                          attention_mask=active[:, None], positions=positions, recipe=recipe,
-                         cache=state.cache, return_router=config.return_expert_ids)
+                         cache=state.cache, return_router=config.return_expert_ids,
+                         unroll_layers=config.unroll_decode_layers)
     rng, key = jax.random.split(state.rng)
     token, logp = sample_tokens(key, out.logits[:, -1], config.sampling)
     token = jnp.where(active, token, config.pad_token_id)

@@ -175,6 +175,18 @@ def test_chunked_prefill_with_groups_equals_one_pass(model, greedy):
                         model_config=cfg, prompt_mask=mask)
 
 
+def test_unrolled_decode_layers_equal_the_scan(model, greedy):
+    cfg, params = model
+    tokens, mask = engine.left_pad(PROMPTS)
+    sc = SamplerConfig(max_new_tokens=NEW, greedy=True, return_expert_ids=True,
+                       unroll_decode_layers=True)
+    out = engine.generate(params, tokens, jax.random.key(1), sc, model_config=cfg,
+                          prompt_mask=mask)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(greedy.tokens))
+    np.testing.assert_array_equal(np.asarray(out.expert_ids), np.asarray(greedy.expert_ids))
+    np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(greedy.logprobs), atol=1e-5)
+
+
 def _generate(model, prompts, mask=None, **kwargs):
     cfg, params = model
     return engine.generate(params, prompts, jax.random.key(0), SamplerConfig(**kwargs),
@@ -210,6 +222,7 @@ def test_bad_prompts_raise(model, prompts, mask, kwargs, needle):
         ({"n_samples": 0}, r"n_samples=0"),
         ({"stop_token_ids": [2]}, r"stop_token_ids=\[2\]"),
         ({"kv_cache_dtype": "int8"}, r"kv_cache_dtype='int8'"),
+        ({"unroll_decode_layers": 1}, r"unroll_decode_layers=1"),
     ],
 )
 def test_bad_sampler_config_raises(kwargs, needle):
