@@ -19,8 +19,14 @@
 #          kernels (compare with the b128 / prof rows of the same commit)
 #   unroll nvfp4 and bf16 at batch 128 with the decode step's layers unrolled (no per-layer
 #          dynamic slices of the stacked weights; compare with prof / b128 of the same commit)
+#   kern   the kernel tables of issue 4 (bench_kernels --part decode,grouped: dense decode and
+#          grouped decode against their floors and XLA BF16 / FP8), not re-run since session 12
 #   hlo    nvfp4 at batch 128 with the decode program's optimized HLO dumped to $OUT/hlo (what
 #          the 386 small `memcpy32_post` copies per step and the MoE block's fusions are)
+#
+# Session 13 ran prof, check, gcheck, mcheck and b32 (their 170 / 120 s limits cut check and
+# gcheck short of their last items; raised since). Next, in this order: `gcheck nobar`,
+# `unroll kern`, then `b256 p1024`; each pair fits one call of under 10 minutes.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
@@ -46,8 +52,8 @@ check() {  # check PART SECONDS
 short="--decode-steps 16 --reps 2 --prefill-reps 1"
 for step in "$@"; do
   case $step in
-    check) check check 170; check check-grouped 120 ;;
-    gcheck) check check-grouped 120 ;;
+    check) check check 230; check check-grouped 160 ;;
+    gcheck) check check-grouped 160 ;;
     mcheck) check check-moe 100 ;;
     b128) rollout b128 250 --quick --profile-steps 4 --precisions $ALL --budget-s 200 ;;
     b32) rollout b32 220 --batches 32 --prompts 256 $short --precisions $ALL --budget-s 170 ;;
@@ -62,8 +68,11 @@ for step in "$@"; do
     nobar) rollout nobar 220 --quick --no-grouped-barrier --precisions nvfp4,nvfp4_rac \
       --budget-s 170 ;;
     unroll) rollout unroll 280 --quick --unroll-decode --precisions nvfp4,bf16 --budget-s 220 ;;
+    kern) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 330 python3 scripts/bench_kernels.py \
+      --part decode,grouped --out "$OUT/kern" > "$OUT/kern.log" 2>&1
+      echo "kern rc $?"; tail -40 "$OUT/kern/bench_kernels.md" ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
-    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll hlo)"; exit 2 ;;
+    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern hlo)"; exit 2 ;;
   esac
 done
