@@ -193,3 +193,26 @@ def test_tile_gemm_epilogue_scales_sums_and_stores(out_dtype):
     if cs is not None:  # the sum of the scaled products, not of the raw ones
         raw = tile_gemm_reference(b, w, te)
         assert _rel(y, jnp.sum(raw, axis=2, keepdims=True)) > 1e-2
+
+
+@pytest.mark.parametrize("t,live,n,k,sms,chain", [
+    (1, 1, 128, 512, 2, True),   # one item: one SM runs it unchained, the other has none
+    (4, 3, 256, 512, 2, True),   # 6 live items over 2 SMs: START, STEADY, STOP; tile 3 skipped
+    (4, 3, 256, 768, 2, True),   # 3 K steps per item: the pipeline depth must divide them
+    (4, 3, 256, 512, 2, False),  # the unchained loop (ablation)
+    (2, 0, 128, 512, 2, True),   # no live tile: nothing runs, nothing hangs
+])
+def test_tile_gemm_chained_work_items(t, live, n, k, sms, chain):
+    """The persistent loop over the live items with chained pipelines, against the reference
+    on the live tiles."""
+    from pallas_kernels.nvfp4_tiles_mgpu import TileGemmConfig, nvfp4_tile_gemm, tile_gemm_reference
+
+    wq = nvfp4.quantize(jax.random.normal(jax.random.key(11), (2, n, k)))
+    w = prepare_w4a4_weights(wq, mma_dtype="float16")
+    b = (nvfp4.dequantize(nvfp4.quantize(jax.random.normal(jax.random.key(12), (t, 8, k))),
+                          jnp.float16),)
+    te = jnp.arange(t, dtype=jnp.int32) % 2
+    cfg = TileGemmConfig(a_via_smem=True, num_sms=sms, max_concurrent_steps=4, chain_items=chain)
+    y = nvfp4_tile_gemm(b, w, te, jnp.array([live], jnp.int32), config=cfg, interpret=True)
+    if live:
+        assert _rel(y[:live], tile_gemm_reference(b, w, te)[:live]) < 1e-5
