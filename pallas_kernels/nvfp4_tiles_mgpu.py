@@ -12,8 +12,9 @@ multiply the same decoded weight registers, so the weight is read and decoded on
 Design (swap-AB, as tokamax's sm90 quantized ragged dot): the weight rows are the wgmma M side
 (64 per compute warpgroup, two warpgroups per 128-row tile) and the tokens are the wgmma N side
 (``block_m`` >= 8), so decode with few tokens wastes no MMA rows. A third warpgroup issues the
-TMA copies (``emit_pipeline_warp_specialized``). The grid is persistent over (token tile,
-weight-row tile, K split); tiles past ``num_tiles`` cost one scalar load. With ``col_scales``
+TMA copies (``emit_pipeline_warp_specialized``). The grid is persistent over the live (token
+tile, weight-row tile, K split) items, with chained pipelines (``run_work_items``); tiles past
+``num_tiles`` are not visited. With ``col_scales``
 the epilogue applies each token slot's global scales (activation x weight), adds the RAC
 product to the main one and stores the caller's dtype: one output instead of two float32
 ones, which the caller's transposes would otherwise read and write (on the H200, before this,
@@ -154,9 +155,9 @@ def run_work_items(make_pipeline, allocations, num_live_work, chain: bool, work_
             make_pipeline(body, context, None)(*refs, allocations=allocations)
             return
         j, n = loop_info.local_index, loop_info.num_local_steps
-        stages = plgpu.PipelinePipeline
-        state = jnp.where(j == 0, int(stages.START),
-                          jnp.where(j == n - 1, int(stages.STOP), int(stages.STEADY)))
+        phase = plgpu.PipelinePipeline
+        state = jnp.where(j == 0, jnp.int32(phase.START),
+                          jnp.where(j == n - 1, jnp.int32(phase.STOP), jnp.int32(phase.STEADY)))
 
         @pl.when(n == 1)
         def _alone():
@@ -164,7 +165,7 @@ def run_work_items(make_pipeline, allocations, num_live_work, chain: bool, work_
 
         @pl.when(n > 1)
         def _chained():
-            make_pipeline(body, context, state.astype(jnp.int32))(*refs, allocations=allocations)
+            make_pipeline(body, context, state)(*refs, allocations=allocations)
 
 
 def check_col_scales(col_scales: jax.Array, shape: tuple[int, ...]) -> None:

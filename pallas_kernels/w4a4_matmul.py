@@ -123,14 +123,11 @@ def as_kernel_weights(w, mma_dtype: str) -> W4A4Weights:
     raise ValueError(f"w_q: expected an NVFP4Tensor or W4A4Weights, got {type(w).__name__}")
 
 
-def gather_tiles(b_rows: tuple[jax.Array, ...], row_index: jax.Array, dtype, k_pad: int):
-    """Rows ``[M, K]`` -> token tiles ``[T, block_m, Kp]`` in ``dtype`` (``row_index`` ``M`` =
+def gather_tiles(rows: jax.Array, row_index: jax.Array, dtype, k_pad: int) -> jax.Array:
+    """Rows ``[R, K]`` -> token tiles ``[T, block_m, Kp]`` in ``dtype`` (``row_index`` ``R`` =
     a zero row; K zero-padded to ``k_pad``)."""
-    tiles = []
-    for b in b_rows:
-        b = jnp.pad(b.astype(dtype), ((0, 1), (0, k_pad - b.shape[1])))
-        tiles.append(b[row_index])
-    return tuple(tiles)
+    padded = jnp.pad(rows.astype(dtype), ((0, 1), (0, k_pad - rows.shape[1])))
+    return padded[row_index]
 
 
 def stored_dtype(out_dtype, k_splits: int):
@@ -196,7 +193,7 @@ def run_tiles(
     None: ``row_index`` for every operand.
     """
     operand_rows = operand_rows or (row_index,) * len(b_rows)
-    tiles = tuple(gather_tiles((b,), idx, jnp.dtype(w.mma_dtype), w.k_pad)[0]
+    tiles = tuple(gather_tiles(b, idx, jnp.dtype(w.mma_dtype), w.k_pad)
                   for b, idx in zip(b_rows, operand_rows, strict=True))
     num_sms = config.num_sms or _num_sms()
     check_n_group(config.n_group, w.n_pad)

@@ -96,7 +96,7 @@ def _run(qx: fp8.FP8Tensor, w, row_index, row_slot, tile_expert, num_tiles, conf
     """Tiles through the kernel; the scales are applied in its epilogue: ``[M, N]``
     (``live_tiles`` as ``w4a4_matmul.run_tiles``)."""
     m = qx.data.shape[0]
-    (tiles,) = gather_tiles((qx.data,), row_index, jnp.float8_e4m3fn, w.k_pad)
+    tiles = gather_tiles(qx.data, row_index, jnp.float8_e4m3fn, w.k_pad)
     num_sms = config.num_sms or _num_sms()
     k_splits = config.k_splits or auto_k_splits(
         (live_tiles or row_index.shape[0]) * (w.n_pad // N_TILE), w.k_pad // K_TILE, num_sms)

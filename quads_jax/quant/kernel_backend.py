@@ -142,8 +142,7 @@ def _grouped(mode: str):
         w, blocks, scale = _unpack(w, mode, recipe)
         config = _config(interpret, w.mma_dtype)
         gs = jnp.asarray(group_sizes, jnp.int32)
-        if mode == "w4a16_nvfp4":
-            x = x if source_rows is None else x[source_rows]
+        if mode == "w4a16_nvfp4":  # registered without source_rows: gets the gathered rows
             y = w4a16_grouped_matmul(x, w, gs, config=config, interpret=interpret)
         else:
             y = w4a4_grouped_matmul(x, w, gs, config=config, interpret=interpret,

@@ -20,8 +20,8 @@ Kernel hook: ``register_kernel(mode, "dense"|"grouped", fn)``. With ``recipe.bac
 on a GPU, or ``"interpret"`` anywhere, a registered kernel replaces the jnp path; it is called as
 ``fn(x, w, *, recipe, site, interpret)`` / ``fn(x, w, group_sizes, *, recipe, site, interpret)``
 with ``x`` 2-D ``[M, K]`` (a grouped kernel registered with ``source_rows=True`` is also given
-``source_rows=`` and then gets the distinct rows, see ``grouped_linear``); its result (any float dtype) is cast to ``x.dtype`` (or ``linear``'s
-``out_dtype``) here. ``quads_jax.quant.kernel_backend`` (the kernels' module) is imported lazily
+``source_rows=`` and then gets the distinct rows, see ``grouped_linear``); its result (any float
+dtype) is cast to ``x.dtype`` (or ``linear``'s ``out_dtype``) here. ``quads_jax.quant.kernel_backend`` (the kernels' module) is imported lazily
 the first time a kernel could run.
 
 RAC details the kernels must match (QUADS_SPEC section 4, ``rac.py``): residual
@@ -379,17 +379,15 @@ def grouped_linear(
     mode = recipe.mode_for(site)
     group_sizes = group_sizes.astype(jnp.int32)
     kernel = _kernel_for(mode, "grouped", recipe)
-    kw = dict(recipe=recipe, site=site, interpret=recipe.backend == "interpret")
-    if source_rows is not None and (mode, "grouped") in _TAKES_SOURCE_ROWS and kernel is not None:
-        if _recorders:
-            _record(site, x_sorted[source_rows], group_sizes)
-        y = kernel(x_sorted, w, group_sizes, source_rows=source_rows.astype(jnp.int32), **kw)
-        return y.astype(x_sorted.dtype)
-    if source_rows is not None:
-        x_sorted = x_sorted[source_rows]
-    _record(site, x_sorted, group_sizes)
-    if kernel is not None:
-        y = kernel(x_sorted, w, group_sizes, **kw)
-    else:
+    gathers = kernel is not None and (mode, "grouped") in _TAKES_SOURCE_ROWS
+    if source_rows is not None and not gathers:
+        x_sorted, source_rows = x_sorted[source_rows], None
+    if _recorders:
+        _record(site, x_sorted if source_rows is None else x_sorted[source_rows], group_sizes)
+    if kernel is None:
         y = _reference(x_sorted, w, mode, site, recipe, group_sizes)
+    else:
+        rows = {} if source_rows is None else {"source_rows": source_rows.astype(jnp.int32)}
+        y = kernel(x_sorted, w, group_sizes, recipe=recipe, site=site,
+                   interpret=recipe.backend == "interpret", **rows)
     return y.astype(x_sorted.dtype)
