@@ -214,5 +214,6 @@ def test_tile_gemm_chained_work_items(t, live, n, k, sms, chain):
     te = jnp.arange(t, dtype=jnp.int32) % 2
     cfg = TileGemmConfig(a_via_smem=True, num_sms=sms, max_concurrent_steps=4, chain_items=chain)
     y = nvfp4_tile_gemm(b, w, te, jnp.array([live], jnp.int32), config=cfg, interpret=True)
+    assert y.shape == (t, 1, 1, 8, n) and y.dtype == jnp.float32
     if live:
         assert _rel(y[:live], tile_gemm_reference(b, w, te)[:live]) < 1e-5
