@@ -21,12 +21,15 @@
 #          dynamic slices of the stacked weights; compare with prof / b128 of the same commit)
 #   kern   the kernel tables of issue 4 (bench_kernels --part decode,grouped: dense decode and
 #          grouped decode against their floors and XLA BF16 / FP8), not re-run since session 12
+#   cmdbuf nvfp4 and nvfp4_rac at batch 128 with XLA's command buffers (CUDA graphs) asked for
+#          explicitly (the session-13 HLO had none; compare with b128 of the same call)
 #   hlo    nvfp4 at batch 128 with the decode program's optimized HLO dumped to $OUT/hlo (what
 #          the 386 small `memcpy32_post` copies per step and the MoE block's fusions are)
 #
 # Session 13 ran prof, check, gcheck, mcheck and b32 (their 170 / 120 s limits cut check and
-# gcheck short of their last items; raised since). Next, in this order: `gcheck nobar`,
-# `unroll kern`, then `b256 p1024`; each pair fits one call of under 10 minutes.
+# gcheck short of their last items; raised since). Session 14 ran `nobar unroll` (the barrier
+# stays; the unrolled decode program did not compile within 270 s), then `b128 gcheck`,
+# `b256 p1024` (and `cmdbuf` if the budget allowed). Still not re-run: `kern`.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
@@ -71,8 +74,10 @@ for step in "$@"; do
     kern) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 330 python3 scripts/bench_kernels.py \
       --part decode,grouped --out "$OUT/kern" > "$OUT/kern.log" 2>&1
       echo "kern rc $?"; tail -40 "$OUT/kern/bench_kernels.md" ;;
+    cmdbuf) XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL --xla_gpu_graph_min_graph_size=2" \
+      rollout cmdbuf 220 --quick --precisions nvfp4,nvfp4_rac --budget-s 170 ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
-    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern hlo)"; exit 2 ;;
+    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf hlo)"; exit 2 ;;
   esac
 done

@@ -10,6 +10,8 @@ Parameter tree (weights like HF, ``[out, in]``, ``y = x @ W.T``)::
     group = {"input_norm": [n, H], "post_attn_norm": [n, H],
              "attn": {"q_proj": [n, Hq*D, H], "k_proj": [n, KVH*D, H], "v_proj": [n, KVH*D, H],
                       "o_proj": [n, H, Hq*D], "q_norm": [n, D], "k_norm": [n, D]},
+                      # a rollout tree may hold "qkv_proj" [n, (Hq+2KVH)*D, H] instead of q/k/v
+                      # (``fuse_qkv``, made by the weight sync)
              "mlp": {"router": [n, E, H],                                   # MoE group
                      "experts": {"gate_up": [n, E, 2I, H], "down": [n, E, H, I]}}
                   | {"gate_up": [n, 2I_dense, H], "down": [n, H, I_dense]}}  # dense group
@@ -207,6 +209,71 @@ def split_layer_groups(config: ModelConfig, params: dict, recipe: QuantRecipe) -
     return out
 
 
+# ---------------------------------------------------------------------------- fused q/k/v
+QKV_SITES = ("q_proj", "k_proj", "v_proj")
+FUSED_QKV = "qkv_proj"
+
+
+def _qkv_fusable(config: ModelConfig, attn: dict, start: int, stop: int,
+                 recipe: QuantRecipe) -> bool:
+    """One ``[q | k | v]`` weight serves a group when its three projections are plain arrays of
+    one dtype whose sites run bf16 in every layer of the group (a quantized site has its own
+    per-matrix scales, so its three matrices cannot share one GEMM's weight)."""
+    if not all(isinstance(attn.get(n), jax.Array | np.ndarray) for n in QKV_SITES):
+        return False
+    if len({attn[n].dtype for n in QKV_SITES}) != 1:
+        return False
+    return all(recipe.mode_for(f"layers.{i}.attn.{n}") == "bf16"
+               for i in range(start, stop) for n in QKV_SITES)
+
+
+def fuse_qkv(config: ModelConfig, params: dict, recipe: QuantRecipe | None = None) -> dict:
+    """``params`` with each layer group's ``q_proj``, ``k_proj``, ``v_proj`` replaced by one
+    ``qkv_proj [n, (Hq + 2 KVH) * D, H]`` (rows: q, then k, then v) where ``_qkv_fusable``.
+
+    Decode multiplies a few tokens by each projection, so a GEMM's time is its weight read plus
+    a fixed cost: on the H200 the k and v GEMMs of the 30B shape took 5.7 us each for 2 MB of
+    weight (2026-12-03 trace). One GEMM on the stacked rows pays the fixed cost once. Same
+    numbers: every output element is the same dot product. The weight sync builds it
+    (``sync(fuse_qkv=True)``); a master tree keeps the three leaves (the trainer's gradients
+    and the HF layout are per projection).
+    """
+    recipe = recipe or _BF16
+    out, groups = dict(params), []
+    for _, start, stop, group in _param_groups(config, params):
+        attn = group["attn"]
+        if FUSED_QKV not in attn and _qkv_fusable(config, attn, start, stop, recipe):
+            fused = {k: v for k, v in attn.items() if k not in QKV_SITES}
+            fused[FUSED_QKV] = jnp.concatenate([attn[n] for n in QKV_SITES], axis=-2)
+            group = {**group, "attn": fused}
+        groups.append(group)
+    out["layers"] = groups
+    return out
+
+
+def has_fused_qkv(params: dict) -> bool:
+    """Whether any layer group of ``params`` holds a fused ``qkv_proj``."""
+    return any(FUSED_QKV in g.get("attn", {}) for g in params.get("layers", ()))
+
+
+def _qkv(config: ModelConfig, p: dict, x: jax.Array, site: str, recipe: QuantRecipe):
+    """The q, k, v projections of ``x [..., H]``: three GEMMs, or one on a fused weight."""
+    if FUSED_QKV not in p:
+        return tuple(ops.linear(x, p[n], f"{site}.{n}", recipe) for n in QKV_SITES)
+    modes = {n: recipe.mode_for(f"{site}.{n}") for n in QKV_SITES}
+    if set(modes.values()) != {"bf16"}:
+        raise ValueError(f"{site}.{FUSED_QKV}: a fused q/k/v weight runs bf16 only, but the recipe "
+                         f"{recipe.name!r} gives {modes}; sync the weights with this recipe")
+    d = config.head_dim
+    nq, nkv = config.num_attention_heads * d, config.num_key_value_heads * d
+    if p[FUSED_QKV].shape[-2] != nq + 2 * nkv:
+        raise ValueError(f"{site}.{FUSED_QKV}: {p[FUSED_QKV].shape[-2]} rows; the config needs "
+                         f"{nq} + 2 * {nkv} (q, k, v)")
+    # Recorded (record_inputs) and dispatched as q_proj: the three sites share x and run bf16.
+    qkv = ops.linear(x, p[FUSED_QKV], f"{site}.q_proj", recipe)
+    return qkv[..., :nq], qkv[..., nq:nq + nkv], qkv[..., nq + nkv:]
+
+
 # ---------------------------------------------------------------------------- forward
 def _check_inputs(config, tokens, attention_mask, positions, cache):
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
@@ -235,9 +302,7 @@ def _attention(config, p, x, rope, allowed, kv, layer, site, recipe):
     """Self-attention of ``x [B, T, H]``; ``kv`` = (k_all, v_all, length) or None."""
     b, t, _ = x.shape
     d = config.head_dim
-    q = ops.linear(x, p["q_proj"], f"{site}.q_proj", recipe).reshape(b, t, -1, d)
-    k = ops.linear(x, p["k_proj"], f"{site}.k_proj", recipe).reshape(b, t, -1, d)
-    v = ops.linear(x, p["v_proj"], f"{site}.v_proj", recipe).reshape(b, t, -1, d)
+    q, k, v = (y.reshape(b, t, -1, d) for y in _qkv(config, p, x, site, recipe))
     cos, sin = rope
     q = L.apply_rope(L.rms_norm(q, p["q_norm"], config.rms_norm_eps), cos, sin)
     k = L.apply_rope(L.rms_norm(k, p["k_norm"], config.rms_norm_eps), cos, sin)

@@ -449,7 +449,8 @@ _STATIC = ("config", "model_config", "recipe")
 # backend ignores them.
 # XLA's dot merger turned a layer's q, k and v projections (one shared input) into one GEMM on
 # the weights concatenated anew at every step: a 21 MB copy per layer, 13 us of a decode step's
-# ~420 us per layer (2026-12-03 trace, every arm); three GEMMs read the weights in place.
+# ~420 us per layer (2026-12-03 trace, every arm); three GEMMs read the weights in place, and
+# a synced tree holds them stacked once (``models.fuse_qkv``): one GEMM, no copy.
 DECODE_COMPILER_OPTIONS = {
     "xla_gpu_enable_triton_gemm": False,
     "xla_gpu_enable_dynamic_slice_fusion": True,

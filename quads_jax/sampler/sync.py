@@ -11,6 +11,8 @@ site, in one jitted program:
 * everything else is cast to the model's compute dtype, which the forward does to it anyway
   (``w.astype(x.dtype)``), so the cast is exact and decode reads half the bytes of an f32
   master. The router is the exception: it runs in float32 (as in HF) and keeps its dtype.
+* bf16 q/k/v projections are then stacked into one ``qkv_proj`` per layer group
+  (``models.fuse_qkv``; ``fuse_qkv=False`` keeps the three leaves).
 
 Kernel layout: where a Pallas kernel serves an NVFP4 mode (on a GPU, ``recipe.backend`` not
 "reference"), the packed leaf is converted once more, here, to the kernels' own layout
@@ -147,7 +149,8 @@ def _plan(params, recipe, model_config, kernel_layout):
 
 
 def sync(params: dict, recipe: QuantRecipe, *, model_config,
-         kernel_layout: bool | None = None, calibration_tokens=None) -> dict:
+         kernel_layout: bool | None = None, calibration_tokens=None,
+         fuse_qkv: bool = True) -> dict:
     """The rollout tree for ``recipe`` from master ``params`` (see the module docstring).
 
     Args:
@@ -159,10 +162,13 @@ def sync(params: dict, recipe: QuantRecipe, *, model_config,
       calibration_tokens: int ``[B, T]`` unpadded token ids; required when the recipe has a
         static RAC selection or activation scale (``calibration.calibrate``): the W4A4 leaves
         are then ``CalibratedWeight`` wrappers holding the calibrated blocks / scales.
+      fuse_qkv: store each layer group's bf16 q/k/v projections as one ``qkv_proj`` weight
+        (``models.fuse_qkv``: one decode GEMM instead of three, same numbers).
 
     Returns:
-      a tree of the same structure (layer groups split where the recipe's modes change) whose
-      quantized leaves are ``NVFP4Tensor`` / ``FP8Tensor``.
+      a tree of the same structure (layer groups split where the recipe's modes change; with
+      ``fuse_qkv``, ``qkv_proj`` in place of bf16 q/k/v) whose quantized leaves are
+      ``NVFP4Tensor`` / ``FP8Tensor`` (or the kernels' layouts).
     """
     if not isinstance(recipe, QuantRecipe):
         raise ValueError(f"recipe: expected a QuantRecipe, got {type(recipe).__name__}")
@@ -183,7 +189,8 @@ def sync(params: dict, recipe: QuantRecipe, *, model_config,
         sites = jax.tree.leaves(models.param_sites(model_config, params),
                                 is_leaf=lambda x: isinstance(x, str | tuple))
         out = [_with_calibration(q, site, calibration) for q, site in zip(out, sites, strict=True)]
-    return jax.tree.unflatten(treedef, out)
+    out = jax.tree.unflatten(treedef, out)
+    return models.fuse_qkv(model_config, out, recipe) if fuse_qkv else out
 
 
 def _with_calibration(leaf, site, calibration: dict):
@@ -309,6 +316,8 @@ def check_sync(
       SyncMismatchError naming the leaf path, its action and the differing count or index.
     """
     split = models.split_layer_groups(model_config, params, recipe)
+    if models.has_fused_qkv(rollout_params):  # the trainer's view of a fused leaf: the same
+        split = models.fuse_qkv(model_config, split, recipe)  # concatenation of its masters
     master_leaves, master_def = jax.tree.flatten_with_path(split)
     rollout_flat, rollout_def = jax.tree.flatten_with_path(rollout_params, is_leaf=_is_packed)
     paths = tuple(_path_name(p) for p, _ in master_leaves)

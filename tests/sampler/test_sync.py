@@ -42,7 +42,8 @@ def test_sync_packs_expert_leaves_bit_identical_to_trainer_qdq(model, name, expe
             assert isinstance(mlp["experts"]["gate_up"], expert_type)
             assert isinstance(mlp["experts"]["down"], expert_type)
             assert mlp["router"].dtype == jnp.float32  # the router runs in f32
-        assert group["attn"]["q_proj"].dtype == jnp.bfloat16
+        assert group["attn"]["qkv_proj"].dtype == jnp.bfloat16  # bf16 q/k/v: one weight
+        assert "q_proj" not in group["attn"]
     report = check_sync(params, rollout, recipe, model_config=cfg, full=True)
     assert report.mismatches == (0,) * len(report.paths)
     check_sync(params, rollout, recipe, model_config=cfg)
@@ -115,6 +116,54 @@ def test_check_sync_catches_a_corrupted_leaf(model, what, full):
         check_sync(params, bad, recipe, model_config=cfg, full=full)
 
 
+def test_fused_qkv_is_the_three_projections_stacked_and_checked(model):
+    cfg, params = model
+    recipe = get_recipe("rollout_quads")
+    rollout = sync(params, recipe, model_config=cfg)
+    unfused = sync(params, recipe, model_config=cfg, fuse_qkv=False)
+    for fused, three in zip(rollout["layers"], unfused["layers"], strict=True):
+        want = jnp.concatenate([three["attn"][n] for n in ("q_proj", "k_proj", "v_proj")], -2)
+        np.testing.assert_array_equal(np.asarray(fused["attn"]["qkv_proj"]), np.asarray(want))
+    check_sync(params, unfused, recipe, model_config=cfg, full=True)  # either tree checks
+    bad = jax.tree.map(lambda x: x, rollout)
+    w = bad["layers"][0]["attn"]["qkv_proj"]
+    bad["layers"][0]["attn"]["qkv_proj"] = w.at[0, -1, 0].add(jnp.bfloat16(0.5))  # a v row
+    for full in (False, True):
+        with pytest.raises(SyncMismatchError, match=r"layers\.0\.attn\.qkv_proj"):
+            check_sync(params, bad, recipe, model_config=cfg, full=full)
+
+
+def test_quantized_attention_keeps_three_projections(model):
+    cfg, params = model
+    recipe = get_recipe("rollout_nvfp4", also_attention=True)
+    rollout = sync(params, recipe, model_config=cfg)
+    attn = rollout["layers"][0]["attn"]
+    assert "qkv_proj" not in attn and isinstance(attn["q_proj"], nvfp4.NVFP4Tensor)
+    # a fused tree run under a recipe that quantizes q/k/v is refused, not run as bf16
+    fused = sync(params, get_recipe("rollout_nvfp4"), model_config=cfg)
+    tokens = jnp.asarray([[4, 5, 6]], jnp.int32)
+    with pytest.raises(ValueError, match="fused q/k/v weight runs bf16 only"):
+        models.forward(cfg, fused, tokens, recipe=recipe)
+
+
+@pytest.mark.parametrize("name", ["bf16", "rollout_quads"])
+def test_fused_qkv_gives_the_logits_and_greedy_tokens_of_three_projections(name):
+    cfg = tiny_config(num_hidden_layers=2, mlp_only_layers=())
+    params = models.init_params(cfg, jax.random.key(5))
+    recipe = get_recipe(name)
+    fused = sync(params, recipe, model_config=cfg)
+    three = sync(params, recipe, model_config=cfg, fuse_qkv=False)
+    assert models.has_fused_qkv(fused) and not models.has_fused_qkv(three)
+    tokens, mask = engine.left_pad([[4, 5, 6, 7], [8, 9]])
+    run = jax.jit(lambda p: models.forward(cfg, p, tokens, attention_mask=mask,
+                                           recipe=recipe).logits)
+    np.testing.assert_allclose(np.asarray(run(fused)), np.asarray(run(three)), atol=2e-2)
+    config = engine.SamplerConfig(max_new_tokens=6, greedy=True)
+    outs = [engine.generate(p, tokens, jax.random.key(1), config, model_config=cfg,
+                            recipe=recipe, prompt_mask=mask) for p in (fused, three)]
+    np.testing.assert_array_equal(np.asarray(outs[0].tokens), np.asarray(outs[1].tokens))
+
+
 def test_synced_weights_give_the_logits_of_on_the_fly_quantization():
     cfg = tiny_config(num_hidden_layers=2, mlp_only_layers=())
     params = models.init_params(cfg, jax.random.key(3))
@@ -138,7 +187,7 @@ def test_static_calibration_wraps_w4a4_leaves_with_calibrated_blocks_and_scales(
     assert isinstance(leaf, CalibratedWeight) and isinstance(leaf.weight, nvfp4.NVFP4Tensor)
     e, k = cfg.num_experts, cfg.hidden_size
     assert leaf.rac_blocks.shape == (2, e, k // 16) and leaf.act_global_scale.shape == (2, e)
-    assert isinstance(rollout["layers"][0]["attn"]["q_proj"], jax.Array)  # bf16 site: no wrap
+    assert isinstance(rollout["layers"][0]["attn"]["qkv_proj"], jax.Array)  # bf16: no wrap
 
     # Recompute layer 1's calibration from the model's own site inputs in another program:
     # activations may differ in the last ulp (fusion order) and a near-tie between two
