@@ -91,7 +91,7 @@ def decode_attend(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.A
 
     Args:
       q: ``[B, 1, H, D]``; k_all, v_all: the stacked cache ``[L, B, KVH, S, D]`` (already
-        holding the new token); layer: int32 scalar; valid: bool ``[B, S]``; kv_len: int32
+        holding the new token); layer: int32 scalar; valid: bool or int32 ``[B, S]``; kv_len: int32
         scalar, slots ``>= kv_len`` are empty; backend: the recipe's ("auto": the kernel on a
         GPU; "interpret": the kernel in Pallas interpret mode; "reference": None).
     Returns ``[B, 1, H * D]`` in ``q.dtype`` or None.

@@ -298,7 +298,18 @@ def _check_inputs(config, tokens, attention_mask, positions, cache):
                                  f"exceeds max_len={cache.max_len}")
 
 
-def _attention(config, p, x, rope, allowed, kv, layer, site, recipe):
+class _Masks(NamedTuple):
+    """What a layer's attention may see. allowed: bool ``[B, T, S]``. For a decode step (T = 1
+    with a cache) also the decode kernel's inputs, made once per step and not per layer
+    (inside the layer scan XLA ran each as a kernel of its own, ~3.5 us per layer on the
+    H200): valid int32 ``[B, S]`` and kv_len, the int32 slots written; else None."""
+
+    allowed: jax.Array
+    decode_valid: jax.Array | None = None
+    decode_len: jax.Array | None = None
+
+
+def _attention(config, p, x, rope, masks: _Masks, kv, layer, site, recipe):
     """Self-attention of ``x [B, T, H]``; ``kv`` = (k_all, v_all, length) or None."""
     b, t, _ = x.shape
     d = config.head_dim
@@ -309,7 +320,7 @@ def _attention(config, p, x, rope, allowed, kv, layer, site, recipe):
     k = k.transpose(0, 2, 1, 3)  # [B, KVH, T, D]: the cache layout
     v = v.transpose(0, 2, 1, 3)
     if kv is None:
-        out = L.attend(q, k, v, allowed)
+        out = L.attend(q, k, v, masks.allowed)
     else:
         k_all, v_all, length = kv
         start = (layer, jnp.int32(0), jnp.int32(0), length, jnp.int32(0))
@@ -317,17 +328,17 @@ def _attention(config, p, x, rope, allowed, kv, layer, site, recipe):
         v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), start)
         kv = (k_all, v_all, length)
         out = None
-        if t == 1:
-            out = L.decode_attend(q, k_all, v_all, layer, allowed[:, 0], length + 1,
+        if masks.decode_valid is not None:
+            out = L.decode_attend(q, k_all, v_all, layer, masks.decode_valid, masks.decode_len,
                                   recipe.backend)
         if out is None:
             k = jax.lax.dynamic_index_in_dim(k_all, layer, 0, keepdims=False)
             v = jax.lax.dynamic_index_in_dim(v_all, layer, 0, keepdims=False)
-            out = L.attend(q, k, v, allowed)
+            out = L.attend(q, k, v, masks.allowed)
     return ops.linear(out, p["o_proj"], f"{site}.o_proj", recipe), kv
 
 
-def _layer_body(config, kind, site_layer, rope, allowed, token_mask, recipe):
+def _layer_body(config, kind, site_layer, rope, masks, token_mask, recipe):
     """The scan body of one layer; ``site_layer`` names its matmul sites (static)."""
 
     def body(carry, xs):
@@ -335,7 +346,7 @@ def _layer_body(config, kind, site_layer, rope, allowed, token_mask, recipe):
         p, layer = xs
         b, t, hidden = h.shape
         x = L.rms_norm(h, p["input_norm"], config.rms_norm_eps)
-        attn_out, kv = _attention(config, p["attn"], x, rope, allowed, kv, layer,
+        attn_out, kv = _attention(config, p["attn"], x, rope, masks, kv, layer,
                                   f"layers.{site_layer}.attn", recipe)
         h = h + attn_out
         x = L.rms_norm(h, p["post_attn_norm"], config.rms_norm_eps).reshape(b * t, hidden)
@@ -418,12 +429,15 @@ def forward(
         key_slot = jnp.arange(cache.max_len, dtype=jnp.int32)
         kv = (cache.k, cache.v, cache.length)
     allowed = key_mask[:, None, :] & (key_slot[None, None, :] <= q_slot[None, :, None])
+    masks = _Masks(allowed)
+    if cache is not None and t == 1:
+        masks = _Masks(allowed, allowed[:, 0].astype(jnp.int32), cache.length + 1)
 
     h = params["embed"].astype(config.dtype)[tokens]
     token_mask = mask.reshape(-1)
     expert_ids, stats = [], []
     for kind, start, stop, group in segments:
-        ctx = (rope, allowed, token_mask, recipe)
+        ctx = (rope, masks, token_mask, recipe)
         h, kv, ys = _run_segment(config, kind, start, stop, group, h, kv, ctx, unroll_layers,
                                  remat)
         if ys is not None:

@@ -69,6 +69,21 @@ def test_rows_without_visible_slots_give_zero_and_kv_len_bounds_the_read():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(again))
 
 
+def test_int32_valid_and_kv_len_past_the_cache_give_the_same_result():
+    q, k, v = _inputs(1, 2, 2, 40, 16, 4, seed=2)
+    valid = (jnp.arange(40)[None, :] < jnp.asarray([[33], [12]]))
+    got = decode_attention(q, k, v, jnp.int32(0), valid, jnp.int32(33), interpret=True)
+    as_int = decode_attention(q, k, v, jnp.int32(0), valid.astype(jnp.int32), jnp.int32(33),
+                              interpret=True)
+    np.testing.assert_array_equal(np.asarray(as_int), np.asarray(got))
+    # kv_len is clamped to the cache's 40 slots in the kernel (the reads stay in bounds)
+    past = decode_attention(q, k, v, jnp.int32(0), valid, jnp.int32(1000), interpret=True)
+    np.testing.assert_array_equal(np.asarray(past), np.asarray(got))
+    want = decode_attention_reference(q, k, v, 0, valid.astype(jnp.int32))
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               atol=2e-2, rtol=2e-2)
+
+
 def test_model_decode_step_through_the_kernel_matches_the_jnp_path():
     c = tiny_config(dtype="bfloat16")
     params = init_params(c, jax.random.key(0))
@@ -107,6 +122,8 @@ def test_bad_input_is_refused():
         decode_attention(q[..., :8], k, v, 0, valid, 32, interpret=True)
     with pytest.raises(ValueError, match="valid"):
         decode_attention(q, k, v, 0, valid[:, :16], 32, interpret=True)
+    with pytest.raises(ValueError, match=r"valid float32\[2, 32\] must be bool or int32"):
+        decode_attention(q, k, v, 0, valid.astype(jnp.float32), 32, interpret=True)
     with pytest.raises(ValueError, match="must match"):
         decode_attention(q, k, v[..., :8], 0, valid, 32, interpret=True)
     with pytest.raises(ValueError, match="cache dtype"):
