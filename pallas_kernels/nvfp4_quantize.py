@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from quads_jax.quant import nvfp4, rac
 
-ACT_SCALE_MODES = ("per_token", "per_batch", "static")
+ACT_SCALE_MODES = nvfp4.ACT_SCALE_MODES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,17 +106,6 @@ def _check_x(x: jax.Array, act_scale_mode: str, static_scale) -> None:
         )
 
 
-def act_quantize(x: jax.Array, act_scale_mode: str, static_scale=None) -> nvfp4.NVFP4Codes:
-    """NVFP4 activations: per_token (``g [M, 1]``), per_batch (``g []``), static (given per
-    row ``[M]`` or scalar, stored as ``[M, 1]``); as ``quads_jax.quant.ops.act_quantize``."""
-    if act_scale_mode == "per_token":
-        return nvfp4.quantize_codes(x, scale_mode="row")
-    if act_scale_mode == "per_batch":
-        return nvfp4.quantize_codes(x, scale_mode="tensor")
-    g = jnp.broadcast_to(jnp.asarray(static_scale, jnp.float32).reshape(-1, 1), (x.shape[0], 1))
-    return nvfp4.quantize_codes(x, global_scale=g, scale_mode="row")
-
-
 def nvfp4_quantize(
     x: jax.Array,
     *,
@@ -146,7 +135,7 @@ def nvfp4_quantize(
     _check_x(x, act_scale_mode, static_scale)
     if source_rows is not None and act_scale_mode != "per_token":
         x, source_rows = x[source_rows], None  # a per-batch or per-expert scale spans GEMM rows
-    q = act_quantize(x, act_scale_mode, static_scale)
+    q = nvfp4.quantize_activations(x, act_scale_mode, static_scale)
     if rac_config is None:
         return QuantizedActivations(q=q, q_rows=source_rows)
     r = nvfp4.residual(x, q)

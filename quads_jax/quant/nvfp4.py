@@ -302,6 +302,32 @@ def quantize(
     return quantize_codes(x, global_scale=global_scale, scale_mode=scale_mode).pack()
 
 
+ACT_SCALE_MODES = ("per_token", "per_batch", "static")
+
+
+def quantize_activations(x: jax.Array, act_scale_mode: str,
+                         static_scale: jax.Array | None = None) -> NVFP4Codes:
+    """NVFP4 activations ``[M, K]`` with an activation global-scale mode (QUADS_SPEC section 5):
+    ``per_token`` (``g [M, 1]``), ``per_batch`` (``g []``) or ``static`` (``static_scale``, a
+    calibrated float32 ``[]`` or per-row ``[M]`` decode scale, stored as ``[M, 1]``).
+
+    The one activation quantizer: the trainer-side reference (``ops.act_quantize``) and the
+    kernels' pre-pass (``pallas_kernels.nvfp4_quantize``) both call it."""
+    if act_scale_mode == "per_token":
+        return quantize_codes(x, scale_mode="row")
+    if act_scale_mode == "per_batch":
+        return quantize_codes(x, scale_mode="tensor")
+    if act_scale_mode != "static":
+        raise ValueError(f"act_scale_mode={act_scale_mode!r}: must be one of {ACT_SCALE_MODES}")
+    if static_scale is None:
+        raise ValueError(
+            "act_scale_mode='static' needs a calibrated scale: pass the weight as a "
+            "rac.CalibratedWeight with act_global_scale (see rac.calibrate_act_scale)"
+        )
+    g = jnp.broadcast_to(jnp.asarray(static_scale, jnp.float32).reshape(-1, 1), (x.shape[0], 1))
+    return quantize_codes(x, global_scale=g, scale_mode="row")
+
+
 def codes_of(q: NVFP4Tensor | NVFP4Codes) -> jax.Array:
     """uint8 codes ``[..., K]`` of a packed or unpacked NVFP4 tensor."""
     if isinstance(q, NVFP4Codes):

@@ -222,21 +222,12 @@ def act_quantize(
     static_scale: jax.Array | None = None,
     row_expert: jax.Array | None = None,
 ) -> nvfp4.NVFP4Codes:
-    """NVFP4 activations (unpacked codes) ``[M, K]`` with the recipe's global scale mode (QUADS_SPEC section 5):
-    per_token (``g [M, 1]``), per_batch (``g []``) or static (calibrated ``[]`` / ``[E]``)."""
-    mode = recipe.act_scale_mode
-    if mode == "per_token":
-        return nvfp4.quantize_codes(x, scale_mode="row")
-    if mode == "per_batch":
-        return nvfp4.quantize_codes(x, scale_mode="tensor")
-    if static_scale is None:
-        raise ValueError(
-            "act_scale_mode='static' needs a calibrated scale: pass the weight as a "
-            "rac.CalibratedWeight with act_global_scale (see rac.calibrate_act_scale)"
-        )
-    g = _per_row(static_scale, row_expert) if static_scale.ndim else static_scale
-    g = jnp.broadcast_to(jnp.asarray(g, jnp.float32).reshape(-1, 1), (x.shape[0], 1))
-    return nvfp4.quantize_codes(x, global_scale=g, scale_mode="row")
+    """NVFP4 activations (unpacked codes) ``[M, K]`` with the recipe's global scale mode
+    (``nvfp4.quantize_activations``); a static scale per expert ``[E]`` is taken per row
+    through ``row_expert``."""
+    if static_scale is not None and static_scale.ndim:
+        static_scale = _per_row(static_scale, row_expert)
+    return nvfp4.quantize_activations(x, recipe.act_scale_mode, static_scale)
 
 
 def _rac_residual_product(x, qx, qw, recipe, group_sizes, row_expert, calib) -> jax.Array:
