@@ -28,8 +28,9 @@
 #
 # Session 13 ran prof, check, gcheck, mcheck and b32 (their 170 / 120 s limits cut check and
 # gcheck short of their last items; raised since). Session 14 ran `nobar unroll` (the barrier
-# stays; the unrolled decode program did not compile within 270 s), then `b128 gcheck`,
-# `b256 p1024` (and `cmdbuf` if the budget allowed). Still not re-run: `kern`.
+# stays; the unrolled decode program did not compile within 270 s), `b128 b256` (b256 ran
+# nvfp4 and nvfp4_rac; BF16 ran out of memory, FP8 after it) and `p1024`. Next: `gcheck kern`,
+# then `b128 cmdbuf` (the BF16 arm now fuses q/k/v too), and the BF16 out-of-memory at b256.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
