@@ -285,11 +285,15 @@ def bench_case(params, cfg, recipe, batch, prompt, args, bandwidth, tag="") -> d
         fast_forward_s = 0.0
     times = []
     for _ in range(args.reps):
+        # One run's output is dropped before the next copy: at batch 256 a state holds 32 GB of
+        # cache, and three at once (state, the last output, the next copy) beside the 61 GB
+        # BF16 weights did not fit the H200 (2026-12-03, "14.99 GiB" allocation failures).
         start = jax.block_until_ready(fresh(state))
         t = time.perf_counter()
         out = jax.block_until_ready(dec(params, start, jnp.int32(steps)))
         times.append(time.perf_counter() - t)
-    ran = int(out.step) - int(state.step)
+        ran = int(out.step) - int(state.step)
+        del out
     profile = {}
     if args.profile_steps:
         profile = profile_decode(dec, params, jax.block_until_ready(fresh(state)),
