@@ -30,7 +30,8 @@
 # gcheck short of their last items; raised since). Session 14 ran `nobar unroll` (the barrier
 # stays; the unrolled decode program did not compile within 270 s), `b128 b256` (b256 ran
 # nvfp4 and nvfp4_rac; BF16 ran out of memory, FP8 after it) and `p1024`. Next: `gcheck kern`,
-# then `b128 cmdbuf` (the BF16 arm now fuses q/k/v too), and the BF16 out-of-memory at b256.
+# then `b128 cmdbuf` (the BF16 arm now fuses q/k/v too), then b256 again (its BF16 out-of-memory
+# was the benchmark's, fixed in efe204f).
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
