@@ -214,8 +214,7 @@ QKV_SITES = ("q_proj", "k_proj", "v_proj")
 FUSED_QKV = "qkv_proj"
 
 
-def _qkv_fusable(config: ModelConfig, attn: dict, start: int, stop: int,
-                 recipe: QuantRecipe) -> bool:
+def _qkv_fusable(attn: dict, start: int, stop: int, recipe: QuantRecipe) -> bool:
     """One ``[q | k | v]`` weight serves a group when its three projections are plain arrays of
     one dtype whose sites run bf16 in every layer of the group (a quantized site has its own
     per-matrix scales, so its three matrices cannot share one GEMM's weight)."""
@@ -242,7 +241,7 @@ def fuse_qkv(config: ModelConfig, params: dict, recipe: QuantRecipe | None = Non
     out, groups = dict(params), []
     for _, start, stop, group in _param_groups(config, params):
         attn = group["attn"]
-        if FUSED_QKV not in attn and _qkv_fusable(config, attn, start, stop, recipe):
+        if FUSED_QKV not in attn and _qkv_fusable(attn, start, stop, recipe):
             fused = {k: v for k, v in attn.items() if k not in QKV_SITES}
             fused[FUSED_QKV] = jnp.concatenate([attn[n] for n in QKV_SITES], axis=-2)
             group = {**group, "attn": fused}
