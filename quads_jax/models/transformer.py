@@ -214,13 +214,27 @@ QKV_SITES = ("q_proj", "k_proj", "v_proj")
 FUSED_QKV = "qkv_proj"
 
 
+def _rows_split(leaf) -> bool:
+    """Whether a weight's output-feature axis (-2) is split over devices (tensor parallelism)."""
+    sharding = getattr(leaf, "sharding", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return False
+    spec = tuple(sharding.spec) + (None,) * (leaf.ndim - len(sharding.spec))
+    axes = spec[-2] if leaf.ndim >= 2 else None
+    names = () if axes is None else axes if isinstance(axes, tuple) else (axes,)
+    return int(np.prod([sharding.mesh.shape[a] for a in names])) > 1
+
+
 def _qkv_fusable(attn: dict, start: int, stop: int, recipe: QuantRecipe) -> bool:
     """One ``[q | k | v]`` weight serves a group when its three projections are plain arrays of
     one dtype whose sites run bf16 in every layer of the group (a quantized site has its own
-    per-matrix scales, so its three matrices cannot share one GEMM's weight)."""
-    if not all(isinstance(attn.get(n), jax.Array | np.ndarray) for n in QKV_SITES):
+    per-matrix scales, so its three matrices cannot share one GEMM's weight), and whose heads
+    are not split over devices (the q / k / v boundaries of a concatenation would not fall on
+    the shards' boundaries: slicing q, k and v out of the product would move data)."""
+    leaves = [attn.get(n) for n in QKV_SITES]
+    if not all(isinstance(w, jax.Array | np.ndarray) for w in leaves):
         return False
-    if len({attn[n].dtype for n in QKV_SITES}) != 1:
+    if len({w.dtype for w in leaves}) != 1 or any(_rows_split(w) for w in leaves):
         return False
     return all(recipe.mode_for(f"layers.{i}.attn.{n}") == "bf16"
                for i in range(start, stop) for n in QKV_SITES)

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from quads_jax import models
 from quads_jax.quant import fp8, nvfp4, ops, rac
@@ -131,6 +132,21 @@ def test_fused_qkv_is_the_three_projections_stacked_and_checked(model):
     for full in (False, True):
         with pytest.raises(SyncMismatchError, match=r"layers\.0\.attn\.qkv_proj"):
             check_sync(params, bad, recipe, model_config=cfg, full=full)
+
+
+@pytest.mark.parametrize("axis,fused", [("fsdp", True), ("tensor", False)])
+def test_heads_split_over_devices_keep_three_projections(model, axis, fused):
+    cfg, params = model
+    mesh = jax.make_mesh((2,), (axis,), axis_types=(jax.sharding.AxisType.Explicit,))
+    # fsdp splits the input features (axis -1), tensor the heads (axis -2)
+    spec = P(None, None, "fsdp") if axis == "fsdp" else P(None, "tensor", None)
+    sharded = jax.tree.map(lambda x: x, params)
+    attn = sharded["layers"][0]["attn"]
+    for n in ("q_proj", "k_proj", "v_proj"):
+        attn[n] = jax.device_put(attn[n], jax.sharding.NamedSharding(mesh, spec))
+    out = models.fuse_qkv(cfg, sharded)
+    assert ("qkv_proj" in out["layers"][0]["attn"]) == fused
+    assert "qkv_proj" in out["layers"][1]["attn"]  # the unsharded group still fuses
 
 
 def test_quantized_attention_keeps_three_projections(model):
