@@ -246,8 +246,10 @@ def fuse_qkv(config: ModelConfig, params: dict, recipe: QuantRecipe | None = Non
 
     Decode multiplies a few tokens by each projection, so a GEMM's time is its weight read plus
     a fixed cost: on the H200 the k and v GEMMs of the 30B shape took 5.7 us each for 2 MB of
-    weight (2026-12-03 trace). One GEMM on the stacked rows pays the fixed cost once. Same
-    numbers: every output element is the same dot product. The weight sync builds it
+    weight (2026-12-03 trace). One GEMM on the stacked rows pays the fixed cost once. Every
+    output element is the same dot product, but XLA may add its terms in another order for
+    the wider GEMM: bit-identical logits in bf16 on the CPU, ~1e-6 apart in float32 (tested),
+    the same class of difference as any change of GEMM shape. The weight sync builds it
     (``sync(fuse_qkv=True)``); a master tree keeps the three leaves (the trainer's gradients
     and the HF layout are per projection).
     """

@@ -163,7 +163,7 @@ def sync(params: dict, recipe: QuantRecipe, *, model_config,
         static RAC selection or activation scale (``calibration.calibrate``): the W4A4 leaves
         are then ``CalibratedWeight`` wrappers holding the calibrated blocks / scales.
       fuse_qkv: store each layer group's bf16 q/k/v projections as one ``qkv_proj`` weight
-        (``models.fuse_qkv``: one decode GEMM instead of three, same numbers).
+        (``models.fuse_qkv``: one decode GEMM instead of three, the same dot products).
 
     Returns:
       a tree of the same structure (layer groups split where the recipe's modes change; with

@@ -164,7 +164,7 @@ def test_quantized_attention_keeps_three_projections(model):
 
 @pytest.mark.parametrize("name", ["bf16", "rollout_quads"])
 def test_fused_qkv_gives_the_logits_and_greedy_tokens_of_three_projections(name):
-    cfg = tiny_config(num_hidden_layers=2, mlp_only_layers=())
+    cfg = tiny_config(num_hidden_layers=2, mlp_only_layers=())  # bf16 compute
     params = models.init_params(cfg, jax.random.key(5))
     recipe = get_recipe(name)
     fused = sync(params, recipe, model_config=cfg)
@@ -173,7 +173,9 @@ def test_fused_qkv_gives_the_logits_and_greedy_tokens_of_three_projections(name)
     tokens, mask = engine.left_pad([[4, 5, 6, 7], [8, 9]])
     run = jax.jit(lambda p: models.forward(cfg, p, tokens, attention_mask=mask,
                                            recipe=recipe).logits)
-    np.testing.assert_allclose(np.asarray(run(fused)), np.asarray(run(three)), atol=2e-2)
+    # bit-identical here; in float32 compute XLA:CPU adds the wider GEMM's terms in another
+    # order (~1e-6), so the tolerance is that of any GEMM shape change
+    np.testing.assert_allclose(np.asarray(run(fused)), np.asarray(run(three)), atol=1e-5)
     config = engine.SamplerConfig(max_new_tokens=6, greedy=True)
     outs = [engine.generate(p, tokens, jax.random.key(1), config, model_config=cfg,
                             recipe=recipe, prompt_mask=mask) for p in (fused, three)]
