@@ -165,7 +165,7 @@ def decode_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: ja
     gp = max(MIN_DOT_ROWS, 1 << (g - 1).bit_length())
     qp = jnp.pad(q.astype(k_all.dtype), ((0, 0), (0, 0), (0, gp - g), (0, 0)))
     kv_len = jnp.asarray(kv_len, jnp.int32).reshape(1)
-    valid = valid if valid.dtype == jnp.int32 else valid.astype(jnp.int32)
+    valid = valid.astype(jnp.int32)  # no operation for an int32 mask
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     block_s = min(config.block_s, 1 << (s.bit_length() - 1))  # a power of two <= S
     kernel = functools.partial(_kernel, block_s=block_s, slots=s, scale=d**-0.5)

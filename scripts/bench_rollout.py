@@ -366,8 +366,8 @@ def bench_precision(name, make_params, cfg, cases, args, bandwidth, clock, out_d
     t_check = statistics.median(timed(
         lambda: _try_check(params, rollout, recipe, cfg), 2))
     if name.startswith("bf16"):  # bit-identical to the bf16 master (checked): share its buffers
-        del rollout  # but with the q/k/v stacked as sync does (until 2b55d2b this arm ran the
-        rollout = models.fuse_qkv(cfg, params, recipe)  # three GEMMs the others no longer ran)
+        del rollout  # but with q/k/v stacked as sync stacks them (session 14's first runs
+        rollout = models.fuse_qkv(cfg, params, recipe)  # gave this arm the three GEMMs)
     params = None  # the master tree is not needed past the check (see the docstring)
     wb = weight_bytes(rollout)
     record(out_dir, dict(kind="sync", precision=name, bf16_path=BF16_PATH["path"], sync_s=t_sync, sync_first_call_s=first,

@@ -21,8 +21,9 @@ on a GPU, or ``"interpret"`` anywhere, a registered kernel replaces the jnp path
 ``fn(x, w, *, recipe, site, interpret)`` / ``fn(x, w, group_sizes, *, recipe, site, interpret)``
 with ``x`` 2-D ``[M, K]`` (a grouped kernel registered with ``source_rows=True`` is also given
 ``source_rows=`` and then gets the distinct rows, see ``grouped_linear``); its result (any float
-dtype) is cast to ``x.dtype`` (or ``linear``'s ``out_dtype``) here. ``quads_jax.quant.kernel_backend`` (the kernels' module) is imported lazily
-the first time a kernel could run.
+dtype) is cast to ``x.dtype`` (or ``linear``'s ``out_dtype``) here.
+``quads_jax.quant.kernel_backend`` (the kernels' module) is imported lazily the first time a
+kernel could run.
 
 RAC details the kernels must match (QUADS_SPEC section 4, ``rac.py``): residual
 ``R = x - dq(Q(x))`` in f32; online_batch scores per 16-block summed over the GEMM's rows (per
