@@ -81,15 +81,16 @@ class QuantizedActivations:
       q: NVFP4 activations ``[M, K]``, unpacked codes (global scale ``[M, 1]`` per token or
         ``[]`` per batch): the kernels build their operands from the codes, and a pack would be
         a wasted pass (``nvfp4.NVFP4Codes.pack`` gives the interchange format).
-      residual: the RAC residual of the selected blocks, NVFP4 codes ``[M, K]`` (zero blocks outside
-        the selection), bf16 ``[M, K]`` for ``rac_residual_format="bf16"``, or None.
+      residual: the RAC residual of the selected blocks: a ``rac.SelectedResidual`` (its NVFP4
+        codes ``[M, K]``, zero blocks outside the selection, made on demand for any rows: the
+        kernels' token tiles), bf16 ``[M, K]`` for ``rac_residual_format="bf16"``, or None.
       mask: bool ``[M, K/16]`` selected blocks, or None without RAC.
       q_rows: None, or int32 ``[M]``: ``q`` holds the distinct rows ``[R, K]`` and GEMM row
         ``i`` is ``q``'s row ``q_rows[i]`` (``nvfp4_quantize``'s ``source_rows``).
     """
 
     q: nvfp4.NVFP4Codes
-    residual: nvfp4.NVFP4Codes | jax.Array | None = None
+    residual: rac.SelectedResidual | jax.Array | None = None
     mask: jax.Array | None = None
     q_rows: jax.Array | None = None
 
@@ -138,24 +139,12 @@ def nvfp4_quantize(
     q = nvfp4.quantize_activations(x, act_scale_mode, static_scale)
     if rac_config is None:
         return QuantizedActivations(q=q, q_rows=source_rows)
-    r = nvfp4.residual(x, q)
-    if source_rows is not None:
-        x, r = x[source_rows], r[source_rows]
-    mask = rac.block_mask(
-        x, r, rac_config, row_expert=row_expert, num_experts=num_experts,
-        static_blocks=static_blocks,
+    sel = rac.select_residual(
+        x, q, rac_config, act_scale_mode=act_scale_mode, rows=source_rows,
+        row_expert=row_expert, num_experts=num_experts, static_blocks=static_blocks,
     )
-    r_s = rac.masked_residual(r, mask)
-    if rac_config.rac_residual_format == "bf16":
-        return QuantizedActivations(q=q, residual=r_s.astype(jnp.bfloat16), mask=mask,
-                                    q_rows=source_rows)
-    if rac_config.rac_residual_scale == "shared":
-        mode = "row" if q.global_scale.ndim else "tensor"
-        r_q = nvfp4.quantize_codes(r_s, global_scale=q.global_scale, scale_mode=mode)
-    else:
-        r_q = nvfp4.quantize_codes(
-            r_s, scale_mode="tensor" if act_scale_mode == "per_batch" else "row")
-    return QuantizedActivations(q=q, residual=r_q, mask=mask, q_rows=source_rows)
+    residual = sel.masked().astype(jnp.bfloat16) if rac_config.rac_residual_format == "bf16" else sel
+    return QuantizedActivations(q=q, residual=residual, mask=sel.mask, q_rows=source_rows)
 
 
 def mma_operand(q: nvfp4.NVFP4Codes | nvfp4.NVFP4Tensor, dtype) -> tuple[jax.Array, jax.Array]:
@@ -173,8 +162,8 @@ def kernel_operands(
     b0, g0 = mma_operand(acts.q, dtype)
     if acts.residual is None:
         return (b0,), (g0,)
-    if isinstance(acts.residual, nvfp4.NVFP4Codes):
-        b1, g1 = mma_operand(acts.residual, dtype)
+    if isinstance(acts.residual, rac.SelectedResidual):
+        b1, g1 = mma_operand(acts.residual.codes(), dtype)
     else:
         b1, g1 = acts.residual.astype(dtype), jnp.ones((b0.shape[0],), jnp.float32)
     return (b0, b1), (g0, g1)
@@ -185,8 +174,8 @@ def dequantized_sum(acts: QuantizedActivations) -> tuple[jax.Array, ...]:
     (``[M, K]``: ``q_rows`` applied)."""
     q = nvfp4.dequantize(acts.q, jnp.float32)
     out = [q if acts.q_rows is None else q[acts.q_rows]]
-    if isinstance(acts.residual, nvfp4.NVFP4Codes):
-        out.append(nvfp4.dequantize(acts.residual, jnp.float32))
+    if isinstance(acts.residual, rac.SelectedResidual):
+        out.append(nvfp4.dequantize(acts.residual.codes(), jnp.float32))
     elif acts.residual is not None:
         out.append(acts.residual.astype(jnp.float32))
     return tuple(out)

@@ -21,6 +21,7 @@ from pallas_kernels.w4a4_matmul import (
     W4A4MatmulConfig,
     _check,
     as_kernel_weights,
+    row_tiles,
     run_dense,
     run_tiles,
 )
@@ -48,8 +49,11 @@ def w4a16_matmul(
     if w.stacked:
         raise ValueError("w_q: stacked experts; use w4a16_grouped_matmul")
     _check(x, w)
-    ones = jnp.ones((x.shape[0],), jnp.float32)
-    return run_dense((x.astype(jnp.bfloat16),), (ones,), w, config, interpret, x.dtype)
+    def tiles_of(row_index):
+        tiles, slot_g = row_tiles(x, row_index, jnp.bfloat16, w.k_pad)
+        return (tiles,), (slot_g,)
+
+    return run_dense(tiles_of, x.shape[0], w, config, interpret, x.dtype)
 
 
 def w4a16_grouped_matmul(
@@ -70,10 +74,9 @@ def w4a16_grouped_matmul(
     gs = _check_group_sizes(group_sizes, e, m)
     block_m = config.block_m or grouped_block_m(m, e)
     row_index, tile_expert, num_tiles, row_slot = tile_plan(gs, m, block_m)
-    ones = jnp.ones((m,), jnp.float32)
-    return run_tiles((x_sorted.astype(jnp.bfloat16),), (ones,), row_index, row_slot, w,
-                     tile_expert, num_tiles, config, interpret, x_sorted.dtype,
-                     live_tiles=expected_tiles(m, e, block_m))
+    tiles, slot_g = row_tiles(x_sorted, row_index, jnp.bfloat16, w.k_pad)
+    return run_tiles((tiles,), (slot_g,), row_slot, w, tile_expert, num_tiles, config, interpret,
+                     x_sorted.dtype, live_tiles=expected_tiles(m, e, block_m))
 
 
 def w4a16_matmul_reference(x: jax.Array, w_q: nvfp4.NVFP4Tensor) -> jax.Array:

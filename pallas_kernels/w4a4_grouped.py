@@ -20,6 +20,7 @@ from pallas_kernels.w4a4_matmul import (
     W4A4MatmulConfig,
     _check,
     as_kernel_weights,
+    operand_tiles,
     run_tiles,
 )
 from quads_jax.quant import nvfp4, ops
@@ -119,23 +120,6 @@ def check_source_rows(source_rows, num_rows: int) -> jax.Array:
     return sr.astype(jnp.int32)
 
 
-def operand_tile_rows(acts: aq.QuantizedActivations, row_index: jax.Array) -> tuple:
-    """Each kernel operand's source row of every tile slot (``kernel_operands`` order): the
-    GEMM rows' ``row_index``, mapped through ``acts.q_rows`` for an operand that holds distinct
-    rows (the empty-slot index M becomes that operand's own zero row R)."""
-    n_ops = 1 if acts.residual is None else 2
-    if acts.q_rows is None:
-        return (row_index,) * n_ops
-    q_index = source_tile_rows(acts.q_rows, acts.q.shape[0], row_index)
-    return (q_index,) + (row_index,) * (n_ops - 1)
-
-
-def source_tile_rows(source_rows: jax.Array, num_rows: int, row_index: jax.Array) -> jax.Array:
-    """``row_index`` (GEMM rows, M = empty slot) mapped to rows of an operand of ``num_rows``
-    distinct rows through ``source_rows [M]`` (empty slots -> ``num_rows``, its zero row)."""
-    return jnp.concatenate([source_rows, jnp.full((1,), num_rows, jnp.int32)])[row_index]
-
-
 def w4a4_grouped_matmul(
     x_sorted: jax.Array,
     w_q,
@@ -176,12 +160,11 @@ def w4a4_grouped_matmul(
     rexp = row_experts(gs, m)
     acts = _grouped_acts(x_sorted, rexp, e, act_scale_mode, rac, rac_blocks, act_global_scale,
                          source_rows)
-    b_rows, row_scales = aq.kernel_operands(acts, w.mma_dtype)
     block_m = config.block_m or grouped_block_m(m, e)
     row_index, tile_expert, num_tiles, row_slot = tile_plan(gs, m, block_m)
-    return run_tiles(b_rows, row_scales, row_index, row_slot, w, tile_expert, num_tiles, config,
-                     interpret, x_sorted.dtype, live_tiles=expected_tiles(m, e, block_m),
-                     operand_rows=operand_tile_rows(acts, row_index))
+    tiles, slot_g = operand_tiles(acts, row_index, w.mma_dtype, w.k_pad)
+    return run_tiles(tiles, slot_g, row_slot, w, tile_expert, num_tiles, config, interpret,
+                     x_sorted.dtype, live_tiles=expected_tiles(m, e, block_m))
 
 
 def w4a4_grouped_matmul_reference(

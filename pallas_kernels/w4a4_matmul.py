@@ -23,7 +23,7 @@ from pallas_kernels.nvfp4_tiles_mgpu import (
     check_n_group,
     nvfp4_tile_gemm,
 )
-from quads_jax.quant import nvfp4
+from quads_jax.quant import nvfp4, rac
 
 MAX_BLOCK_M = 64  # a pipeline stage of 64 tokens x 256 K (f16) is 32 KB; RAC doubles it
 
@@ -130,6 +130,51 @@ def gather_tiles(rows: jax.Array, row_index: jax.Array, dtype, k_pad: int) -> ja
     return padded[row_index]
 
 
+def slot_values(values: jax.Array, row_index: jax.Array, fill=0) -> jax.Array:
+    """Per-row ``values [R]`` at each tile slot ``[T, block_m]`` (``row_index`` R: ``fill``)."""
+    return jnp.pad(values, (0, 1), constant_values=fill)[row_index]
+
+
+def row_tiles(rows: jax.Array, row_index: jax.Array, dtype, k_pad: int,
+              row_scales: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """One B operand of plain rows ``[R, K]`` as token tiles (``gather_tiles``) and each
+    slot's float32 scale ``[T, block_m]`` from ``row_scales [R]`` (None: 1; empty slots 0)."""
+    g = jnp.ones((rows.shape[0],), jnp.float32) if row_scales is None else row_scales
+    return gather_tiles(rows, row_index, dtype, k_pad), slot_values(g.astype(jnp.float32), row_index)
+
+
+def source_tile_rows(source_rows: jax.Array, num_rows: int, row_index: jax.Array) -> jax.Array:
+    """``row_index`` (GEMM rows, M = empty slot) mapped to rows of an operand of ``num_rows``
+    distinct rows through ``source_rows [M]`` (empty slots -> ``num_rows``, its zero row)."""
+    return jnp.concatenate([source_rows, jnp.full((1,), num_rows, jnp.int32)])[row_index]
+
+
+def operand_tiles(acts: aq.QuantizedActivations, row_index: jax.Array, dtype,
+                  k_pad: int) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """The W4A4 kernel's B operands as token tiles ``[T, block_m, Kp]`` in ``dtype`` (1, or 2
+    with RAC) and each slot's activation decode scale ``[T, block_m]`` (0 for empty slots).
+
+    ``row_index``: int32 ``[T, block_m]`` GEMM row of each slot (M = empty). The activation
+    operand is gathered from its distinct rows (``acts.q_rows``); RAC's residual operand is
+    coded straight into the tiles from the distinct rows' residual
+    (``rac.SelectedResidual.codes``): one elementwise pass, no ``[M, K]`` residual between.
+    """
+    b0, g0 = aq.mma_operand(acts.q, dtype)
+    q_index = row_index if acts.q_rows is None else source_tile_rows(
+        acts.q_rows, b0.shape[0], row_index)
+    t0, s0 = row_tiles(b0, q_index, dtype, k_pad, g0)
+    res = acts.residual
+    if res is None:
+        return (t0,), (s0,)
+    if isinstance(res, rac.SelectedResidual):
+        vals = nvfp4.unscaled_values(res.codes(row_index)).astype(dtype)
+        t1 = jnp.pad(vals, ((0, 0), (0, 0), (0, k_pad - vals.shape[-1])))
+        s1 = slot_values(res.global_scale, row_index)
+    else:  # bf16 residual (rac_residual_format="bf16"): plain rows, scale 1
+        t1, s1 = row_tiles(res, row_index, dtype, k_pad)
+    return (t0, t1), (s0, s1)
+
+
 def stored_dtype(out_dtype, k_splits: int):
     """What the tile kernels' epilogue stores: the caller's dtype, or float32 partial sums
     when K is split (summed by ``rows_from_tiles``)."""
@@ -155,21 +200,18 @@ def rows_from_tiles(out: jax.Array, row_slot: jax.Array | int, n: int, dtype) ->
     return rows[:, :n].astype(dtype)
 
 
-def slot_scales(row_scales: tuple[jax.Array, ...], operand_rows: tuple[jax.Array, ...],
-                tile_expert: jax.Array, w: W4A4Weights) -> jax.Array:
-    """float32 ``[T, A, block_m]``: each token slot's scale for the kernel's epilogue, the row's
-    activation global scale times the tile's weight global scale and ``1 / w.code_factor``
-    (0 for empty slots). ``operand_rows``: each operand's ``[T, block_m]`` source rows."""
+def slot_scales(slot_g: tuple[jax.Array, ...], tile_expert: jax.Array,
+                w: W4A4Weights) -> jax.Array:
+    """float32 ``[T, A, block_m]``: each token slot's scale for the kernel's epilogue, the
+    operand's activation scale (``slot_g``, ``[T, block_m]`` each, 0 for empty slots) times the
+    tile's weight global scale and ``1 / w.code_factor``."""
     g_t = w.global_scale[tile_expert] * jnp.float32(w.code_factor)  # [T]
-    per_operand = [jnp.pad(g.astype(jnp.float32), (0, 1))[idx]
-                   for g, idx in zip(row_scales, operand_rows, strict=True)]
-    return jnp.stack(per_operand, axis=1) * g_t[:, None, None]
+    return jnp.stack(slot_g, axis=1) * g_t[:, None, None]
 
 
 def run_tiles(
-    b_rows: tuple[jax.Array, ...],
-    row_scales: tuple[jax.Array, ...],
-    row_index: jax.Array,
+    tiles: tuple[jax.Array, ...],
+    slot_g: tuple[jax.Array, ...],
     row_slot: jax.Array | int,
     w: W4A4Weights,
     tile_expert: jax.Array,
@@ -178,33 +220,27 @@ def run_tiles(
     interpret: bool,
     out_dtype,
     live_tiles: int | None = None,
-    operand_rows: tuple[jax.Array, ...] | None = None,
 ) -> jax.Array:
-    """Gather rows into token tiles, run the kernel, return the scaled rows ``[M, N]``.
+    """Run the kernel on token tiles, return the scaled rows ``[M, N]``.
 
-    ``b_rows``: the B operands ``[M, K]`` and ``row_scales`` their float32 ``[M]`` global
-    scales (applied in the kernel's epilogue with the weight's, ``slot_scales``);
-    ``row_index``: int32 ``[T, block_m]`` source row of each tile slot (``M`` = a zero row);
-    ``row_slot``: int32 ``[M]`` tile slot of each row (``T * block_m`` = a zero row), or an
-    int M: the first M slots (``rows_from_tiles``). The kernel stores ``out_dtype`` when K is
-    not split, float32 partial sums otherwise. ``live_tiles``: the tiles expected to hold rows
-    (static; None: all ``T``), what the split-K choice counts. ``operand_rows``: per operand,
-    its own ``[T, block_m]`` source rows (an operand of distinct rows, ``w4a4_grouped``);
-    None: ``row_index`` for every operand.
+    ``tiles``: the B operands ``[T, block_m, Kp]`` in the MMA dtype (``operand_tiles``,
+    ``row_tiles``) and ``slot_g`` their float32 ``[T, block_m]`` activation scales (applied
+    in the kernel's epilogue with the weight's, ``slot_scales``); ``row_slot``: int32 ``[M]``
+    tile slot of each row (``T * block_m`` = a zero row), or an int M: the first M slots
+    (``rows_from_tiles``). The kernel stores ``out_dtype`` when K is not split, float32 partial
+    sums otherwise. ``live_tiles``: the tiles expected to hold rows (static; None: all ``T``),
+    what the split-K choice counts.
     """
-    operand_rows = operand_rows or (row_index,) * len(b_rows)
-    tiles = tuple(gather_tiles(b, idx, jnp.dtype(w.mma_dtype), w.k_pad)
-                  for b, idx in zip(b_rows, operand_rows, strict=True))
     num_sms = config.num_sms or _num_sms()
     check_n_group(config.n_group, w.n_pad)
-    tiles_used = live_tiles or row_index.shape[0]
+    tiles_used = live_tiles or tiles[0].shape[0]
     k_splits = config.k_splits or auto_k_splits(
         tiles_used * (w.n_pad // N_TILE // config.n_group), w.k_pad // K_TILE, num_sms
     )
     tcfg = config.tile_config(k_splits, num_sms, config.n_group)
     out = nvfp4_tile_gemm(
         tiles, w, tile_expert, num_tiles, config=tcfg, interpret=interpret,
-        col_scales=slot_scales(row_scales, operand_rows, tile_expert, w),
+        col_scales=slot_scales(slot_g, tile_expert, w),
         out_dtype=stored_dtype(out_dtype, k_splits),
     )
     return rows_from_tiles(out, row_slot, w.n, out_dtype)
@@ -221,13 +257,12 @@ def dense_plan(m: int, block_m: int | None):
     return row_index, jnp.zeros((t,), jnp.int32), jnp.full((1,), t, jnp.int32)
 
 
-def run_dense(b_rows: tuple[jax.Array, ...], row_scales: tuple[jax.Array, ...], w: W4A4Weights,
-              config, interpret: bool, out_dtype) -> jax.Array:
-    """Dense rows ``[M, K]`` in consecutive token tiles through the kernel: ``[M, N]``."""
-    m = b_rows[0].shape[0]
+def run_dense(tiles_of, m: int, w: W4A4Weights, config, interpret: bool, out_dtype) -> jax.Array:
+    """Dense rows in consecutive token tiles through the kernel: ``[M, N]``. ``tiles_of(
+    row_index)`` returns the tiles and slot scales of ``run_tiles`` for ``dense_plan``'s rows."""
     row_index, tile_expert, num_tiles = dense_plan(m, config.block_m)
-    return run_tiles(b_rows, row_scales, row_index, m, w, tile_expert, num_tiles, config,
-                     interpret, out_dtype)
+    tiles, slot_g = tiles_of(row_index)
+    return run_tiles(tiles, slot_g, m, w, tile_expert, num_tiles, config, interpret, out_dtype)
 
 
 def dense_prefill_parts(b_rows: tuple[jax.Array, ...], w: W4A4Weights) -> jax.Array:
@@ -290,10 +325,11 @@ def w4a4_matmul(
     _check(x, w)
     acts = aq.nvfp4_quantize(x, act_scale_mode=act_scale_mode, rac_config=rac,
                              static_blocks=rac_blocks, static_scale=act_global_scale)
-    b_rows, row_scales = aq.kernel_operands(acts, w.mma_dtype)
     m = x.shape[0]
     if config.prefill_min_rows is None or m < config.prefill_min_rows:
-        return run_dense(b_rows, row_scales, w, config, interpret, x.dtype)
+        return run_dense(lambda idx: operand_tiles(acts, idx, w.mma_dtype, w.k_pad), m, w,
+                         config, interpret, x.dtype)
+    b_rows, row_scales = aq.kernel_operands(acts, w.mma_dtype)
     parts = dense_prefill_parts(b_rows, w)
     g_w = jnp.broadcast_to(w.global_scale[0], (m,))
     return combine(parts, row_scales, g_w, w.n, w.code_factor).astype(x.dtype)

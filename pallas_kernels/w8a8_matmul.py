@@ -30,14 +30,14 @@ from pallas_kernels.w4a4_grouped import (
     check_source_rows,
     expected_tiles,
     grouped_block_m,
-    source_tile_rows,
     tile_plan,
 )
 from pallas_kernels.w4a4_matmul import (
     auto_k_splits,
     dense_plan,
-    gather_tiles,
+    row_tiles,
     rows_from_tiles,
+    source_tile_rows,
     stored_dtype,
 )
 from quads_jax.quant import fp8
@@ -96,14 +96,15 @@ def _run(qx: fp8.FP8Tensor, w, row_index, row_slot, tile_expert, num_tiles, conf
     """Tiles through the kernel; the scales are applied in its epilogue: ``[M, N]``
     (``live_tiles`` as ``w4a4_matmul.run_tiles``)."""
     m = qx.data.shape[0]
-    tiles = gather_tiles(qx.data, row_index, jnp.float8_e4m3fn, w.k_pad)
+    tiles, act = row_tiles(qx.data, row_index, jnp.float8_e4m3fn, w.k_pad,
+                           _act_scale(qx, m)[:, 0])
     num_sms = config.num_sms or _num_sms()
     k_splits = config.k_splits or auto_k_splits(
         (live_tiles or row_index.shape[0]) * (w.n_pad // N_TILE), w.k_pad // K_TILE, num_sms)
     cfg = FP8GemmConfig(k_splits, config.max_concurrent_steps, num_sms)
-    act = jnp.pad(_act_scale(qx, m)[:, 0], (0, 1))[row_index][:, None]  # [T, 1, block_m]
     out = fp8_tile_gemm((tiles,), w, tile_expert, num_tiles, config=cfg, interpret=interpret,
-                        col_scales=act, out_dtype=stored_dtype(out_dtype, k_splits))
+                        col_scales=act[:, None],  # [T, 1, block_m]
+                        out_dtype=stored_dtype(out_dtype, k_splits))
     return rows_from_tiles(out, row_slot, w.n, out_dtype)
 
 

@@ -202,16 +202,23 @@ def unpack_codes(packed: jax.Array) -> jax.Array:
     return jnp.stack([lo, hi], axis=-1).reshape(packed.shape[:-1] + (packed.shape[-1] * 2,))
 
 
-def block_scales_and_reciprocals(x_blocks: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """E4M3 block scales and the float32 code reciprocals for ``x_blocks [..., K/16, 16]``.
-
-    ``g`` is the float32 decode scale broadcastable to ``[..., K/16, 1]``. Returns ``(s_b,
-    r_b)`` with ``s_b`` float8_e4m3fn ``[..., K/16]`` and ``r_b`` float32 ``[..., K/16, 1]``.
-    """
+def block_amax(x_blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Finite amax and finiteness of each block of ``x_blocks [..., K/16, 16]``: float32 and
+    bool ``[..., K/16, 1]`` (non-finite elements count as 0 in the amax)."""
     xf = x_blocks.astype(jnp.float32)
     absx = jnp.abs(xf)
     finite = jnp.all(jnp.isfinite(xf), axis=-1, keepdims=True)
     amax_b = jnp.max(jnp.where(jnp.isfinite(absx), absx, 0.0), axis=-1, keepdims=True)
+    return amax_b, finite
+
+
+def block_scales_from_amax(
+    amax_b: jax.Array, finite: jax.Array, g: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """E4M3 block scales and float32 code reciprocals from ``block_amax``'s ``[..., K/16, 1]``
+    results and the decode scale ``g`` (broadcastable): ``(s_b [..., K/16], r_b [..., K/16,
+    1])``. Split from ``block_scales_and_reciprocals`` so that a caller holding the block amax
+    of rows (RAC's residual, ``rac.SelectedResidual``) codes them without a second pass."""
     enc = jnp.float32(1.0) / g
     # A true division by 6: ties such as amax_b * enc / 6 == 2^-10 must round half to even.
     s = jnp.clip(divide_by_constant(amax_b * enc, E2M1_MAX), 0.0, E4M3_MAX)
@@ -224,6 +231,15 @@ def block_scales_and_reciprocals(x_blocks: jax.Array, g: jax.Array) -> tuple[jax
     # `denom > 0` is False for NaN scales too, so non-finite blocks get r_b = 0.
     r = jnp.where(denom > 0, jnp.float32(1.0) / jnp.where(denom > 0, denom, 1.0), 0.0)
     return s_e4m3[..., 0], r
+
+
+def block_scales_and_reciprocals(x_blocks: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """E4M3 block scales and the float32 code reciprocals for ``x_blocks [..., K/16, 16]``.
+
+    ``g`` is the float32 decode scale broadcastable to ``[..., K/16, 1]``. Returns ``(s_b,
+    r_b)`` with ``s_b`` float8_e4m3fn ``[..., K/16]`` and ``r_b`` float32 ``[..., K/16, 1]``.
+    """
+    return block_scales_from_amax(*block_amax(x_blocks), g)
 
 
 @jax.tree_util.register_dataclass

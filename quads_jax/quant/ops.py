@@ -232,27 +232,19 @@ def act_quantize(
 
 
 def _rac_residual_product(x, qx, qw, recipe, group_sizes, row_expert, calib) -> jax.Array:
-    r = nvfp4.residual(x, qx)
-    mask = rac.block_mask(
+    sel = rac.select_residual(
         x,
-        r,
+        qx,
         recipe,
+        act_scale_mode=recipe.act_scale_mode,
         row_expert=row_expert,
         num_experts=None if row_expert is None else qw.shape[0],
         static_blocks=None if calib is None else calib.rac_blocks,
     )
-    r_s = rac.masked_residual(r, mask)
     if recipe.rac_residual_format == "bf16":
-        acc = _matmul(r_s.astype(jnp.bfloat16), nvfp4_unscaled(qw), group_sizes)
+        acc = _matmul(sel.masked().astype(jnp.bfloat16), nvfp4_unscaled(qw), group_sizes)
         return acc * _per_row(qw.global_scale, row_expert)
-    if recipe.rac_residual_scale == "shared":
-        scale_mode = "row" if qx.global_scale.ndim else "tensor"
-        q_r = nvfp4.quantize_codes(r_s, global_scale=qx.global_scale, scale_mode=scale_mode)
-    else:
-        q_r = nvfp4.quantize_codes(
-            r_s, scale_mode="tensor" if recipe.act_scale_mode == "per_batch" else "row"
-        )
-    return _nvfp4_product(q_r, qw, group_sizes, row_expert)
+    return _nvfp4_product(sel.codes(), qw, group_sizes, row_expert)
 
 
 def _reference(x, w, mode, site, recipe, group_sizes) -> jax.Array:

@@ -122,6 +122,48 @@ def select_blocks(
     return jnp.take_along_axis(jnp.broadcast_to(keep_sorted, scores.shape), rank, axis=-1)
 
 
+def selection_mask(
+    scores: jax.Array,
+    recipe: QuantRecipe,
+    *,
+    rows: jax.Array | None = None,
+    row_expert: jax.Array | None = None,
+    num_experts: int | None = None,
+    static_blocks: jax.Array | None = None,
+) -> jax.Array:
+    """Mask ``[M, K/16]`` of the blocks RAC compensates in each GEMM row, per
+    ``recipe.rac_selection``, from the per-row block scores of ``row_block_scores``.
+
+    Args:
+      scores: float32 ``[R, K/16]``, one row per distinct activation row.
+      rows: None (GEMM row ``i`` is score row ``i``, M = R) or int32 ``[M]``: GEMM row ``i`` is
+        score row ``rows[i]`` (a MoE token's k slots share its scores; ``online_token`` then
+        ranks each distinct row once).
+      row_expert: int32 ``[M]`` expert of each GEMM row for grouped GEMMs (None: dense).
+      static_blocks: bool ``[K/16]`` or ``[E, K/16]`` for ``rac_selection="static"``.
+    """
+    sel = recipe.rac_selection
+    m = scores.shape[0] if rows is None else rows.shape[0]
+    if sel == "static":
+        if static_blocks is None:
+            raise ValueError(
+                "rac_selection='static' needs calibrated blocks: pass the weight as a "
+                "rac.CalibratedWeight with rac_blocks (see rac.calibrate_blocks)"
+            )
+        if row_expert is not None and static_blocks.ndim == 2:
+            return static_blocks[row_expert]
+        return jnp.broadcast_to(static_blocks, (m, static_blocks.shape[-1]))
+    if sel == "online_token":
+        chosen = select_blocks(scores, recipe.rac_ratio, recipe.rac_energy_target)
+        return chosen if rows is None else chosen[rows]
+    per_row = scores if rows is None else scores[rows]
+    agg = aggregate_scores(per_row, recipe.rac_score, row_expert, num_experts)
+    chosen = select_blocks(agg, recipe.rac_ratio, recipe.rac_energy_target)
+    if row_expert is None:
+        return jnp.broadcast_to(chosen, per_row.shape)
+    return chosen[row_expert]
+
+
 def block_mask(
     x: jax.Array,
     r: jax.Array,
@@ -138,29 +180,127 @@ def block_mask(
       row_expert: int32 ``[M]`` expert of each row for grouped GEMMs (None: dense).
       static_blocks: bool ``[K/16]`` or ``[E, K/16]`` for ``rac_selection="static"``.
     """
-    sel = recipe.rac_selection
-    if sel == "static":
-        if static_blocks is None:
-            raise ValueError(
-                "rac_selection='static' needs calibrated blocks: pass the weight as a "
-                "rac.CalibratedWeight with rac_blocks (see rac.calibrate_blocks)"
-            )
-        if row_expert is not None and static_blocks.ndim == 2:
-            return static_blocks[row_expert]
-        return jnp.broadcast_to(static_blocks, (x.shape[0], static_blocks.shape[-1]))
-    scores = row_block_scores(x, r, recipe.rac_score)
-    if sel == "online_token":
-        return select_blocks(scores, recipe.rac_ratio, recipe.rac_energy_target)
-    agg = aggregate_scores(scores, recipe.rac_score, row_expert, num_experts)
-    chosen = select_blocks(agg, recipe.rac_ratio, recipe.rac_energy_target)
-    if row_expert is None:
-        return jnp.broadcast_to(chosen, scores.shape)
-    return chosen[row_expert]
+    # Static selection ignores the scores (a jitted caller never computes them).
+    return selection_mask(row_block_scores(x, r, recipe.rac_score), recipe,
+                          row_expert=row_expert, num_experts=num_experts,
+                          static_blocks=static_blocks)
 
 
 def masked_residual(r: jax.Array, mask: jax.Array) -> jax.Array:
     """``R`` with the unselected blocks zeroed: ``[M, K]`` f32."""
     return (block_view(r) * mask[..., None].astype(r.dtype)).reshape(r.shape)
+
+
+def _with_zero_row(a: jax.Array, fill) -> jax.Array:
+    """``a [N, ...]`` with one more row of ``fill`` (index N: an empty GEMM row or tile slot)."""
+    return jnp.concatenate([a, jnp.full((1,) + a.shape[1:], fill, a.dtype)])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SelectedResidual:
+    """RAC's quantized residual ``Q(R_S)`` of M GEMM rows, held as what it is made of.
+
+    Per GEMM row, ``Q(R_S)`` needs only its distinct row's residual, the finite amax of each
+    16-block, the selection mask and the row's decode scale (from the amax of its selected
+    blocks): ``codes(index)`` codes any set of GEMM rows from those in one elementwise pass, so
+    the W4A4 kernels' token tiles are built straight from the distinct rows' residual, with no
+    ``[M, K]`` masked residual and no separate quantizer pass over it in between (on the H200
+    those were several XLA kernels per RAC GEMM of the decode step). For finite inputs the codes
+    are bit-identical to ``nvfp4.quantize_codes(masked_residual(r[rows], mask), ...)`` with the
+    recipe's residual scale mode; an unselected block is zero even where ``r`` is not finite.
+
+    Attributes:
+      r: float32 ``[R, K]``: ``x - dq(Q(x))`` of the distinct activation rows.
+      block_amax: float32 ``[R, K/16, 1]`` and block_finite: bool ``[R, K/16, 1]``, as
+        ``nvfp4.block_amax`` of ``r``.
+      mask: bool ``[M, K/16]``: the selected blocks of each GEMM row.
+      global_scale: float32 ``[M]``: each GEMM row's residual decode scale.
+      rows: None (M = R, row ``i`` is ``r``'s row ``i``) or int32 ``[M]``: each GEMM row's
+        distinct row.
+      dtype: the logical dtype of the codes (the activations').
+    """
+
+    r: jax.Array
+    block_amax: jax.Array
+    block_finite: jax.Array
+    mask: jax.Array
+    global_scale: jax.Array
+    rows: jax.Array | None = None
+    dtype: jnp.dtype = dataclasses.field(default=jnp.dtype(jnp.bfloat16), metadata={"static": True})
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.mask.shape[0], self.r.shape[-1])
+
+    def codes(self, index: jax.Array | None = None) -> nvfp4.NVFP4Codes:
+        """``Q(R_S)`` of GEMM rows ``index`` (int32, any shape ``I``; M = a zero row, for an
+        empty tile slot) or of all M rows: codes ``I + [K]``, E4M3 scales ``I + [K/16]``,
+        decode scale ``I + [1]`` (1 for a zero row)."""
+        if index is None and self.rows is None:
+            r, amax, fin, keep, g = (self.r, self.block_amax, self.block_finite, self.mask,
+                                     self.global_scale)
+        else:
+            if index is None:
+                index = jnp.arange(self.mask.shape[0], dtype=jnp.int32)
+            src = index if self.rows is None else _with_zero_row(
+                self.rows, self.r.shape[0])[index]
+            r = _with_zero_row(self.r, 0.0)[src]
+            amax = _with_zero_row(self.block_amax, 0.0)[src]
+            fin = _with_zero_row(self.block_finite, True)[src]
+            keep = _with_zero_row(self.mask, False)[index]
+            g = _with_zero_row(self.global_scale, 1.0)[index]
+        s, rcp = nvfp4.block_scales_from_amax(amax, fin, g[..., None, None])
+        codes = nvfp4.round_to_e2m1_code(block_view(r) * rcp)
+        codes = jnp.where(keep[..., None], codes, jnp.uint8(0)).reshape(r.shape)
+        s = jnp.where(keep, s, jnp.zeros((), s.dtype))
+        return nvfp4.NVFP4Codes(codes=codes, scales=s, global_scale=g[..., None], dtype=self.dtype)
+
+    def masked(self) -> jax.Array:
+        """``R_S``: float32 ``[M, K]`` residual of each GEMM row, unselected blocks zero."""
+        r = self.r if self.rows is None else self.r[self.rows]
+        return masked_residual(r, self.mask)
+
+
+def select_residual(
+    x: jax.Array,
+    q: nvfp4.NVFP4Codes,
+    recipe,
+    *,
+    act_scale_mode: str,
+    rows: jax.Array | None = None,
+    row_expert: jax.Array | None = None,
+    num_experts: int | None = None,
+    static_blocks: jax.Array | None = None,
+) -> SelectedResidual:
+    """RAC's block selection and residual scales for activations ``x [R, K]`` quantized to
+    ``q``: the one construction of ``Q(R_S)`` for the trainer-side reference (``ops``) and the
+    kernels' pre-pass (``pallas_kernels.nvfp4_quantize``).
+
+    Args:
+      recipe: a ``QuantRecipe`` or anything with its ``rac_*`` fields (``RACConfig``).
+      act_scale_mode: the activations' mode; with ``rac_residual_scale="separate"`` the
+        residual gets one decode scale per GEMM row, or one for all rows under ``per_batch``;
+        ``"shared"`` reuses ``q``'s.
+      rows / row_expert / num_experts / static_blocks: as ``selection_mask``.
+    """
+    r = nvfp4.residual(x, q)
+    amax, finite = nvfp4.block_amax(block_view(r))
+    mask = selection_mask(row_block_scores(x, r, recipe.rac_score), recipe, rows=rows,
+                          row_expert=row_expert, num_experts=num_experts,
+                          static_blocks=static_blocks)
+    m = mask.shape[0]
+    if recipe.rac_residual_scale == "shared":
+        g = jnp.asarray(q.global_scale, jnp.float32).reshape(-1)
+        g = jnp.broadcast_to(g, (m,)) if g.size == 1 else (g if rows is None else g[rows])
+    else:
+        amax_rows = amax[..., 0] if rows is None else amax[rows, :, 0]
+        sel = jnp.max(jnp.where(mask, amax_rows, 0.0), axis=-1)  # [M]
+        if act_scale_mode == "per_batch":
+            sel = jnp.broadcast_to(jnp.max(sel), (m,))
+        g = nvfp4.decode_scale_from_amax(sel)
+    return SelectedResidual(r=r, block_amax=amax, block_finite=finite, mask=mask,
+                            global_scale=g, rows=rows, dtype=jnp.dtype(x.dtype))
 
 
 def captured_energy(r: jax.Array, mask: jax.Array) -> jax.Array:

@@ -55,9 +55,10 @@ def _gemm_errors(x: jax.Array, w: jax.Array, recipe) -> dict[str, jax.Array]:
     wq = nvfp4.qdq(w)
     qx = ops.act_quantize(x, recipe)
     xq = nvfp4.dequantize(qx, jnp.float32)
-    r = x - xq
-    mask = rac.block_mask(x, r, recipe)
-    rq = nvfp4.dequantize(ops.act_quantize(rac.masked_residual(r, mask), recipe), jnp.float32)
+    # The rollout's own residual construction (selection and residual scale per the recipe).
+    sel = rac.select_residual(x, qx, recipe, act_scale_mode=recipe.act_scale_mode)
+    r, mask = sel.r, sel.mask
+    rq = nvfp4.dequantize(sel.codes(), jnp.float32)
     return {
         "analysis/weight_only_err": qmetrics.rel_fro_error(y, x @ wq.T),
         "analysis/act_only_err": qmetrics.rel_fro_error(y, xq @ w.T),

@@ -39,7 +39,7 @@ def test_rac_residual_matches_the_reference_construction(scale, selection):
     mask = rac.block_mask(x, r, cfg)
     assert int(mask.sum(-1)[0]) == 2  # 25% of 8 blocks
     g = q.global_scale if scale == "shared" else None
-    _same(got.residual, nvfp4.quantize(rac.masked_residual(r, mask), global_scale=g,
+    _same(got.residual.codes(), nvfp4.quantize(rac.masked_residual(r, mask), global_scale=g,
                                        scale_mode="row"))
     np.testing.assert_array_equal(got.mask, mask)
 
@@ -56,3 +56,101 @@ def test_bad_inputs():
         aq.RACConfig(rac_ratio=0.0)
     with pytest.raises(ValueError, match="rac_score"):
         aq.RACConfig(rac_score="energy")
+
+
+def _old_residual_codes(x, cfg, act_mode, rows, row_expert, e, static_blocks):
+    """The construction before ``rac.SelectedResidual``: the masked residual of the GEMM rows,
+    materialized, then quantized with the residual scale mode."""
+    q = nvfp4.quantize_activations(x, act_mode)
+    r = nvfp4.residual(x, q)
+    xg, rg = (x, r) if rows is None else (x[rows], r[rows])
+    mask = rac.block_mask(xg, rg, cfg, row_expert=row_expert, num_experts=e,
+                          static_blocks=static_blocks)
+    r_s = rac.masked_residual(rg, mask)
+    if cfg.rac_residual_scale == "shared":
+        g = q.global_scale if rows is None or not q.global_scale.ndim else q.global_scale[rows]
+        mode = "row" if g.ndim else "tensor"
+        return nvfp4.quantize_codes(r_s, global_scale=g, scale_mode=mode), mask
+    mode = "tensor" if act_mode == "per_batch" else "row"
+    return nvfp4.quantize_codes(r_s, scale_mode=mode), mask
+
+
+@pytest.mark.parametrize("act_mode", ["per_token", "per_batch"])
+@pytest.mark.parametrize("scale", ["separate", "shared"])
+@pytest.mark.parametrize("selection", ["online_batch", "online_token", "static"])
+@pytest.mark.parametrize("gathered", [False, True])
+def test_selected_residual_codes_are_the_materialized_ones(act_mode, scale, selection, gathered):
+    """``SelectedResidual.codes`` (all rows, and any tile-shaped set of rows with empty slots)
+    equals quantizing the materialized masked residual, bit for bit."""
+    e, k, n_tok = 4, 96, 6
+    x = jax.random.normal(jax.random.key(3), (n_tok, k)) * 3
+    x = x.at[2, 16:32].multiply(40.0)  # one loud block
+    rows = jnp.array([0, 3, 1, 1, 5, 2, 4, 0, 2], jnp.int32) if gathered else None
+    m = n_tok if rows is None else rows.shape[0]
+    row_expert = jnp.sort(jax.random.randint(jax.random.key(4), (m,), 0, e))
+    static = (jax.random.uniform(jax.random.key(5), (e, k // 16)) < 0.5
+              if selection == "static" else None)
+    cfg = aq.RACConfig(rac_residual_scale=scale, rac_selection=selection, rac_ratio=0.5)
+    want, want_mask = _old_residual_codes(x, cfg, act_mode, rows, row_expert, e, static)
+    q = nvfp4.quantize_activations(x, act_mode)
+    sel = rac.select_residual(x, q, cfg, act_scale_mode=act_mode, rows=rows,
+                              row_expert=row_expert, num_experts=e, static_blocks=static)
+    np.testing.assert_array_equal(sel.mask, want_mask)
+    got = sel.codes()
+    np.testing.assert_array_equal(got.codes, want.codes)
+    np.testing.assert_array_equal(got.scales.view(jnp.uint8), want.scales.view(jnp.uint8))
+    np.testing.assert_array_equal(
+        got.global_scale, jnp.broadcast_to(jnp.asarray(want.global_scale).reshape(-1, 1), (m, 1)))
+    np.testing.assert_array_equal(nvfp4.dequantize(got), nvfp4.dequantize(want))
+    # Tile-shaped rows, with empty slots (index M): the same rows, zeros where empty.
+    index = jnp.array([[0, 4, m], [m, 2, 1]], jnp.int32)
+    tiled = sel.codes(index)
+    live = np.asarray(index) < m
+    for field in ("codes", "scales", "global_scale"):
+        t = np.asarray(getattr(tiled, field)).view(np.uint8) if field == "scales" else \
+            np.asarray(getattr(tiled, field))
+        a = np.asarray(getattr(got, field)).view(np.uint8) if field == "scales" else \
+            np.asarray(getattr(got, field))
+        np.testing.assert_array_equal(t[live], a[np.asarray(index)[live]])
+    assert not np.asarray(tiled.codes)[~live].any()
+    assert not np.asarray(tiled.scales.astype(jnp.float32))[~live].any()
+
+
+def test_unselected_non_finite_blocks_code_to_zero():
+    """An unselected block with an inf/NaN residual stays zero (the masked residual, times 0,
+    would have carried a NaN scale); a selected one keeps the NaN marker."""
+    x = jnp.ones((2, 64)).at[0, 3].set(jnp.inf)
+    cfg = aq.RACConfig(rac_selection="static")
+    q = nvfp4.quantize_activations(x, "per_token")
+    blocks = jnp.array([False, True, True, False])
+    sel = rac.select_residual(x, q, cfg, act_scale_mode="per_token", static_blocks=blocks)
+    c = sel.codes()
+    assert float(c.scales[0, 0].astype(jnp.float32)) == 0.0
+    assert np.isfinite(np.asarray(nvfp4.dequantize(c))).all()
+
+
+@pytest.mark.parametrize("rac_on", [False, True])
+def test_operand_tiles_are_the_gathered_operands(rac_on):
+    """The kernels' B tiles built in tile space equal the row operands gathered into tiles."""
+    from pallas_kernels import w4a4_grouped as wg
+    from pallas_kernels import w4a4_matmul as wm
+
+    e, k, n_tok, top = 4, 128, 5, 2
+    x = jax.random.normal(jax.random.key(6), (n_tok, k), jnp.bfloat16)
+    ids = jax.random.randint(jax.random.key(7), (n_tok * top,), 0, e)
+    order = jnp.argsort(ids, stable=True)
+    rows = (order // top).astype(jnp.int32)
+    gs = jnp.bincount(ids, length=e).astype(jnp.int32)
+    m = rows.shape[0]
+    rexp = wg.row_experts(gs, m)
+    cfg = aq.RACConfig() if rac_on else None
+    acts = aq.nvfp4_quantize(x, rac_config=cfg, row_expert=rexp, num_experts=e, source_rows=rows)
+    row_index, _, _, _ = wg.tile_plan(gs, m, 8)
+    tiles, slot_g = wm.operand_tiles(acts, row_index, jnp.float16, 256)
+    b_rows, g_rows = aq.kernel_operands(acts, jnp.float16)
+    q_index = wm.source_tile_rows(rows, n_tok, row_index)
+    want_index = (q_index, row_index)[:len(b_rows)]
+    assert len(tiles) == len(b_rows) == (2 if rac_on else 1)
+    for t, s, b, g, idx in zip(tiles, slot_g, b_rows, g_rows, want_index, strict=True):
+        np.testing.assert_array_equal(t, wm.gather_tiles(b, idx, jnp.float16, 256))
+        np.testing.assert_array_equal(s, jnp.pad(g, (0, 1))[idx])
