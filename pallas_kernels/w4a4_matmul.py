@@ -157,7 +157,8 @@ def operand_tiles(acts: aq.QuantizedActivations, row_index: jax.Array, dtype,
     ``row_index``: int32 ``[T, block_m]`` GEMM row of each slot (M = empty). The activation
     operand is gathered from its distinct rows (``acts.q_rows``); RAC's residual operand is
     coded straight into the tiles from the distinct rows' residual
-    (``rac.SelectedResidual.codes``): one elementwise pass, no ``[M, K]`` residual between.
+    (``rac.SelectedResidual.unscaled``): one elementwise pass, no ``[M, K]`` residual and no
+    uint8 codes between.
     """
     b0, g0 = aq.mma_operand(acts.q, dtype)
     q_index = row_index if acts.q_rows is None else source_tile_rows(
@@ -167,7 +168,7 @@ def operand_tiles(acts: aq.QuantizedActivations, row_index: jax.Array, dtype,
     if res is None:
         return (t0,), (s0,)
     if isinstance(res, rac.SelectedResidual):
-        vals = nvfp4.unscaled_values(res.codes(row_index)).astype(dtype)
+        vals = res.unscaled(row_index).astype(dtype)
         t1 = jnp.pad(vals, ((0, 0), (0, 0), (0, k_pad - vals.shape[-1])))
         s1 = slot_values(res.global_scale, row_index)
     else:  # bf16 residual (rac_residual_format="bf16"): plain rows, scale 1

@@ -49,10 +49,13 @@ FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.f
 # Magnitudes of the 8 non-negative E2M1 codes; codes 8..15 are their negatives.
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
 E2M1_TABLE = np.concatenate([E2M1_VALUES, -E2M1_VALUES]).astype(np.float32)
-# Round-half-to-even decision points in the scaled domain: a magnitude moves up one code when it
-# is above a "strict" point (tie goes down to the even code) or at/above an "inclusive" one.
-_UP_STRICT = (0.25, 1.25, 2.5, 5.0)
-_UP_INCLUSIVE = (0.75, 1.75, 3.5)
+# Round-half-to-even decision points in the scaled domain, in order: a magnitude moves up one
+# code (and up by ``step`` in value, to the next of E2M1_VALUES) when it is above a "strict"
+# point (the tie goes down to the even code) or at/above an inclusive one.
+_E2M1_STEPS = (  # (decision point, inclusive, step)
+    (0.25, False, 0.5), (0.75, True, 0.5), (1.25, False, 0.5), (1.75, True, 0.5),
+    (2.5, False, 1.0), (3.5, True, 1.0), (5.0, False, 2.0),
+)
 
 
 @jax.tree_util.register_dataclass
@@ -178,11 +181,21 @@ def round_to_e2m1_code(y: jax.Array) -> jax.Array:
     """
     mag = jnp.abs(y)
     idx = jnp.zeros(y.shape, jnp.uint8)
-    for t in _UP_STRICT:
-        idx = idx + (mag > t).astype(jnp.uint8)
-    for t in _UP_INCLUSIVE:
-        idx = idx + (mag >= t).astype(jnp.uint8)
+    for t, inclusive, _ in _E2M1_STEPS:
+        idx = idx + ((mag >= t) if inclusive else (mag > t)).astype(jnp.uint8)
     return idx | jnp.where((y < 0) & (idx > 0), jnp.uint8(8), jnp.uint8(0))
+
+
+def round_to_e2m1_value(y: jax.Array) -> jax.Array:
+    """``e2m1_code_to_float(round_to_e2m1_code(y))`` without the codes: float32, the same
+    decision points summed as value steps (exact). Elementwise arithmetic only, so XLA fuses it
+    with its producer and consumer; the table lookup of ``e2m1_code_to_float`` is a gather,
+    which on the H200 kept the codes as a separate uint8 pass of their own."""
+    mag = jnp.abs(y)
+    val = jnp.zeros(y.shape, jnp.float32)
+    for t, inclusive, step in _E2M1_STEPS:
+        val = val + jnp.where((mag >= t) if inclusive else (mag > t), jnp.float32(step), 0.0)
+    return jnp.where((y < 0) & (val > 0), -val, val)  # a negative value rounding to 0 is +0
 
 
 def e2m1_code_to_float(codes: jax.Array) -> jax.Array:

@@ -233,28 +233,37 @@ class SelectedResidual:
     def shape(self) -> tuple[int, int]:
         return (self.mask.shape[0], self.r.shape[-1])
 
+    def _gemm_rows(self, index: jax.Array | None):
+        """(r, block amax, block finite, mask, decode scale) of GEMM rows ``index``."""
+        if index is None and self.rows is None:
+            return (self.r, self.block_amax, self.block_finite, self.mask, self.global_scale)
+        if index is None:
+            index = jnp.arange(self.mask.shape[0], dtype=jnp.int32)
+        src = index if self.rows is None else _with_zero_row(self.rows, self.r.shape[0])[index]
+        return (_with_zero_row(self.r, 0.0)[src], _with_zero_row(self.block_amax, 0.0)[src],
+                _with_zero_row(self.block_finite, True)[src],
+                _with_zero_row(self.mask, False)[index],
+                _with_zero_row(self.global_scale, 1.0)[index])
+
     def codes(self, index: jax.Array | None = None) -> nvfp4.NVFP4Codes:
         """``Q(R_S)`` of GEMM rows ``index`` (int32, any shape ``I``; M = a zero row, for an
         empty tile slot) or of all M rows: codes ``I + [K]``, E4M3 scales ``I + [K/16]``,
         decode scale ``I + [1]`` (1 for a zero row)."""
-        if index is None and self.rows is None:
-            r, amax, fin, keep, g = (self.r, self.block_amax, self.block_finite, self.mask,
-                                     self.global_scale)
-        else:
-            if index is None:
-                index = jnp.arange(self.mask.shape[0], dtype=jnp.int32)
-            src = index if self.rows is None else _with_zero_row(
-                self.rows, self.r.shape[0])[index]
-            r = _with_zero_row(self.r, 0.0)[src]
-            amax = _with_zero_row(self.block_amax, 0.0)[src]
-            fin = _with_zero_row(self.block_finite, True)[src]
-            keep = _with_zero_row(self.mask, False)[index]
-            g = _with_zero_row(self.global_scale, 1.0)[index]
+        r, amax, fin, keep, g = self._gemm_rows(index)
         s, rcp = nvfp4.block_scales_from_amax(amax, fin, g[..., None, None])
         codes = nvfp4.round_to_e2m1_code(block_view(r) * rcp)
         codes = jnp.where(keep[..., None], codes, jnp.uint8(0)).reshape(r.shape)
         s = jnp.where(keep, s, jnp.zeros((), s.dtype))
         return nvfp4.NVFP4Codes(codes=codes, scales=s, global_scale=g[..., None], dtype=self.dtype)
+
+    def unscaled(self, index: jax.Array | None = None) -> jax.Array:
+        """``nvfp4.unscaled_values(self.codes(index))`` (float32 ``e2m1 * s_b``, ``I + [K]``),
+        computed without the codes (``nvfp4.round_to_e2m1_value``): what the kernels' operand
+        tiles hold, in one elementwise pass."""
+        r, amax, fin, keep, g = self._gemm_rows(index)
+        s, rcp = nvfp4.block_scales_from_amax(amax, fin, g[..., None, None])
+        vals = nvfp4.round_to_e2m1_value(block_view(r) * rcp) * s.astype(jnp.float32)[..., None]
+        return jnp.where(keep[..., None], vals, 0.0).reshape(r.shape)
 
     def masked(self) -> jax.Array:
         """``R_S``: float32 ``[M, K]`` residual of each GEMM row, unselected blocks zero."""

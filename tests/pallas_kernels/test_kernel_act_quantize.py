@@ -102,6 +102,7 @@ def test_selected_residual_codes_are_the_materialized_ones(act_mode, scale, sele
     np.testing.assert_array_equal(
         got.global_scale, jnp.broadcast_to(jnp.asarray(want.global_scale).reshape(-1, 1), (m, 1)))
     np.testing.assert_array_equal(nvfp4.dequantize(got), nvfp4.dequantize(want))
+    np.testing.assert_array_equal(sel.unscaled(), nvfp4.unscaled_values(want))
     # Tile-shaped rows, with empty slots (index M): the same rows, zeros where empty.
     index = jnp.array([[0, 4, m], [m, 2, 1]], jnp.int32)
     tiled = sel.codes(index)
@@ -113,6 +114,7 @@ def test_selected_residual_codes_are_the_materialized_ones(act_mode, scale, sele
             np.asarray(getattr(got, field))
         np.testing.assert_array_equal(t[live], a[np.asarray(index)[live]])
     assert not np.asarray(tiled.codes)[~live].any()
+    np.testing.assert_array_equal(sel.unscaled(index), nvfp4.unscaled_values(tiled))
     assert not np.asarray(tiled.scales.astype(jnp.float32))[~live].any()
 
 

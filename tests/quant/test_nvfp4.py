@@ -236,3 +236,16 @@ def test_jit_vmap_and_dtypes_agree():
 def test_bad_input_raises_clear_errors(x, kwargs, match):
     with pytest.raises(ValueError, match=match):
         nvfp4.quantize(x, **kwargs)
+
+
+def test_round_to_e2m1_value_is_the_code_table():
+    """The arithmetic E2M1 rounding gives the table value of the rounded code, bit for bit
+    (ties at every decision point, both signs, zeros, saturation, non-finite)."""
+    points = np.array([0.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0], np.float32)
+    near = np.concatenate([points, np.nextafter(points, np.inf), np.nextafter(points, -np.inf)])
+    rand = np.asarray(jax.random.uniform(jax.random.key(9), (4096,), minval=-8.0, maxval=8.0))
+    y = np.concatenate([near, -near, rand, [np.inf, -np.inf, np.nan, 1e30, -1e-30]]).astype(
+        np.float32)
+    want = nvfp4.e2m1_code_to_float(nvfp4.round_to_e2m1_code(jnp.asarray(y)))
+    got = nvfp4.round_to_e2m1_value(jnp.asarray(y))
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))
