@@ -201,19 +201,22 @@ def _with_zero_row(a: jax.Array, fill) -> jax.Array:
 class SelectedResidual:
     """RAC's quantized residual ``Q(R_S)`` of M GEMM rows, held as what it is made of.
 
-    Per GEMM row, ``Q(R_S)`` needs only its distinct row's residual, the finite amax of each
-    16-block, the selection mask and the row's decode scale (from the amax of its selected
-    blocks): ``codes(index)`` codes any set of GEMM rows from those in one elementwise pass, so
-    the W4A4 kernels' token tiles are built straight from the distinct rows' residual, with no
-    ``[M, K]`` masked residual and no separate quantizer pass over it in between (on the H200
-    those were several XLA kernels per RAC GEMM of the decode step). For finite inputs the codes
-    are bit-identical to ``nvfp4.quantize_codes(masked_residual(r[rows], mask), ...)`` with the
-    recipe's residual scale mode; an unselected block is zero even where ``r`` is not finite.
+    A GEMM row's ``Q(R_S)`` is its distinct row's residual times each block's code reciprocal,
+    rounded to E2M1, times the block's E4M3 scale: the scales and reciprocals are per GEMM row
+    and block (``[M, K/16]``, small; zero outside the selection, which masks the block), the
+    residual per distinct row. ``codes(index)`` / ``unscaled(index)`` code any set of GEMM rows
+    from those in one elementwise pass, so the W4A4 kernels' token tiles are built straight from
+    the distinct rows' residual: no ``[M, K]`` masked residual, no separate quantizer pass over
+    it and no per-slot scale computation in between (on the H200 those were several XLA kernels
+    per RAC GEMM of the decode step). For finite inputs the codes are bit-identical to
+    ``nvfp4.quantize_codes(masked_residual(r[rows], mask), ...)`` with the recipe's residual
+    scale mode; an unselected block is zero even where ``r`` is not finite.
 
     Attributes:
       r: float32 ``[R, K]``: ``x - dq(Q(x))`` of the distinct activation rows.
-      block_amax: float32 ``[R, K/16, 1]`` and block_finite: bool ``[R, K/16, 1]``, as
-        ``nvfp4.block_amax`` of ``r``.
+      scales: float8_e4m3fn ``[M, K/16]``: block scales (0 outside the selection).
+      reciprocals: float32 ``[M, K/16]``: ``1 / (s_b * g)`` (0 outside the selection and for
+        zero or non-finite blocks), as ``nvfp4.block_scales_from_amax``.
       mask: bool ``[M, K/16]``: the selected blocks of each GEMM row.
       global_scale: float32 ``[M]``: each GEMM row's residual decode scale.
       rows: None (M = R, row ``i`` is ``r``'s row ``i``) or int32 ``[M]``: each GEMM row's
@@ -222,8 +225,8 @@ class SelectedResidual:
     """
 
     r: jax.Array
-    block_amax: jax.Array
-    block_finite: jax.Array
+    scales: jax.Array
+    reciprocals: jax.Array
     mask: jax.Array
     global_scale: jax.Array
     rows: jax.Array | None = None
@@ -234,36 +237,37 @@ class SelectedResidual:
         return (self.mask.shape[0], self.r.shape[-1])
 
     def _gemm_rows(self, index: jax.Array | None):
-        """(r, block amax, block finite, mask, decode scale) of GEMM rows ``index``."""
+        """(scaled residual blocks ``[..., K/16, 16]``, scales, decode scales) of GEMM rows
+        ``index`` (all rows when None; M = a zero row with decode scale 1)."""
         if index is None and self.rows is None:
-            return (self.r, self.block_amax, self.block_finite, self.mask, self.global_scale)
-        if index is None:
-            index = jnp.arange(self.mask.shape[0], dtype=jnp.int32)
-        src = index if self.rows is None else _with_zero_row(self.rows, self.r.shape[0])[index]
-        return (_with_zero_row(self.r, 0.0)[src], _with_zero_row(self.block_amax, 0.0)[src],
-                _with_zero_row(self.block_finite, True)[src],
-                _with_zero_row(self.mask, False)[index],
-                _with_zero_row(self.global_scale, 1.0)[index])
+            r, s, rcp, g = self.r, self.scales, self.reciprocals, self.global_scale
+        else:
+            if index is None:
+                index = jnp.arange(self.mask.shape[0], dtype=jnp.int32)
+            src = index if self.rows is None else _with_zero_row(
+                self.rows, self.r.shape[0])[index]
+            r = _with_zero_row(self.r, 0.0)[src]
+            s = _with_zero_row(self.scales, 0.0)[index]
+            rcp = _with_zero_row(self.reciprocals, 0.0)[index]
+            g = _with_zero_row(self.global_scale, 1.0)[index]
+        return block_view(r) * rcp[..., None], s, g
 
     def codes(self, index: jax.Array | None = None) -> nvfp4.NVFP4Codes:
         """``Q(R_S)`` of GEMM rows ``index`` (int32, any shape ``I``; M = a zero row, for an
         empty tile slot) or of all M rows: codes ``I + [K]``, E4M3 scales ``I + [K/16]``,
         decode scale ``I + [1]`` (1 for a zero row)."""
-        r, amax, fin, keep, g = self._gemm_rows(index)
-        s, rcp = nvfp4.block_scales_from_amax(amax, fin, g[..., None, None])
-        codes = nvfp4.round_to_e2m1_code(block_view(r) * rcp)
-        codes = jnp.where(keep[..., None], codes, jnp.uint8(0)).reshape(r.shape)
-        s = jnp.where(keep, s, jnp.zeros((), s.dtype))
-        return nvfp4.NVFP4Codes(codes=codes, scales=s, global_scale=g[..., None], dtype=self.dtype)
+        y, s, g = self._gemm_rows(index)
+        codes = nvfp4.round_to_e2m1_code(y)  # y is 0 (or NaN: code 0) outside the selection
+        return nvfp4.NVFP4Codes(codes=codes.reshape(y.shape[:-2] + (-1,)), scales=s,
+                                global_scale=g[..., None], dtype=self.dtype)
 
     def unscaled(self, index: jax.Array | None = None) -> jax.Array:
         """``nvfp4.unscaled_values(self.codes(index))`` (float32 ``e2m1 * s_b``, ``I + [K]``),
         computed without the codes (``nvfp4.round_to_e2m1_value``): what the kernels' operand
         tiles hold, in one elementwise pass."""
-        r, amax, fin, keep, g = self._gemm_rows(index)
-        s, rcp = nvfp4.block_scales_from_amax(amax, fin, g[..., None, None])
-        vals = nvfp4.round_to_e2m1_value(block_view(r) * rcp) * s.astype(jnp.float32)[..., None]
-        return jnp.where(keep[..., None], vals, 0.0).reshape(r.shape)
+        y, s, _ = self._gemm_rows(index)
+        vals = nvfp4.round_to_e2m1_value(y) * s.astype(jnp.float32)[..., None]
+        return vals.reshape(y.shape[:-2] + (-1,))
 
     def masked(self) -> jax.Array:
         """``R_S``: float32 ``[M, K]`` residual of each GEMM row, unselected blocks zero."""
@@ -294,7 +298,9 @@ def select_residual(
       rows / row_expert / num_experts / static_blocks: as ``selection_mask``.
     """
     r = nvfp4.residual(x, q)
-    amax, finite = nvfp4.block_amax(block_view(r))
+    amax, finite = nvfp4.block_amax(block_view(r))  # [R, K/16, 1]
+    if rows is not None:
+        amax, finite = amax[rows], finite[rows]
     mask = selection_mask(row_block_scores(x, r, recipe.rac_score), recipe, rows=rows,
                           row_expert=row_expert, num_experts=num_experts,
                           static_blocks=static_blocks)
@@ -303,13 +309,15 @@ def select_residual(
         g = jnp.asarray(q.global_scale, jnp.float32).reshape(-1)
         g = jnp.broadcast_to(g, (m,)) if g.size == 1 else (g if rows is None else g[rows])
     else:
-        amax_rows = amax[..., 0] if rows is None else amax[rows, :, 0]
-        sel = jnp.max(jnp.where(mask, amax_rows, 0.0), axis=-1)  # [M]
+        sel = jnp.max(jnp.where(mask, amax[..., 0], 0.0), axis=-1)  # [M]
         if act_scale_mode == "per_batch":
             sel = jnp.broadcast_to(jnp.max(sel), (m,))
         g = nvfp4.decode_scale_from_amax(sel)
-    return SelectedResidual(r=r, block_amax=amax, block_finite=finite, mask=mask,
-                            global_scale=g, rows=rows, dtype=jnp.dtype(x.dtype))
+    s, rcp = nvfp4.block_scales_from_amax(amax, finite, g[:, None, None])
+    return SelectedResidual(
+        r=r, scales=jnp.where(mask, s, jnp.zeros((), s.dtype)),
+        reciprocals=jnp.where(mask, rcp[..., 0], 0.0), mask=mask, global_scale=g, rows=rows,
+        dtype=jnp.dtype(x.dtype))
 
 
 def captured_energy(r: jax.Array, mask: jax.Array) -> jax.Array:
