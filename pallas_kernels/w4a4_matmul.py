@@ -132,7 +132,7 @@ def gather_tiles(rows: jax.Array, row_index: jax.Array, dtype, k_pad: int) -> ja
 
 def slot_values(values: jax.Array, row_index: jax.Array, fill=0) -> jax.Array:
     """Per-row ``values [R]`` at each tile slot ``[T, block_m]`` (``row_index`` R: ``fill``)."""
-    return jnp.pad(values, (0, 1), constant_values=fill)[row_index]
+    return jnp.take(values, row_index, mode="fill", fill_value=fill)
 
 
 def row_tiles(rows: jax.Array, row_index: jax.Array, dtype, k_pad: int,
