@@ -20,7 +20,8 @@
 #   unroll nvfp4 and bf16 at batch 128 with the decode step's layers unrolled (no per-layer
 #          dynamic slices of the stacked weights; compare with prof / b128 of the same commit)
 #   kern   the kernel tables of issue 4 (bench_kernels --part decode,grouped: dense decode and
-#          grouped decode against their floors and XLA BF16 / FP8), not re-run since session 12
+#          grouped decode against their floors and XLA BF16 / FP8), not complete since session 12;
+#          about 9 minutes: one call of its own
 #   cmdbuf nvfp4 and nvfp4_rac at batch 128 with XLA's command buffers (CUDA graphs) asked for
 #          explicitly (the session-13 HLO had none; compare with b128 of the same call)
 #   hlo    nvfp4 at batch 128 with the decode program's optimized HLO dumped to $OUT/hlo (what
@@ -28,10 +29,10 @@
 #
 # Session 13 ran prof, check, gcheck, mcheck and b32 (their 170 / 120 s limits cut check and
 # gcheck short of their last items; raised since). Session 14 ran `nobar unroll` (the barrier
-# stays; the unrolled decode program did not compile within 270 s), `b128 b256` (b256 ran
-# nvfp4 and nvfp4_rac; BF16 ran out of memory, FP8 after it) and `p1024`. Next: `gcheck kern`,
-# then `b128 cmdbuf` (the BF16 arm now fuses q/k/v too), then b256 again (its BF16 out-of-memory
-# was the benchmark's, fixed in efe204f).
+# stays; the unrolled decode program did not compile within 270 s), `b128 b256` and `p1024`.
+# Session 15 ran `mcheck prof` (twice), `cmdbuf kern` (command buffers 17 % slower; kern ran out
+# of its 330 s in the grouped table: it now has 540 s and must run alone) and `b256`. Next:
+# `b128` (0fc02f8, not measured), `kern` alone, then `gcheck p1024`.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
@@ -73,7 +74,7 @@ for step in "$@"; do
     nobar) rollout nobar 220 --quick --no-grouped-barrier --precisions nvfp4,nvfp4_rac \
       --budget-s 170 ;;
     unroll) rollout unroll 280 --quick --unroll-decode --precisions nvfp4,bf16 --budget-s 220 ;;
-    kern) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 330 python3 scripts/bench_kernels.py \
+    kern) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 540 python3 scripts/bench_kernels.py \
       --part decode,grouped --out "$OUT/kern" > "$OUT/kern.log" 2>&1
       echo "kern rc $?"; tail -40 "$OUT/kern/bench_kernels.md" ;;
     cmdbuf) XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL --xla_gpu_graph_min_graph_size=2" \
