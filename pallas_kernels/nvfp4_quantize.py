@@ -162,8 +162,8 @@ def kernel_operands(
     b0, g0 = mma_operand(acts.q, dtype)
     if acts.residual is None:
         return (b0,), (g0,)
-    if isinstance(acts.residual, rac.SelectedResidual):
-        b1, g1 = mma_operand(acts.residual.codes(), dtype)
+    if isinstance(acts.residual, rac.SelectedResidual):  # values without the codes' pass
+        b1, g1 = acts.residual.unscaled().astype(dtype), acts.residual.global_scale
     else:
         b1, g1 = acts.residual.astype(dtype), jnp.ones((b0.shape[0],), jnp.float32)
     return (b0, b1), (g0, g1)

@@ -130,23 +130,19 @@ def gather_tiles(rows: jax.Array, row_index: jax.Array, dtype, k_pad: int) -> ja
     return padded[row_index]
 
 
-def slot_values(values: jax.Array, row_index: jax.Array, fill=0) -> jax.Array:
-    """Per-row ``values [R]`` at each tile slot ``[T, block_m]`` (``row_index`` R: ``fill``)."""
-    return jnp.take(values, row_index, mode="fill", fill_value=fill)
-
-
 def row_tiles(rows: jax.Array, row_index: jax.Array, dtype, k_pad: int,
               row_scales: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """One B operand of plain rows ``[R, K]`` as token tiles (``gather_tiles``) and each
     slot's float32 scale ``[T, block_m]`` from ``row_scales [R]`` (None: 1; empty slots 0)."""
     g = jnp.ones((rows.shape[0],), jnp.float32) if row_scales is None else row_scales
-    return gather_tiles(rows, row_index, dtype, k_pad), slot_values(g.astype(jnp.float32), row_index)
+    return (gather_tiles(rows, row_index, dtype, k_pad),
+            rac.rows_or_fill(g.astype(jnp.float32), row_index, 0.0))
 
 
 def source_tile_rows(source_rows: jax.Array, num_rows: int, row_index: jax.Array) -> jax.Array:
     """``row_index`` (GEMM rows, M = empty slot) mapped to rows of an operand of ``num_rows``
     distinct rows through ``source_rows [M]`` (empty slots -> ``num_rows``, its zero row)."""
-    return jnp.concatenate([source_rows, jnp.full((1,), num_rows, jnp.int32)])[row_index]
+    return rac.rows_or_fill(source_rows, row_index, num_rows)
 
 
 def operand_tiles(acts: aq.QuantizedActivations, row_index: jax.Array, dtype,
@@ -170,7 +166,7 @@ def operand_tiles(acts: aq.QuantizedActivations, row_index: jax.Array, dtype,
     if isinstance(res, rac.SelectedResidual):
         vals = res.unscaled(row_index).astype(dtype)
         t1 = jnp.pad(vals, ((0, 0), (0, 0), (0, k_pad - vals.shape[-1])))
-        s1 = slot_values(res.global_scale, row_index)
+        s1 = rac.rows_or_fill(res.global_scale, row_index, 0.0)
     else:  # bf16 residual (rac_residual_format="bf16"): plain rows, scale 1
         t1, s1 = row_tiles(res, row_index, dtype, k_pad)
     return (t0, t1), (s0, s1)

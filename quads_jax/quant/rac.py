@@ -191,10 +191,11 @@ def masked_residual(r: jax.Array, mask: jax.Array) -> jax.Array:
     return (block_view(r) * mask[..., None].astype(r.dtype)).reshape(r.shape)
 
 
-def _rows_or_fill(a: jax.Array, index: jax.Array, fill) -> jax.Array:
+def rows_or_fill(a: jax.Array, index: jax.Array, fill) -> jax.Array:
     """``a[index]`` along axis 0, ``fill`` where ``index`` is past the last row (an empty GEMM
-    row or tile slot). A bounds-checked gather that XLA fuses into its consumer: concatenating a
-    fill row first was a kernel of its own on the H200."""
+    row or tile slot; the W4A4 wrappers' tile slots use it too). A bounds-checked gather that
+    XLA fuses into its consumer: concatenating a fill row first was a kernel of its own on the
+    H200."""
     return jnp.take(a, index, axis=0, mode="fill", fill_value=fill)
 
 
@@ -246,12 +247,12 @@ class SelectedResidual:
         else:
             if index is None:
                 index = jnp.arange(self.mask.shape[0], dtype=jnp.int32)
-            src = index if self.rows is None else _rows_or_fill(
+            src = index if self.rows is None else rows_or_fill(
                 self.rows, index, self.r.shape[0])
-            r = _rows_or_fill(self.r, src, 0.0)
-            s = _rows_or_fill(self.scales, index, 0.0)
-            rcp = _rows_or_fill(self.reciprocals, index, 0.0)
-            g = _rows_or_fill(self.global_scale, index, 1.0)
+            r = rows_or_fill(self.r, src, 0.0)
+            s = rows_or_fill(self.scales, index, 0.0)
+            rcp = rows_or_fill(self.reciprocals, index, 0.0)
+            g = rows_or_fill(self.global_scale, index, 1.0)
         return block_view(r) * rcp[..., None], s, g
 
     def codes(self, index: jax.Array | None = None) -> nvfp4.NVFP4Codes:
