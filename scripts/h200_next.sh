@@ -24,6 +24,10 @@
 #          about 9 minutes: one call of its own
 #   cmdbuf nvfp4 and nvfp4_rac at batch 128 with XLA's command buffers (CUDA graphs) asked for
 #          explicitly (the session-13 HLO had none; compare with b128 of the same call)
+#   gabl   the grouped tile kernel alone at the decode step's shapes, traced: variants
+#          (mma_overlap, stages, n_group, unchained) and ablations (no decode / one MMA / no
+#          compute), +-RAC, and our FP8 kernel on the same tiles (kernel_probe
+#          --grouped-ablations; about 3-4 minutes)
 #   hlo    nvfp4 at batch 128 with the decode program's optimized HLO dumped to $OUT/hlo (what
 #          the 386 small `memcpy32_post` copies per step and the MoE block's fusions are)
 #
@@ -79,8 +83,11 @@ for step in "$@"; do
       echo "kern rc $?"; tail -40 "$OUT/kern/bench_kernels.md" ;;
     cmdbuf) XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL --xla_gpu_graph_min_graph_size=2" \
       rollout cmdbuf 220 --quick --precisions nvfp4,nvfp4_rac --budget-s 170 ;;
+    gabl) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 280 python3 scripts/kernel_probe.py \
+      --grouped-ablations --out "$OUT/gabl" > "$OUT/gabl.log" 2>&1
+      echo "gabl rc $?"; grep -E "grouped|FAIL|floor" "$OUT/gabl.log" | cut -c1-130 ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
-    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf hlo)"; exit 2 ;;
+    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl hlo)"; exit 2 ;;
   esac
 done

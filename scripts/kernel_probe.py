@@ -398,6 +398,86 @@ def run_trace_grouped():
             bk.log(trace_summary.format_summary(summary))
 
 
+# (name, TileGemmConfig overrides): the grouped tile kernel alone at the decode step's shapes.
+GROUPED_VARIANTS = (
+    ("base", {}),
+    ("mma_overlap=1", dict(mma_overlap=1)),
+    ("stages 2", dict(max_concurrent_steps=2)),
+    ("n_group 2", dict(n_group=2)),
+    ("unchained", dict(chain_items=False)),
+    ("ablate no_decode", dict(ablation="no_decode")),
+    ("ablate one_mma", dict(ablation="one_mma")),
+    ("ablate no_compute", dict(ablation="no_compute")),
+)
+
+
+def run_grouped_ablations(tokens: int = 128):
+    """Where the grouped tile kernel's time goes at a decode step of ``tokens`` sequences
+    (top-8 of 128 experts): the Mosaic kernel alone (its token tiles pre-made), traced device
+    time per call, for each ``GROUPED_VARIANTS`` entry with and without RAC's second operand,
+    gate_up (N=1536, K=2048) and down (N=2048, K=768); our FP8 kernel on the same tiles as the
+    reference (same schedule, no decode, twice the weight bytes). The ablations' results are
+    wrong by design (time attribution only)."""
+    from pallas_kernels.fp8_tiles_mgpu import FP8GemmConfig, fp8_tile_gemm
+    from pallas_kernels.nvfp4_tiles_mgpu import N_TILE, _num_sms
+    from pallas_kernels.w4a4_grouped import expected_tiles, grouped_block_m, tile_plan
+    from pallas_kernels.w4a4_matmul import auto_k_splits
+    from quads_jax.quant import fp8
+
+    gs = bk.routing(128, tokens, GE, 8)
+    m = int(gs.sum())
+    touched = int((np.asarray(gs) > 0).sum())
+    block_m = grouped_block_m(m, GE)
+    row_index, te, nt, _ = tile_plan(gs, m, block_m)
+    t_max, live = row_index.shape[0], expected_tiles(m, GE, block_m)
+    sms = _num_sms()
+    bk.log(f"== grouped tile kernel alone: rows={m} experts={touched} block_m={block_m} "
+           f"tiles={int(nt[0])} of {t_max}")
+
+    def traced(f, *args, tag):
+        def run():
+            for _ in range(8):
+                jax.block_until_ready(f(*args))
+        jax.block_until_ready(f(*args))
+        return traced_kernels(lambda: run(), tag=tag)
+
+    for n, k, name in ((2 * GN, GK, "gate_up"), (GK, GN, "down")):
+        wq, ww = weights(900 + n, (GE, n, k), "subnormal")
+        b = [bk.rand(910 + a, (t_max, block_m, ww.k_pad), jnp.float16) for a in range(2)]
+        cs = jnp.ones((t_max, 2, block_m), jnp.float32)
+        nbytes = touched * n * k * 0.5625
+        for v, kw in GROUPED_VARIANTS:
+            for a in (1, 2):
+                ng = kw.get("n_group", 1)
+                ks = auto_k_splits(live * (ww.n_pad // N_TILE // ng), ww.k_pad // 256, sms)
+                label = f"grouped {name} tile kernel {v}{' +RAC' if a == 2 else ''} ks={ks}"
+                try:
+                    cfg = TileGemmConfig(k_splits=ks, decode_impl="ptx", **kw)
+                    f = jax.jit(lambda bt, w, cfg=cfg, sc=cs[:, :a], ks=ks: nvfp4_tile_gemm(
+                        bt, w, te, nt, config=cfg, col_scales=sc,
+                        out_dtype=jnp.bfloat16 if ks == 1 else jnp.float32))
+                    us, count, busy = traced(f, tuple(b[:a]), ww, tag=f"{name}_{a}")
+                    bk.record(label, us * 1e-6, count, bytes_=nbytes,
+                              note=f"busy {busy:.2f}")
+                except Exception as err:  # noqa: BLE001
+                    bk.log(f"  {label} FAILED: {type(err).__name__}: {str(err)[:300]}")
+        del ww, b
+        try:
+            w8 = bk.our_fp8_weight(fp8.quantize(bk.rand(920 + n, (GE, n, k), jnp.float32),
+                                                granularity="channel"))
+            ks = auto_k_splits(live * (w8.n_pad // N_TILE), w8.k_pad // 128, sms)
+            b8 = bk.rand(930, (t_max, block_m, w8.k_pad)).astype(jnp.float8_e4m3fn)
+            f = jax.jit(lambda bt, w, ks=ks, sc=cs[:, :1]: fp8_tile_gemm(
+                (bt,), w, te, nt, config=FP8GemmConfig(k_splits=ks), col_scales=sc,
+                out_dtype=jnp.bfloat16 if ks == 1 else jnp.float32))
+            us, count, busy = traced(f, b8, w8, tag=f"{name}_fp8")
+            bk.record(f"grouped {name} FP8 tile kernel ks={ks}", us * 1e-6, count,
+                      bytes_=touched * n * k, note=f"busy {busy:.2f}")
+        except Exception as err:  # noqa: BLE001
+            bk.log(f"  grouped {name} FP8 tile kernel FAILED: {type(err).__name__}: "
+                   f"{str(err)[:300]}")
+
+
 def run_dump():
     """Compile (and run once) three variants, so MOSAIC_GPU_DUMP_* writes their PTX/SASS."""
     b = jnp.ones((1, M, K), jnp.float16)
@@ -421,6 +501,8 @@ def main(argv=None):
     p.add_argument("--n-group", action="store_true", help="floors + grouped n_group study")
     p.add_argument("--n-group-shapes", default="gate_up,down")
     p.add_argument("--trace-grouped", action="store_true", help="kernels of a grouped call")
+    p.add_argument("--grouped-ablations", action="store_true",
+                   help="floors + the grouped tile kernel's variants and ablations, traced")
     args = p.parse_args(argv)
     global OUT
     OUT = args.out
@@ -435,6 +517,10 @@ def main(argv=None):
             return 0
         if args.trace_grouped:
             run_trace_grouped()
+            return 0
+        if args.grouped_ablations:
+            bk.measure_floors()
+            run_grouped_ablations()
             return 0
         if args.n_group:
             bk.measure_floors()
