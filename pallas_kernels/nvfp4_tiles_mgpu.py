@@ -86,13 +86,6 @@ class TileGemmConfig:
       chain_items: chain the pipelines of an SM's work items (``run_work_items``): the copies
         of the next item start while the current one computes. The pipeline depth is then the
         deepest that divides the item's K steps (``pipeline_stages``).
-      group_wgs: with ``n_group`` > 1, give each weight-row tile of the group its own pair of
-        compute warpgroups (``2 * n_group`` in all, with fewer registers each) instead of
-        having the pair run the group's tiles one after the other. A warpgroup decodes a chunk,
-        issues its wgmma and waits for it before the next chunk (the decoded registers are the
-        wgmma's A operand): with more warpgroups per SM those chains overlap. On the H200
-        (2026-12-03, the decode step's gate_up alone) decode and MMA took ~30 % of the
-        kernel's time beyond its copies (``kernel_probe --grouped-ablations``).
     """
 
     k_splits: int = 1
@@ -104,13 +97,6 @@ class TileGemmConfig:
     ablation: str | None = None
     n_group: int = 1
     chain_items: bool = True
-    group_wgs: bool = False
-
-    @property
-    def num_compute_wgs(self) -> int:
-        """Compute warpgroups per CTA: a pair per weight-row tile of 128 rows, for each tile of
-        the group with ``group_wgs``."""
-        return NUM_COMPUTE_WGS * (self.n_group if self.group_wgs else 1)
 
     def __post_init__(self):
         check_schedule(self)
@@ -349,11 +335,8 @@ def nvfp4_tile_gemm(
     item = mma_dtype.itemsize
     stage_bytes = (n_group * (N_TILE * KW_TILE * 2 + (K_TILE // 16) * N_TILE * item)
                    + num_acc * block_m * K_TILE * item)
-    num_wgs = config.num_compute_wgs
-    # Warpgroup w multiplies the group's tiles wg_tiles(w) at rows (w % 2) * 64.
-    tiles_per_wg = 1 if config.group_wgs else n_group
-    fixed = num_wgs * WG_ROWS * (block_m * out_dtype.itemsize
-                                 + (CHUNK * item if config.a_via_smem else 0))
+    fixed = NUM_COMPUTE_WGS * WG_ROWS * (block_m * out_dtype.itemsize
+                                         + (CHUNK * item if config.a_via_smem else 0))
     stages = pipeline_stages(config.max_concurrent_steps, k_steps,
                              (SMEM_BYTES - fixed) // stage_bytes)
     if stages < 1:
@@ -374,7 +357,7 @@ def nvfp4_tile_gemm(
         for _ in range(num_acc)
     ]
 
-    def group_tile(ref, j):
+    def group_tile(ref, j: int):
         return ref if group is None else ref.at[j]
 
     def kernel(tile_expert_gmem, num_tiles_gmem, codes_gmem, scales_gmem, *rest):
@@ -391,7 +374,7 @@ def nvfp4_tile_gemm(
                 memory_registers=40,
                 in_specs=in_specs,
                 wg_axis="wg",
-                num_compute_wgs=num_wgs,
+                num_compute_wgs=NUM_COMPUTE_WGS,
                 max_concurrent_steps=stages,
                 compute_context=compute_context,
                 pipeline_state=state,
@@ -410,17 +393,14 @@ def nvfp4_tile_gemm(
         )
         def _pipeline_scope(pipeline_allocs):
             wg = lax.axis_index("wg")
-            rows = pl.ds(lax.rem(wg, NUM_COMPUTE_WGS) * WG_ROWS, WG_ROWS)
-            # The group tiles this warpgroup multiplies: all of them, or (group_wgs) its own.
-            first_tile = lax.div(wg, NUM_COMPUTE_WGS) if config.group_wgs else 0
+            rows = pl.ds(wg * WG_ROWS, WG_ROWS)
 
             def work_body(idx):
                 split, gi, t = work_item(idx, config.k_splits, n_items)
                 expert = tile_expert_gmem[t]
 
-                def store(value, j, a: int):
-                    row0 = ((gi * n_group + first_tile + j) * N_TILE
-                            + lax.rem(wg, NUM_COMPUTE_WGS) * WG_ROWS)
+                def store(value, j: int, a: int):
+                    row0 = (gi * n_group + j) * N_TILE + wg * WG_ROWS
                     store_transposed(out_smem.at[wg], value)
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(
@@ -440,7 +420,7 @@ def nvfp4_tile_gemm(
                         scales = [plgpu.load(cs_gmem.at[t, a], layout=col, optimized=False)
                                   for a in range(num_acc)]
                         eval_pipeline(acc_refs)
-                        for j in range(tiles_per_wg):
+                        for j in range(n_group):
                             y = None
                             for a, s in enumerate(scales):
                                 term = acc_refs[j * num_acc + a][...] * lax.broadcast_in_dim(
@@ -451,7 +431,7 @@ def nvfp4_tile_gemm(
                     pl.run_scoped(
                         acc_scope,
                         *[plgpu.ACC((WG_ROWS, block_m), jnp.float32)
-                          for _ in range(tiles_per_wg * num_acc)],
+                          for _ in range(n_group * num_acc)],
                     )
 
                 def mma_body(idx, w_smem, s_smem, *refs):
@@ -459,9 +439,8 @@ def nvfp4_tile_gemm(
                     if config.ablation == "no_compute":
                         return accs
                     del idx
-                    for j in range(tiles_per_wg):
-                        tile_mma(group_tile(w_smem, first_tile + j),
-                                 group_tile(s_smem, first_tile + j), b_smems,
+                    for j in range(n_group):
+                        tile_mma(group_tile(w_smem, j), group_tile(s_smem, j), b_smems,
                                  accs[j * num_acc:(j + 1) * num_acc])
                     return accs
 
@@ -501,17 +480,17 @@ def nvfp4_tile_gemm(
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    scratch = [plgpu.SMEM((num_wgs, block_m, WG_ROWS), out_dtype)]
+    scratch = [plgpu.SMEM((NUM_COMPUTE_WGS, block_m, WG_ROWS), out_dtype)]
     if config.a_via_smem:
         scratch.append(
-            plgpu.SMEM((num_wgs, WG_ROWS, CHUNK), mma_dtype, transforms=_swizzled(mma_dtype))
+            plgpu.SMEM((NUM_COMPUTE_WGS, WG_ROWS, CHUNK), mma_dtype, transforms=_swizzled(mma_dtype))
         )
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((t_max, config.k_splits, num_out, block_m, n_pad), out_dtype),
         grid=(num_sms,),
         grid_names=("sm",),
-        num_threads=num_wgs + 1,
+        num_threads=NUM_COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         scratch_types=scratch,

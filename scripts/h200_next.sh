@@ -28,10 +28,6 @@
 #          (mma_overlap, stages, n_group, unchained) and ablations (no decode / one MMA / no
 #          compute), +-RAC, and our FP8 kernel on the same tiles (kernel_probe
 #          --grouped-ablations; about 3-4 minutes)
-#   gwgs   the grouped tile kernel with a pair of compute warpgroups per tile of an n_group of
-#          2 (group_wgs), checked first, against the base, mma_overlap and n_group 2 variants
-#          (kernel_probe --grouped-ablations; ~3 minutes)
-#   wgs128 nvfp4 and nvfp4_rac at batch 128 with --w4a4-n-group 2 --w4a4-group-wgs
 #   hlo    nvfp4 at batch 128 with the decode program's optimized HLO dumped to $OUT/hlo (what
 #          the 386 small `memcpy32_post` copies per step and the MoE block's fusions are)
 #
@@ -90,15 +86,8 @@ for step in "$@"; do
     gabl) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 280 python3 scripts/kernel_probe.py \
       --grouped-ablations --out "$OUT/gabl" > "$OUT/gabl.log" 2>&1
       echo "gabl rc $?"; grep -E "grouped|FAIL|floor" "$OUT/gabl.log" | cut -c1-130 ;;
-    gwgs) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 260 python3 scripts/kernel_probe.py \
-      --grouped-ablations --out "$OUT/gwgs" \
-      --variants "base,mma_overlap=1,n_group 2,n_group 2 group_wgs,n_group 2 group_wgs overlap1" \
-      --check-variants "n_group 2 group_wgs,n_group 2 group_wgs overlap1" > "$OUT/gwgs.log" 2>&1
-      echo "gwgs rc $?"; grep -E "grouped|FAIL|floor" "$OUT/gwgs.log" | cut -c1-130 ;;
-    wgs128) rollout wgs128 230 --quick --profile-steps 4 --precisions nvfp4,nvfp4_rac \
-      --w4a4-n-group 2 --w4a4-group-wgs --budget-s 180 ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
-    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl gwgs wgs128 hlo)"; exit 2 ;;
+    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl hlo)"; exit 2 ;;
   esac
 done

@@ -68,18 +68,17 @@ def test_dense_prefill_path_is_exact(rac):
     assert _rel(y, want) < 1e-5
 
 
-@pytest.mark.parametrize("sizes,extra,rac,n,ng,gw", [((4, 0, 9), 2, False, 128, 1, False),
-                                                     ((0, 0, 17), 0, True, 128, 1, False),
-                                                     ((4, 0, 9), 1, True, 256, 2, False),
-                                                     ((4, 0, 9), 0, True, 256, 2, True)])
-def test_grouped_w4a4_zero_and_uneven_groups(sizes, extra, rac, n, ng, gw):
+@pytest.mark.parametrize("sizes,extra,rac,n,ng", [((4, 0, 9), 2, False, 128, 1),
+                                                  ((0, 0, 17), 0, True, 128, 1),
+                                                  ((4, 0, 9), 1, True, 256, 2)])
+def test_grouped_w4a4_zero_and_uneven_groups(sizes, extra, rac, n, ng):
     e, k = len(sizes), 256
     gs = jnp.asarray(sizes, jnp.int32)
     m = int(gs.sum()) + extra  # rows past the groups come out as zeros
     x = jax.random.normal(jax.random.key(3), (m, k))
     wq = nvfp4.quantize(jax.random.normal(jax.random.key(4), (e, n, k)), scale_mode="expert")
     racc = aq.RACConfig() if rac else None
-    cfg = W4A4MatmulConfig(block_m=8, n_group=ng, group_wgs=gw, **CFG)
+    cfg = W4A4MatmulConfig(block_m=8, n_group=ng, **CFG)
     y = w4a4_grouped_matmul(x, wq, gs, rac=racc, config=cfg, interpret=True)
     rexp = jnp.minimum(row_experts(gs, m), e - 1)
     acts = aq.nvfp4_quantize(x, rac_config=racc, row_expert=rexp, num_experts=e)
