@@ -86,6 +86,13 @@ class TileGemmConfig:
       chain_items: chain the pipelines of an SM's work items (``run_work_items``): the copies
         of the next item start while the current one computes. The pipeline depth is then the
         deepest that divides the item's K steps (``pipeline_stages``).
+      stack_operands: with two B operands (RAC), stack them along the wgmma N side: one
+        ``[2 * block_m, K]`` tile per step and one wgmma of N = 2 * block_m per chunk into one
+        accumulator, whose two column halves the epilogue scales and adds, instead of two
+        wgmmas into two accumulators. Same bytes; half the wgmma issues and waits. On the H200
+        (2026-12-03, the decode step's grouped calls alone, ``kernel_probe
+        --grouped-ablations``) RAC's second wgmma per chunk cost more than its second
+        activation tile: +22 us on gate_up's 93, of which +13 remained without the decode.
     """
 
     k_splits: int = 1
@@ -97,6 +104,7 @@ class TileGemmConfig:
     ablation: str | None = None
     n_group: int = 1
     chain_items: bool = True
+    stack_operands: bool = False
 
     def __post_init__(self):
         check_schedule(self)
@@ -325,16 +333,28 @@ def nvfp4_tile_gemm(
     n_group = config.n_group
     check_n_group(n_group, n_pad)
     n_items = n_tiles // n_group
-    num_acc = len(b_tiles)
+    num_ops = len(b_tiles)
     if col_scales is None:
-        out_dtype, num_out = jnp.dtype(jnp.float32), num_acc
+        out_dtype, num_out = jnp.dtype(jnp.float32), num_ops
     else:
         out_dtype, num_out = jnp.dtype(out_dtype), 1
-        check_col_scales(col_scales, (t_max, num_acc, block_m))
+        check_col_scales(col_scales, (t_max, num_ops, block_m))
+    # halves: operands stacked along the wgmma N side (bn = halves * block_m columns per
+    # accumulator); num_acc: accumulators (and B tiles) per weight-row tile.
+    halves = 2 if config.stack_operands and num_ops == 2 else 1
+    if halves == 2:
+        b_tiles = (jnp.concatenate(b_tiles, axis=1),)
+        if col_scales is not None:
+            col_scales = col_scales.reshape(t_max, 1, 2 * block_m)
+    num_acc = len(b_tiles)
+    bn = halves * block_m
+    if bn > 256:
+        raise ValueError(f"block_m={block_m} with stack_operands: the stacked wgmma N side "
+                         f"{bn} exceeds 256")
     num_sms = config.num_sms or _num_sms()
     item = mma_dtype.itemsize
     stage_bytes = (n_group * (N_TILE * KW_TILE * 2 + (K_TILE // 16) * N_TILE * item)
-                   + num_acc * block_m * K_TILE * item)
+                   + num_acc * bn * K_TILE * item)
     fixed = NUM_COMPUTE_WGS * WG_ROWS * (block_m * out_dtype.itemsize
                                          + (CHUNK * item if config.a_via_smem else 0))
     stages = pipeline_stages(config.max_concurrent_steps, k_steps,
@@ -353,7 +373,7 @@ def nvfp4_tile_gemm(
                         transforms=_swizzled(jnp.uint16)),
         plgpu.BlockSpec((group, K_TILE // 16, N_TILE), lambda k: (0, k, 0)),
     ] + [
-        plgpu.BlockSpec((block_m, K_TILE), lambda k: (0, k), transforms=_swizzled(mma_dtype))
+        plgpu.BlockSpec((bn, K_TILE), lambda k: (0, k), transforms=_swizzled(mma_dtype))
         for _ in range(num_acc)
     ]
 
@@ -395,6 +415,12 @@ def nvfp4_tile_gemm(
             wg = lax.axis_index("wg")
             rows = pl.ds(wg * WG_ROWS, WG_ROWS)
 
+            def column_halves(v):
+                """A ``[64, bn]`` accumulator value as its operands' ``[64, block_m]`` parts."""
+                if halves == 1:
+                    return [v]
+                return [v[:, h * block_m:(h + 1) * block_m] for h in range(halves)]
+
             def work_body(idx):
                 split, gi, t = work_item(idx, config.k_splits, n_items)
                 expert = tile_expert_gmem[t]
@@ -412,7 +438,9 @@ def nvfp4_tile_gemm(
                         if col_scales is None:
                             eval_pipeline(acc_refs)
                             for i, acc_ref in enumerate(acc_refs):
-                                store(acc_ref[...], *divmod(i, num_acc))
+                                j, a = divmod(i, num_acc)
+                                for h, part in enumerate(column_halves(acc_ref[...])):
+                                    store(part, j, a * halves + h)
                             return
                         # The token slots' scales, loaded before the K loop so that the load's
                         # latency hides behind it; [block_m] per operand, broadcast over rows.
@@ -424,13 +452,15 @@ def nvfp4_tile_gemm(
                             y = None
                             for a, s in enumerate(scales):
                                 term = acc_refs[j * num_acc + a][...] * lax.broadcast_in_dim(
-                                    s, (WG_ROWS, block_m), (1,))
+                                    s, (WG_ROWS, bn), (1,))
                                 y = term if y is None else y + term
+                            parts = column_halves(y)
+                            y = parts[0] if halves == 1 else parts[0] + parts[1]
                             store(y.astype(out_dtype), j, 0)
 
                     pl.run_scoped(
                         acc_scope,
-                        *[plgpu.ACC((WG_ROWS, block_m), jnp.float32)
+                        *[plgpu.ACC((WG_ROWS, bn), jnp.float32)
                           for _ in range(n_group * num_acc)],
                     )
 

@@ -45,7 +45,8 @@ class W4A4MatmulConfig:
         weight is decoded to its exact bf16/f16 values once per call (an XLA fusion, ~5% of a
         compute-bound GEMM at M = 8192) and multiplied by XLA's GEMM (PALLAS_NOTES 6.4; the
         product is the same exact-operand f32-accumulated W4A4). None = always the kernel.
-      decode_impl, mma_overlap, chain_items: see ``nvfp4_tiles_mgpu.TileGemmConfig``.
+      decode_impl, mma_overlap, chain_items, stack_operands: see
+        ``nvfp4_tiles_mgpu.TileGemmConfig``.
       n_group: weight-row tiles per work item (``TileGemmConfig.n_group``). 1 by default: on
         the H200 (2026-12-03, decode step of 128 sequences) 2 left the expert kernels' time in
         the rollout unchanged (90.5 vs 90.9 us per call). (The earlier version, one pipeline
@@ -63,6 +64,7 @@ class W4A4MatmulConfig:
     mma_overlap: int = 0
     n_group: int = 1
     chain_items: bool = True
+    stack_operands: bool = False
 
     def __post_init__(self):
         bm = self.block_m
@@ -85,7 +87,8 @@ class W4A4MatmulConfig:
         return TileGemmConfig(
             k_splits=k_splits, max_concurrent_steps=self.max_concurrent_steps,
             a_via_smem=self.a_via_smem, num_sms=num_sms, decode_impl=self.decode_impl,
-            mma_overlap=self.mma_overlap, n_group=n_group, chain_items=self.chain_items)
+            mma_overlap=self.mma_overlap, n_group=n_group, chain_items=self.chain_items,
+            stack_operands=self.stack_operands)
 
 
 def _round_up(v: int, m: int) -> int:

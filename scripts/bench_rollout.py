@@ -453,6 +453,9 @@ def parse_args(argv):
     p.add_argument("--w4a4-n-group", type=int, choices=(1, 2, 4), default=1,
                    help="weight-row tiles per work item of the NVFP4 kernels "
                    "(W4A4MatmulConfig.n_group)")
+    p.add_argument("--w4a4-stack-operands", action="store_true",
+                   help="RAC's two B operands stacked on the wgmma N side "
+                   "(W4A4MatmulConfig.stack_operands)")
     p.add_argument("--unroll-decode", action="store_true",
                    help="decode steps with the layers unrolled (SamplerConfig."
                    "unroll_decode_layers; an ablation: longer compile)")
@@ -490,9 +493,10 @@ def main(argv=None) -> int:
     if args.bf16_path:
         BF16_PATH["path"] = args.bf16_path
     models.layers.set_decode_attention(args.decode_attention)
-    if args.w4a4_n_group != 1 or not args.grouped_barrier:
+    if args.w4a4_n_group != 1 or args.w4a4_stack_operands or not args.grouped_barrier:
         from quads_jax.quant import kernel_backend
-        kernel_backend.set_w4a4_overrides(n_group=args.w4a4_n_group)
+        kernel_backend.set_w4a4_overrides(n_group=args.w4a4_n_group,
+                                          stack_operands=args.w4a4_stack_operands)
         kernel_backend.set_grouped_barrier(args.grouped_barrier)
     clock = Clock(args.budget_s)
     os.makedirs(args.out, exist_ok=True)
@@ -503,7 +507,9 @@ def main(argv=None) -> int:
     bandwidth = copy_bandwidth(2**32 if gpu else 2**26)
     record(args.out, dict(kind="device", device=str(device.device_kind), jax=jax.__version__,
                           commit=args.commit, decode_attention=args.decode_attention,
-                          w4a4_n_group=args.w4a4_n_group, grouped_barrier=args.grouped_barrier,
+                          w4a4_n_group=args.w4a4_n_group,
+                          w4a4_stack_operands=args.w4a4_stack_operands,
+                          grouped_barrier=args.grouped_barrier,
                           unroll_decode=args.unroll_decode,
                           copy_bandwidth_TBps=bandwidth / 1e12,
                           date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())))

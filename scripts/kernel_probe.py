@@ -404,6 +404,8 @@ GROUPED_VARIANTS = (
     ("mma_overlap=1", dict(mma_overlap=1)),
     ("stages 2", dict(max_concurrent_steps=2)),
     ("n_group 2", dict(n_group=2)),
+    ("stacked", dict(stack_operands=True)),
+    ("stacked overlap1", dict(stack_operands=True, mma_overlap=1)),
     ("unchained", dict(chain_items=False)),
     ("ablate no_decode", dict(ablation="no_decode")),
     ("ablate one_mma", dict(ablation="one_mma")),
@@ -411,13 +413,16 @@ GROUPED_VARIANTS = (
 )
 
 
-def run_grouped_ablations(tokens: int = 128):
+def run_grouped_ablations(tokens: int = 128, variants: tuple[str, ...] | None = None,
+                          checks: tuple[str, ...] = ()):
     """Where the grouped tile kernel's time goes at a decode step of ``tokens`` sequences
     (top-8 of 128 experts): the Mosaic kernel alone (its token tiles pre-made), traced device
     time per call, for each ``GROUPED_VARIANTS`` entry with and without RAC's second operand,
     gate_up (N=1536, K=2048) and down (N=2048, K=768); our FP8 kernel on the same tiles as the
     reference (same schedule, no decode, twice the weight bytes). The ablations' results are
-    wrong by design (time attribution only)."""
+    wrong by design (time attribution only). ``variants``: the names to time (None: all);
+    ``checks``: variants whose whole grouped matmul is first checked on fresh inputs against
+    the float64 product of the dequantized operands (``bench_kernels.check``)."""
     from pallas_kernels.fp8_tiles_mgpu import FP8GemmConfig, fp8_tile_gemm
     from pallas_kernels.nvfp4_tiles_mgpu import N_TILE, _num_sms
     from pallas_kernels.w4a4_grouped import expected_tiles, grouped_block_m, tile_plan
@@ -434,6 +439,17 @@ def run_grouped_ablations(tokens: int = 128):
     bk.log(f"== grouped tile kernel alone: rows={m} experts={touched} block_m={block_m} "
            f"tiles={int(nt[0])} of {t_max}")
 
+    for v in checks:
+        cfg = W4A4MatmulConfig(**dict(GROUPED_VARIANTS)[v])
+        for n, k, name in ((2 * GN, GK, "gate_up"), (GK, GN, "down")):
+            wq, ww = weights(940 + n, (GE, n, k), "subnormal")
+            x = bk.rand(941, (m, k), jnp.float32)  # f32 output: the check sees the f32 sums
+            for r in (None, aq.RACConfig()):
+                bk.check(f"grouped {name} {v}{' +RAC' if r else ''} rows={m}",
+                         jax.jit(lambda x=x, ww=ww, r=r, cfg=cfg: w4a4_grouped_matmul(
+                             x, ww, gs, rac=r, config=cfg)),
+                         lambda x=x, wq=wq, r=r: bk.deq_ref(x, wq, r, gs), (m, n))
+
     def traced(f, *args, tag):
         def run():
             for _ in range(8):
@@ -447,6 +463,8 @@ def run_grouped_ablations(tokens: int = 128):
         cs = jnp.ones((t_max, 2, block_m), jnp.float32)
         nbytes = touched * n * k * 0.5625
         for v, kw in GROUPED_VARIANTS:
+            if variants is not None and v not in variants:
+                continue
             for a in (1, 2):
                 ng = kw.get("n_group", 1)
                 ks = auto_k_splits(live * (ww.n_pad // N_TILE // ng), ww.k_pad // 256, sms)
@@ -503,6 +521,10 @@ def main(argv=None):
     p.add_argument("--trace-grouped", action="store_true", help="kernels of a grouped call")
     p.add_argument("--grouped-ablations", action="store_true",
                    help="floors + the grouped tile kernel's variants and ablations, traced")
+    p.add_argument("--variants", default=None,
+                   help="--grouped-ablations: comma-separated GROUPED_VARIANTS names (all)")
+    p.add_argument("--check-variants", default="",
+                   help="--grouped-ablations: comma-separated variants to check first")
     args = p.parse_args(argv)
     global OUT
     OUT = args.out
@@ -520,7 +542,9 @@ def main(argv=None):
             return 0
         if args.grouped_ablations:
             bk.measure_floors()
-            run_grouped_ablations()
+            run_grouped_ablations(
+                variants=None if args.variants is None else tuple(args.variants.split(",")),
+                checks=tuple(v for v in args.check_variants.split(",") if v))
             return 0
         if args.n_group:
             bk.measure_floors()

@@ -1,6 +1,8 @@
 """The Mosaic GPU kernels in the CPU GPU-interpreter against float64 products of the
 dequantized operands (exact up to f32 accumulation order: rel err < 1e-5)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,17 +70,18 @@ def test_dense_prefill_path_is_exact(rac):
     assert _rel(y, want) < 1e-5
 
 
-@pytest.mark.parametrize("sizes,extra,rac,n,ng", [((4, 0, 9), 2, False, 128, 1),
-                                                  ((0, 0, 17), 0, True, 128, 1),
-                                                  ((4, 0, 9), 1, True, 256, 2)])
-def test_grouped_w4a4_zero_and_uneven_groups(sizes, extra, rac, n, ng):
+@pytest.mark.parametrize("sizes,extra,rac,n,ng,stack", [((4, 0, 9), 2, False, 128, 1, False),
+                                                        ((0, 0, 17), 0, True, 128, 1, False),
+                                                        ((4, 0, 9), 1, True, 256, 2, False),
+                                                        ((4, 0, 9), 0, True, 256, 2, True)])
+def test_grouped_w4a4_zero_and_uneven_groups(sizes, extra, rac, n, ng, stack):
     e, k = len(sizes), 256
     gs = jnp.asarray(sizes, jnp.int32)
     m = int(gs.sum()) + extra  # rows past the groups come out as zeros
     x = jax.random.normal(jax.random.key(3), (m, k))
     wq = nvfp4.quantize(jax.random.normal(jax.random.key(4), (e, n, k)), scale_mode="expert")
     racc = aq.RACConfig() if rac else None
-    cfg = W4A4MatmulConfig(block_m=8, n_group=ng, **CFG)
+    cfg = W4A4MatmulConfig(block_m=8, n_group=ng, stack_operands=stack, **CFG)
     y = w4a4_grouped_matmul(x, wq, gs, rac=racc, config=cfg, interpret=True)
     rexp = jnp.minimum(row_experts(gs, m), e - 1)
     acts = aq.nvfp4_quantize(x, rac_config=racc, row_expert=rexp, num_experts=e)
@@ -169,10 +172,13 @@ def test_bad_inputs_raise():
         w4a16_matmul(jnp.ones((4, 64)), prepare_w4a4_weights(wq, mma_dtype="float16"))
 
 
-@pytest.mark.parametrize("out_dtype", [None, jnp.float32, jnp.bfloat16])
-def test_tile_gemm_epilogue_scales_sums_and_stores(out_dtype):
+@pytest.mark.parametrize("out_dtype,stack", [(None, False), (jnp.float32, False),
+                                             (jnp.bfloat16, False), (None, True),
+                                             (jnp.bfloat16, True)])
+def test_tile_gemm_epilogue_scales_sums_and_stores(out_dtype, stack):
     """The tile kernel on two operands (RAC), raw (``col_scales`` None: one float32 output per
-    operand) or with the epilogue (one scaled sum in ``out_dtype``), against its jnp reference."""
+    operand) or with the epilogue (one scaled sum in ``out_dtype``), against its jnp reference;
+    the operands stacked on the wgmma N side (``stack_operands``) give the same result."""
     from pallas_kernels.nvfp4_tiles_mgpu import TileGemmConfig, nvfp4_tile_gemm, tile_gemm_reference
 
     t, bm, k, n, e = 3, 8, 256, 256, 2
@@ -182,9 +188,14 @@ def test_tile_gemm_epilogue_scales_sums_and_stores(out_dtype):
                                jnp.float16) for a in range(2))
     te = jnp.array([1, 0, 1], jnp.int32)
     cs = None if out_dtype is None else jax.random.uniform(jax.random.key(5), (t, 2, bm)) + 0.5
-    cfg = TileGemmConfig(a_via_smem=True, num_sms=2, max_concurrent_steps=1)
+    cfg = TileGemmConfig(a_via_smem=True, num_sms=2, max_concurrent_steps=1,
+                         stack_operands=stack)
     kw = {} if out_dtype is None else dict(col_scales=cs, out_dtype=out_dtype)
     y = nvfp4_tile_gemm(b, w, te, jnp.array([t], jnp.int32), config=cfg, interpret=True, **kw)
+    if stack:  # the same products (up to the dot's f32 summation order) and additions
+        two = nvfp4_tile_gemm(b, w, te, jnp.array([t], jnp.int32), interpret=True, **kw,
+                              config=dataclasses.replace(cfg, stack_operands=False))
+        assert _rel(y, two) < 1e-6
     want = tile_gemm_reference(b, w, te, cs, out_dtype or jnp.float32)
     assert y.shape == want.shape == (t, 1, 2 if out_dtype is None else 1, bm, n)
     assert y.dtype == want.dtype
