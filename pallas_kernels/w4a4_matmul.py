@@ -64,7 +64,9 @@ class W4A4MatmulConfig:
     mma_overlap: int = 0
     n_group: int = 1
     chain_items: bool = True
-    stack_operands: bool = False
+    # On the H200 (2026-12-03, 4a3768d, same call): the RAC decode step 19.37 -> 18.37 ms at
+    # batch 128; the grouped kernels alone: gate_up +RAC 114.6 -> 97.7 us, down 59.8 -> 51.8.
+    stack_operands: bool = True
 
     def __post_init__(self):
         bm = self.block_m
