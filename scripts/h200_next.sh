@@ -41,6 +41,8 @@
 # Session 15 ran `mcheck prof` (twice), `cmdbuf kern` (command buffers 17 % slower; kern ran out
 # of its 330 s in the grouped table: it now has 540 s and must run alone) and `b256`. Next:
 # `b128` (0fc02f8, not measured), `kern` alone, then `gcheck p1024`.
+# Session 16 ran `gabl b128`, `gwgs wgs128` (reverted: hung) and `stk stk128` (stacked RAC
+# operands: now the default). Next: `b128` at the newest commit, then `kern` alone.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
