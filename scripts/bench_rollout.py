@@ -453,9 +453,9 @@ def parse_args(argv):
     p.add_argument("--w4a4-n-group", type=int, choices=(1, 2, 4), default=1,
                    help="weight-row tiles per work item of the NVFP4 kernels "
                    "(W4A4MatmulConfig.n_group)")
-    p.add_argument("--w4a4-stack-operands", action="store_true",
-                   help="RAC's two B operands stacked on the wgmma N side "
-                   "(W4A4MatmulConfig.stack_operands)")
+    p.add_argument("--w4a4-stack-operands", action=argparse.BooleanOptionalAction,
+                   default=True, help="RAC's two B operands stacked on the wgmma N side "
+                   "(W4A4MatmulConfig.stack_operands, the default)")
     p.add_argument("--unroll-decode", action="store_true",
                    help="decode steps with the layers unrolled (SamplerConfig."
                    "unroll_decode_layers; an ablation: longer compile)")
@@ -493,7 +493,7 @@ def main(argv=None) -> int:
     if args.bf16_path:
         BF16_PATH["path"] = args.bf16_path
     models.layers.set_decode_attention(args.decode_attention)
-    if args.w4a4_n_group != 1 or args.w4a4_stack_operands or not args.grouped_barrier:
+    if args.w4a4_n_group != 1 or not args.w4a4_stack_operands or not args.grouped_barrier:
         from quads_jax.quant import kernel_backend
         kernel_backend.set_w4a4_overrides(n_group=args.w4a4_n_group,
                                           stack_operands=args.w4a4_stack_operands)

@@ -31,7 +31,7 @@
 #   stk    the grouped tile kernel with RAC's operands stacked on the wgmma N side
 #          (stack_operands), checked first, against base and mma_overlap (kernel_probe
 #          --grouped-ablations; ~2.5 minutes)
-#   stk128 nvfp4_rac at batch 128 with and without --w4a4-stack-operands (two runs, traced)
+#   stk128 nvfp4_rac at batch 128 with and without stacked operands (two runs, traced)
 #   hlo    nvfp4 at batch 128 with the decode program's optimized HLO dumped to $OUT/hlo (what
 #          the 386 small `memcpy32_post` copies per step and the MoE block's fusions are)
 #
@@ -98,7 +98,8 @@ for step in "$@"; do
       echo "stk rc $?"; grep -E "grouped|FAIL|floor" "$OUT/stk.log" | cut -c1-130 ;;
     stk128) rollout stk128 130 --quick --profile-steps 4 --precisions nvfp4_rac \
       --w4a4-stack-operands --budget-s 100
-      rollout rac128 130 --quick --profile-steps 4 --precisions nvfp4_rac --budget-s 100 ;;
+      rollout rac128 130 --quick --profile-steps 4 --precisions nvfp4_rac \
+      --no-w4a4-stack-operands --budget-s 100 ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
     *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 hlo)"; exit 2 ;;

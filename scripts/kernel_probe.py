@@ -424,7 +424,7 @@ def run_grouped_ablations(tokens: int = 128, variants: tuple[str, ...] | None = 
     ``checks``: variants whose whole grouped matmul is first checked on fresh inputs against
     the float64 product of the dequantized operands (``bench_kernels.check``)."""
     from pallas_kernels.fp8_tiles_mgpu import FP8GemmConfig, fp8_tile_gemm
-    from pallas_kernels.nvfp4_tiles_mgpu import N_TILE, _num_sms
+    from pallas_kernels.nvfp4_tiles_mgpu import K_TILE, N_TILE, _num_sms
     from pallas_kernels.w4a4_grouped import expected_tiles, grouped_block_m, tile_plan
     from pallas_kernels.w4a4_matmul import auto_k_splits
     from quads_jax.quant import fp8
@@ -467,7 +467,7 @@ def run_grouped_ablations(tokens: int = 128, variants: tuple[str, ...] | None = 
                 continue
             for a in (1, 2):
                 ng = kw.get("n_group", 1)
-                ks = auto_k_splits(live * (ww.n_pad // N_TILE // ng), ww.k_pad // 256, sms)
+                ks = auto_k_splits(live * (ww.n_pad // N_TILE // ng), ww.k_pad // K_TILE, sms)
                 label = f"grouped {name} tile kernel {v}{' +RAC' if a == 2 else ''} ks={ks}"
                 try:
                     cfg = TileGemmConfig(k_splits=ks, decode_impl="ptx", **kw)
