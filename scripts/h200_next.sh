@@ -32,6 +32,9 @@
 #          (stack_operands), checked first, against base and mma_overlap (kernel_probe
 #          --grouped-ablations; ~2.5 minutes)
 #   stk128 nvfp4_rac at batch 128 with and without stacked operands (two runs, traced)
+#   ov     the grouped tile kernel with stacked operands and mma_overlap=1 (GPU-checked first,
+#          against the stacked default), then nvfp4_rac at batch 128 with --w4a4-mma-overlap 1
+#          (compare with the prof / b128 row of the same call)
 #   hlo    nvfp4 at batch 128 with the decode program's optimized HLO dumped to $OUT/hlo (what
 #          the 386 small `memcpy32_post` copies per step and the MoE block's fusions are)
 #
@@ -100,8 +103,14 @@ for step in "$@"; do
       --w4a4-stack-operands --budget-s 100
       rollout rac128 130 --quick --profile-steps 4 --precisions nvfp4_rac \
       --no-w4a4-stack-operands --budget-s 100 ;;
+    ov) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 150 python3 scripts/kernel_probe.py \
+      --grouped-ablations --out "$OUT/ovk" --variants "stacked,stacked overlap1" \
+      --check-variants "stacked overlap1" > "$OUT/ovk.log" 2>&1
+      echo "ovk rc $?"; grep -E "grouped|FAIL|floor" "$OUT/ovk.log" | cut -c1-130
+      rollout ov128 130 --quick --profile-steps 4 --precisions nvfp4_rac \
+      --w4a4-mma-overlap 1 --budget-s 100 ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
-    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 hlo)"; exit 2 ;;
+    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov hlo)"; exit 2 ;;
   esac
 done
