@@ -117,6 +117,7 @@ def nvfp4_quantize(
     static_blocks: jax.Array | None = None,
     static_scale: jax.Array | None = None,
     source_rows: jax.Array | None = None,
+    rac_selector=None,
 ) -> QuantizedActivations:
     """Quantize activations ``x: [M, K]`` (bf16/f16/f32, K % 16 == 0) and their RAC residual.
 
@@ -132,6 +133,8 @@ def nvfp4_quantize(
         once per distinct row (``q_rows`` = ``source_rows``), bit-identical to quantizing the
         gathered rows; the RAC residual is selected and quantized per GEMM row. Other scale
         modes quantize the gathered rows.
+      rac_selector: None, or the selection kernel's call (``rac.select_residual``'s
+        ``selector``; ``pallas_kernels.w4a4_grouped`` makes it).
     """
     _check_x(x, act_scale_mode, static_scale)
     if source_rows is not None and act_scale_mode != "per_token":
@@ -142,6 +145,7 @@ def nvfp4_quantize(
     sel = rac.select_residual(
         x, q, rac_config, act_scale_mode=act_scale_mode, rows=source_rows,
         row_expert=row_expert, num_experts=num_experts, static_blocks=static_blocks,
+        selector=rac_selector,
     )
     residual = sel.masked().astype(jnp.bfloat16) if rac_config.rac_residual_format == "bf16" else sel
     return QuantizedActivations(q=q, residual=residual, mask=sel.mask, q_rows=source_rows)

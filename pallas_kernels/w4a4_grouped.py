@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import nvfp4_quantize as aq
+from pallas_kernels import rac_select
 from pallas_kernels.w4a4_matmul import (
     W4A4MatmulConfig,
     _check,
@@ -99,13 +100,32 @@ def _static_rows(scale, rexp: jax.Array, e: int):
 
 
 def _grouped_acts(x, rexp, e, act_scale_mode, rac, rac_blocks, act_global_scale,
-                  source_rows=None):
+                  source_rows=None, selector=None):
     """Quantized activations of sorted rows; RAC's online_batch selection is per expert."""
     return aq.nvfp4_quantize(
         x, act_scale_mode=act_scale_mode, rac_config=rac,
         row_expert=jnp.minimum(rexp, e - 1), num_experts=e, static_blocks=rac_blocks,
         static_scale=_static_rows(act_global_scale, rexp, e), source_rows=source_rows,
+        rac_selector=selector,
     )
+
+
+def rac_selector(rac, act_scale_mode: str, group_sizes: jax.Array, source_rows, m: int,
+                 config: W4A4MatmulConfig, interpret: bool):
+    """The RAC selection kernel as ``rac.select_residual``'s ``selector`` for a grouped GEMM of
+    ``m`` rows, or None (no RAC, ``config.rac_select_kernel`` off, more than
+    ``rac_select.MAX_ROWS`` rows, or a configuration the kernel does not compute: the jnp path
+    runs)."""
+    if (rac is None or not config.rac_select_kernel or m > rac_select.MAX_ROWS
+            or not rac_select.supports(rac, act_scale_mode)):
+        return None
+    rows = jnp.arange(m, dtype=jnp.int32) if source_rows is None else source_rows
+
+    def select(scores, amax, finite):
+        return rac_select.grouped_rac_selection(scores, amax, finite, rows, group_sizes,
+                                                ratio=rac.rac_ratio, interpret=interpret)
+
+    return select
 
 
 def check_source_rows(source_rows, num_rows: int) -> jax.Array:
@@ -158,8 +178,9 @@ def w4a4_grouped_matmul(
     e = w.num_experts
     gs = _check_group_sizes(group_sizes, e, m)
     rexp = row_experts(gs, m)
+    selector = rac_selector(rac, act_scale_mode, gs, source_rows, m, config, interpret)
     acts = _grouped_acts(x_sorted, rexp, e, act_scale_mode, rac, rac_blocks, act_global_scale,
-                         source_rows)
+                         source_rows, selector)
     block_m = config.block_m or grouped_block_m(m, e)
     row_index, tile_expert, num_tiles, row_slot = tile_plan(gs, m, block_m)
     tiles, slot_g = operand_tiles(acts, row_index, w.mma_dtype, w.k_pad)

@@ -45,6 +45,8 @@ class W4A4MatmulConfig:
         weight is decoded to its exact bf16/f16 values once per call (an XLA fusion, ~5% of a
         compute-bound GEMM at M = 8192) and multiplied by XLA's GEMM (PALLAS_NOTES 6.4; the
         product is the same exact-operand f32-accumulated W4A4). None = always the kernel.
+      rac_select_kernel: grouped GEMMs with RAC select blocks and code the residual's scales
+        in ``pallas_kernels.rac_select`` (where its ``supports`` holds), not in jnp.
       decode_impl, mma_overlap, chain_items, stack_operands: see
         ``nvfp4_tiles_mgpu.TileGemmConfig``.
       n_group: weight-row tiles per work item (``TileGemmConfig.n_group``). 1 by default: on
@@ -67,6 +69,9 @@ class W4A4MatmulConfig:
     # On the H200 (2026-12-03, 4a3768d, same call): the RAC decode step 19.37 -> 18.37 ms at
     # batch 128; the grouped kernels alone: gate_up +RAC 114.6 -> 97.7 us, down 59.8 -> 51.8.
     stack_operands: bool = True
+    # Grouped GEMMs with RAC: the per-expert block selection and the residual's scales in one
+    # Triton kernel (``pallas_kernels.rac_select``) instead of ~5 small XLA kernels per GEMM.
+    rac_select_kernel: bool = True
 
     def __post_init__(self):
         bm = self.block_m

@@ -35,6 +35,9 @@
 #   ov     the grouped tile kernel with stacked operands and mma_overlap=1 (GPU-checked first,
 #          against the stacked default), then nvfp4_rac at batch 128 with --w4a4-mma-overlap 1
 #          (compare with the prof / b128 row of the same call)
+#   rsel   the RAC selection kernel (pallas_kernels.rac_select): the decode MoE operand check
+#          (check-moe), then nvfp4_rac and nvfp4 at batch 128 traced, and nvfp4_rac with
+#          --no-rac-select-kernel (the jnp selection) in the same call
 #   hlo    nvfp4 at batch 128 with the decode program's optimized HLO dumped to $OUT/hlo (what
 #          the 386 small `memcpy32_post` copies per step and the MoE block's fusions are)
 #
@@ -109,8 +112,12 @@ for step in "$@"; do
       echo "ovk rc $?"; grep -E "grouped|FAIL|floor" "$OUT/ovk.log" | cut -c1-130
       rollout ov128 130 --quick --profile-steps 4 --precisions nvfp4_rac \
       --w4a4-mma-overlap 1 --budget-s 100 ;;
+    rsel) check check-moe 100
+      rollout rsel128 250 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 --budget-s 200
+      rollout nosel128 130 --quick --profile-steps 4 --precisions nvfp4_rac \
+      --no-rac-select-kernel --budget-s 100 ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
-    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov hlo)"; exit 2 ;;
+    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel hlo)"; exit 2 ;;
   esac
 done

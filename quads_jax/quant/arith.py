@@ -86,6 +86,16 @@ def decode_scale_from_amax(amax: jax.Array, target: float) -> jax.Array:
 
 
 E4M3_MAX = 448.0
+def round_half_even_small(v: jax.Array) -> jax.Array:
+    """Non-negative float32 ``v < 2^31`` rounded to the nearest integer, ties to even
+    (``jnp.round`` there), from its truncation and the exact remainder: no rounding primitive,
+    so the same code runs inside Pallas Triton kernels (which lower no ``lax.round``). (The
+    ``(v + 1.5 * 2^23) - 1.5 * 2^23`` trick does not survive XLA: its simplifier folds the
+    pair away.)"""
+    t = v.astype(jnp.int32)
+    frac = v - t.astype(jnp.float32)  # exact: both are in [0, 2^31) with the same exponent range
+    up = (frac > 0.5) | ((frac == 0.5) & ((t & 1) == 1))
+    return (t + up.astype(jnp.int32)).astype(jnp.float32)
 
 
 def round_to_e4m3(y: jax.Array) -> jax.Array:
@@ -102,7 +112,7 @@ def round_to_e4m3(y: jax.Array) -> jax.Array:
     k = jnp.maximum(exp, -6) - 3  # E4M3: 3 mantissa bits; subnormal spacing 2^-9 below 2^-6
     ulp = lax.bitcast_convert_type(((k + 127).astype(_U)) << _U(23), jnp.float32)
     inv_ulp = lax.bitcast_convert_type(((127 - k).astype(_U)) << _U(23), jnp.float32)
-    r = jnp.minimum(jnp.round(a * inv_ulp) * ulp, E4M3_MAX)
+    r = jnp.minimum(round_half_even_small(a * inv_ulp) * ulp, E4M3_MAX)
     r = jnp.where(y < 0, -r, r)
     return jnp.where(jnp.isnan(y), jnp.nan, r)
 

@@ -232,6 +232,17 @@ def block_scales_from_amax(
     results and the decode scale ``g`` (broadcastable): ``(s_b [..., K/16], r_b [..., K/16,
     1])``. Split from ``block_scales_and_reciprocals`` so that a caller holding the block amax
     of rows (RAC's residual, ``rac.SelectedResidual``) codes them without a second pass."""
+    s_f32, r = block_scales_f32_from_amax(amax_b, finite, g)
+    return s_f32.astype(jnp.float8_e4m3fn)[..., 0], r
+
+
+def block_scales_f32_from_amax(
+    amax_b: jax.Array, finite: jax.Array, g: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """``block_scales_from_amax`` before the cast: the block scales as float32 values already on
+    the E4M3 grid (NaN for non-finite blocks), same shape as ``amax_b``, and the reciprocals.
+    Elementwise float32 and uint32 arithmetic only, so Pallas kernels call it as it is
+    (``pallas_kernels.rac_select``)."""
     enc = jnp.float32(1.0) / g
     # A true division by 6: ties such as amax_b * enc / 6 == 2^-10 must round half to even.
     s = jnp.clip(divide_by_constant(amax_b * enc, E2M1_MAX), 0.0, E4M3_MAX)
@@ -239,11 +250,10 @@ def block_scales_from_amax(
     # Round with exact arithmetic rather than through the cast: XLA:GPU folds the cast chain
     # f32 -> e4m3 -> f32 inside a jitted program (see quant/arith.py).
     s_f32 = round_to_e4m3(s)
-    s_e4m3 = s_f32.astype(jnp.float8_e4m3fn)
     denom = s_f32 * g
     # `denom > 0` is False for NaN scales too, so non-finite blocks get r_b = 0.
     r = jnp.where(denom > 0, jnp.float32(1.0) / jnp.where(denom > 0, denom, 1.0), 0.0)
-    return s_e4m3[..., 0], r
+    return s_f32, r
 
 
 def block_scales_and_reciprocals(x_blocks: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:

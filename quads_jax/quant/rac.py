@@ -82,11 +82,12 @@ def aggregate_scores(
 PAIRWISE_RANK_LIMIT = 1 << 24
 
 
-def _stable_descending_rank(scores: jax.Array) -> jax.Array:
+def stable_descending_rank(scores: jax.Array) -> jax.Array:
     """int32 ``[..., nb]``: each block's position in a stable descending sort of its row (the
     ``argsort(argsort(-scores, stable=True))`` of jnp, NaN last), from pairwise comparisons: one
     fused reduction instead of two sorts, which are separate kernels on a GPU and ran in every
-    RAC matmul of a decode step."""
+    RAC matmul of a decode step. Elementwise ops and one sum: the RAC selection kernel
+    (``pallas_kernels.rac_select``) calls it too."""
     key = -scores
     a, b = key[..., :, None], key[..., None, :]  # a: block i, b: block j
     nan_a, nan_b = jnp.isnan(a), jnp.isnan(b)
@@ -110,7 +111,7 @@ def select_blocks(
     n_keep = max(1, int(round(ratio * nb)))
     small = scores.size * nb <= PAIRWISE_RANK_LIMIT
     if energy_target is None and small:
-        return _stable_descending_rank(scores) < n_keep
+        return stable_descending_rank(scores) < n_keep
     order = jnp.argsort(-scores, axis=-1, stable=True)
     rank = jnp.argsort(order, axis=-1, stable=True)
     keep_sorted = jnp.arange(nb) < n_keep
@@ -288,6 +289,7 @@ def select_residual(
     row_expert: jax.Array | None = None,
     num_experts: int | None = None,
     static_blocks: jax.Array | None = None,
+    selector=None,
 ) -> SelectedResidual:
     """RAC's block selection and residual scales for activations ``x [R, K]`` quantized to
     ``q``: the one construction of ``Q(R_S)`` for the trainer-side reference (``ops``) and the
@@ -299,9 +301,20 @@ def select_residual(
         residual gets one decode scale per GEMM row, or one for all rows under ``per_batch``;
         ``"shared"`` reuses ``q``'s.
       rows / row_expert / num_experts / static_blocks: as ``selection_mask``.
+      selector: None, or a function ``(scores, amax, finite) -> (scales, reciprocals, mask,
+        g)`` of the distinct rows' float32 block scores and amax and bool finiteness ``[R,
+        K/16]`` that computes what the rest of this function does (float32 block scales on
+        the E4M3 grid, reciprocals and mask ``[M, K/16]``, decode scales ``[M]``) in one
+        kernel (``pallas_kernels.rac_select``, for the configurations its ``supports``
+        accepts; it traces this module's and ``nvfp4``'s functions).
     """
     r = nvfp4.residual(x, q)
     amax, finite = nvfp4.block_amax(block_view(r))  # [R, K/16, 1]
+    if selector is not None:
+        s, rcp, mask, g = selector(row_block_scores(x, r, recipe.rac_score), amax[..., 0],
+                                   finite[..., 0])
+        return SelectedResidual(r=r, scales=s.astype(jnp.float8_e4m3fn), reciprocals=rcp,
+                                mask=mask, global_scale=g, rows=rows, dtype=jnp.dtype(x.dtype))
     if rows is not None:
         amax, finite = amax[rows], finite[rows]
     mask = selection_mask(row_block_scores(x, r, recipe.rac_score), recipe, rows=rows,

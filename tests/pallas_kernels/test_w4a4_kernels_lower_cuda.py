@@ -20,7 +20,9 @@ H200 = AbstractMesh((), (), abstract_device=AbstractDevice(
 def _export(fn, *args):
     with jax.sharding.use_abstract_mesh(H200):
         exp = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
-            export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2")])(*args)
+            export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2"),
+            # the RAC selection kernel (pallas_kernels.rac_select) of the grouped RAC calls
+            export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
     text = exp.mlir_module()
     assert "mosaic_gpu" in text
     return text
@@ -76,9 +78,11 @@ def test_expert_parallel_moe_block_lowers_for_cuda(monkeypatch):
         exp = export.export(
             jax.jit(lambda p, x: moe_block(cfg, p, x, "layers.0.mlp", recipe)[0]),
             platforms=["cuda"],
-            disabled_checks=[export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2")],
+            disabled_checks=[export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2"),
+                             export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
         )(p, jnp.ones((16, 64), jnp.bfloat16))
     text = exp.mlir_module()
     assert "mosaic_gpu" in text
     assert "tensor<2x1x128x64xui16>" in text  # the local experts' codes inside the shard_map
     assert "reduce_scatter" in text
+    assert "rac_select" in text  # the RAC selection kernel runs inside the shard_map too

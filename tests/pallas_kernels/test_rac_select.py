@@ -1,0 +1,111 @@
+"""The RAC selection kernel (pallas_kernels.rac_select): interpret mode equals the jnp path bit
+for bit, through the grouped W4A4 matmul too; cuda lowering; bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+from jax.sharding import AbstractDevice, AbstractMesh
+
+from pallas_kernels import nvfp4_quantize as aq
+from pallas_kernels import rac_select as rs
+from pallas_kernels.layout import prepare_w4a4_weights
+from pallas_kernels.w4a4_grouped import w4a4_grouped_matmul
+from pallas_kernels.w4a4_matmul import W4A4MatmulConfig
+from quads_jax.quant import nvfp4
+
+
+def _inputs(r, m, nb, seed):
+    k = jax.random.split(jax.random.key(seed), 4)
+    # Multiples of 1/16 below 4: every sum of them is exact, so any summation order agrees.
+    scores = jnp.floor(jax.random.uniform(k[0], (r, nb)) * 64) / 16
+    amax = jax.random.uniform(k[1], (r, nb)) * 3
+    finite = jax.random.uniform(k[2], (r, nb)) > 0.05
+    rows = jax.random.randint(k[3], (m,), 0, r)
+    return scores, amax, finite, rows
+
+
+@pytest.mark.parametrize(
+    "r,m,nb,group_sizes,block_rows",
+    [
+        (16, 40, 128, [10, 0, 20, 10], 16),
+        (12, 30, 48, [5, 5, 0, 0, 3, 7], 16),  # 10 rows past the groups: the last expert's
+        (20, 100, 128, [40, 1, 0, 35, 24], 8),  # experts over several loop steps
+        (8, 8, 16, [0, 0, 8], 4),
+    ],
+)
+def test_interpret_equals_the_jnp_path(r, m, nb, group_sizes, block_rows):
+    scores, amax, finite, rows = _inputs(r, m, nb, seed=r + m)
+    gs = jnp.asarray(group_sizes, jnp.int32)
+    out = rs.grouped_rac_selection(scores, amax, finite, rows, gs, ratio=0.5,
+                                   config=rs.RACSelectConfig(block_rows=block_rows),
+                                   interpret=True)
+    ref = rs.grouped_rac_selection_reference(scores, amax, finite, rows, gs, ratio=0.5)
+    for name, a, b in zip(("scales", "reciprocals", "mask", "g"), out, ref, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+    mask = np.asarray(out[2])
+    assert mask.sum(axis=1).min() == mask.sum(axis=1).max() == round(0.5 * nb)
+
+
+def test_nan_scores_rank_last_and_ties_take_the_lower_block():
+    scores = jnp.zeros((4, 16)).at[:, 3].set(jnp.nan)  # all tied but block 3
+    amax = jnp.ones((4, 16))
+    finite = jnp.ones((4, 16), bool)
+    rows = jnp.arange(4, dtype=jnp.int32)
+    gs = jnp.asarray([4], jnp.int32)
+    _, _, mask, _ = rs.grouped_rac_selection(scores, amax, finite, rows, gs, ratio=0.25,
+                                             interpret=True)
+    np.testing.assert_array_equal(np.flatnonzero(np.asarray(mask[0])), [0, 1, 2, 4])
+
+
+def test_grouped_matmul_with_and_without_the_kernel_agree():
+    """The grouped RAC matmul through the selection kernel equals the jnp selection bit for bit
+    (the tiles, the kernel's products and the scales are then the same)."""
+    k = jax.random.split(jax.random.key(7), 2)
+    x = jax.random.normal(k[0], (12, 256), jnp.bfloat16)
+    src = jnp.asarray([0, 3, 5, 1, 2, 7, 4, 9, 11, 6, 8, 10, 3, 1, 0, 2], jnp.int32)
+    wq = nvfp4.quantize(jax.random.normal(k[1], (4, 128, 256)), scale_mode="expert")
+    w = prepare_w4a4_weights(wq)
+    gs = jnp.asarray([5, 0, 8, 3], jnp.int32)
+
+    def run(flag):
+        cfg = W4A4MatmulConfig(a_via_smem=True, num_sms=2, rac_select_kernel=flag)
+        return w4a4_grouped_matmul(x, w, gs, rac=aq.RACConfig(), config=cfg, interpret=True,
+                                   source_rows=src)
+
+    np.testing.assert_array_equal(np.asarray(run(True), np.float32),
+                                  np.asarray(run(False), np.float32))
+
+
+def test_supports_only_what_it_computes():
+    assert rs.supports(aq.RACConfig(), "per_token")
+    assert not rs.supports(aq.RACConfig(), "per_batch")
+    assert not rs.supports(aq.RACConfig(rac_selection="online_token"), "per_token")
+    assert not rs.supports(aq.RACConfig(rac_score="act_amax"), "per_token")
+    assert not rs.supports(aq.RACConfig(rac_energy_target=0.9), "per_token")
+    assert not rs.supports(aq.RACConfig(rac_residual_scale="shared"), "per_token")
+
+
+def test_lowers_for_cuda():
+    h200 = AbstractMesh((), (), abstract_device=AbstractDevice(
+        device_kind="NVIDIA H200", platform="gpu", num_cores=132))
+    args = (jnp.ones((128, 48)), jnp.ones((128, 48)), jnp.ones((128, 48), bool),
+            jnp.zeros((1024,), jnp.int32), jnp.full((128,), 8, jnp.int32))
+    with jax.sharding.use_abstract_mesh(h200):
+        exp = export.export(
+            jax.jit(lambda *a: rs.grouped_rac_selection(*a, ratio=0.5)), platforms=["cuda"],
+            disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+        )(*args)
+    assert "rac_select" in exp.mlir_module()
+
+
+def test_bad_input():
+    s = jnp.ones((4, 16))
+    rows, gs = jnp.zeros((4,), jnp.int32), jnp.asarray([4], jnp.int32)
+    with pytest.raises(ValueError, match="must all be"):
+        rs.grouped_rac_selection(s, jnp.ones((4, 8)), s > 0, rows, gs, ratio=0.5, interpret=True)
+    with pytest.raises(ValueError, match="rows"):
+        rs.grouped_rac_selection(s, s, s > 0, rows[None], gs, ratio=0.5, interpret=True)
+    with pytest.raises(ValueError, match="block_rows"):
+        rs.RACSelectConfig(block_rows=12)
