@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from quads_jax.quant import nvfp4, rac
+from quads_jax.quant import arith, nvfp4, rac
 
 # GEMM rows above which the grouped matmuls keep the jnp selection (prefill): an expert's rows
 # are walked serially, ~2 048 per expert at 262 144 rows over 128 experts.
@@ -86,9 +86,26 @@ def supports(rac_config, act_scale_mode: str) -> bool:
             and act_scale_mode == "per_token")
 
 
-def _kernel(gs_ref, rows_ref, scores_ref, amax_ref, finite_ref,
-            s_ref, rcp_ref, mask_ref, g_ref, *, num_experts: int, nb: int, n_keep: int,
-            m: int, block_rows: int):
+def _div_rn(a, b) -> jax.Array:
+    """Correctly rounded float32 ``a / b`` in a Triton kernel (its ``/`` is the approximate
+    ``div.full.f32``, which would change reciprocals and so codes against the jnp path)."""
+    a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
+    (out,) = pltriton.elementwise_inline_asm(
+        "div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=f,f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])
+    return out
+
+
+def _kernel(*refs, exact_division: bool, **static):
+    # On the GPU the traced quantizer functions divide with div.rn.f32 (arith.division); the
+    # interpreter runs jnp's division, which is correctly rounded already.
+    with arith.division(_div_rn if exact_division else None):
+        _select_and_code(*refs, **static)
+
+
+def _select_and_code(gs_ref, rows_ref, scores_ref, amax_ref, finite_ref,
+                     s_ref, rcp_ref, mask_ref, g_ref, *, num_experts: int, nb: int,
+                     n_keep: int, m: int, block_rows: int):
     e = pl.program_id(0)
     gs = gs_ref[...]  # [Ep]
     ids = jnp.arange(gs.shape[0])
@@ -162,7 +179,7 @@ def grouped_rac_selection(scores: jax.Array, amax: jax.Array, finite: jax.Array,
                           to="varying")
             for a in (gs_p, rows_p, scores_p, amax_p, finite_p))
     kernel = functools.partial(_kernel, num_experts=e, nb=nb, n_keep=n_keep, m=m,
-                               block_rows=br)
+                               block_rows=br, exact_division=not interpret)
     s, rcp, mask, g = pl.pallas_call(
         kernel,
         grid=(e,),

@@ -18,12 +18,36 @@ cast, and a folded cast changes nothing.
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 _U = jnp.uint32
+
+# The float32 division of ``divide`` while a kernel traces this module's functions (None: jnp's
+# ``/``, correctly rounded on CPU and under XLA:GPU). Triton lowers ``/`` to the approximate
+# ``div.full.f32``, so a Pallas Triton kernel installs ``div.rn.f32`` here (``division``).
+_DIVISION: list = [None]
+
+
+def divide(a, b) -> jax.Array:
+    """float32 ``a / b``, correctly rounded wherever the quantizers run (see ``division``)."""
+    fn = _DIVISION[0]
+    return jnp.divide(a, b) if fn is None else fn(a, b)
+
+
+@contextlib.contextmanager
+def division(fn):
+    """Within the block, ``divide`` calls ``fn(a, b)`` (a kernel's correctly rounded division)
+    instead of ``/``: the quantizer functions traced into a Pallas kernel stay the same code."""
+    prev, _DIVISION[0] = _DIVISION[0], fn
+    try:
+        yield
+    finally:
+        _DIVISION[0] = prev
 
 
 def _odd_part(c: float) -> tuple[int, int]:
@@ -70,7 +94,7 @@ def divide_by_constant(a: jax.Array, c: float) -> jax.Array:
     exact = lax.bitcast_convert_type(out_bits, jnp.float32)
     exact = jnp.where(a < 0, -exact, exact)
     ok = (biased >= 1) & (biased <= 254) & (e_out >= 1) & (e_out <= 254)
-    fallback = a / np.float32(c)
+    fallback = divide(a, np.float32(c))
     return jnp.where(a == 0, jnp.zeros_like(a), jnp.where(ok, exact, fallback))
 
 

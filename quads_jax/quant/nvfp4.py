@@ -243,7 +243,7 @@ def block_scales_f32_from_amax(
     the E4M3 grid (NaN for non-finite blocks), same shape as ``amax_b``, and the reciprocals.
     Elementwise float32 and uint32 arithmetic only, so Pallas kernels call it as it is
     (``pallas_kernels.rac_select``)."""
-    enc = jnp.float32(1.0) / g
+    enc = arith.divide(jnp.float32(1.0), g)
     # A true division by 6: ties such as amax_b * enc / 6 == 2^-10 must round half to even.
     s = jnp.clip(divide_by_constant(amax_b * enc, E2M1_MAX), 0.0, E4M3_MAX)
     s = jnp.where(finite, s, jnp.nan)
@@ -252,7 +252,8 @@ def block_scales_f32_from_amax(
     s_f32 = round_to_e4m3(s)
     denom = s_f32 * g
     # `denom > 0` is False for NaN scales too, so non-finite blocks get r_b = 0.
-    r = jnp.where(denom > 0, jnp.float32(1.0) / jnp.where(denom > 0, denom, 1.0), 0.0)
+    r = jnp.where(denom > 0, arith.divide(jnp.float32(1.0), jnp.where(denom > 0, denom, 1.0)),
+                  0.0)
     return s_f32, r
 
 
