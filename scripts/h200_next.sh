@@ -112,7 +112,10 @@ for step in "$@"; do
       echo "ovk rc $?"; grep -E "grouped|FAIL|floor" "$OUT/ovk.log" | cut -c1-130
       rollout ov128 130 --quick --profile-steps 4 --precisions nvfp4_rac \
       --w4a4-mma-overlap 1 --budget-s 100 ;;
-    rsel) check check-moe 100
+    rsel) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 120 python3 scripts/kernel_probe.py \
+      --rac-select --out "$OUT/rselk" > "$OUT/rselk.log" 2>&1
+      echo "rselk rc $?"; grep -E "rac_select|Error" "$OUT/rselk.log" | cut -c1-140
+      check check-moe 100
       rollout rsel128 250 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 --budget-s 200
       rollout nosel128 130 --quick --profile-steps 4 --precisions nvfp4_rac \
       --no-rac-select-kernel --budget-s 100 ;;

@@ -508,6 +508,44 @@ def run_dump():
         bk.log(f"compiled {name} in {time.time() - t0:.1f} s")
 
 
+def run_rac_select():
+    """The RAC selection kernel at the decode step's shapes (1 024 GEMM rows over 128 experts,
+    top-8 of 128 tokens for gate_up's K/16 = 128 blocks; 1 024 distinct rows for down's 48):
+    bit-identity on the GPU with the jnp selection on realistic float scores (where the two
+    summation orders may differ in a last bit, the masks are compared separately and the
+    scales only on rows whose masks agree), then traced device time per call of the kernel
+    and of the jnp path."""
+    from pallas_kernels import rac_select as rs
+
+    bk.log("== RAC selection kernel (pallas_kernels.rac_select) vs the jnp path")
+    for name, r, nb in (("gate_up", 128, 128), ("down", 1024, 48)):
+        k = jax.random.split(jax.random.key(nb), 4)
+        ids = jax.random.randint(k[0], (1024,), 0, 128)
+        order = jnp.argsort(ids, stable=True)
+        gs = jnp.bincount(ids, length=128).astype(jnp.int32)
+        rows = (order // 8 if r == 128 else order).astype(jnp.int32)
+        scores = jnp.exp(jax.random.normal(k[1], (r, nb)))
+        amax = jnp.exp(jax.random.normal(k[2], (r, nb))) * 0.1
+        finite = jax.random.uniform(k[3], (r, nb)) > 0.01
+        args = (scores, amax, finite, rows, gs)
+        kern = jax.jit(lambda *a: rs.grouped_rac_selection(*a, ratio=0.5))
+        ref = jax.jit(lambda *a: rs.grouped_rac_selection_reference(*a, ratio=0.5))
+        out, want = jax.device_get(kern(*args)), jax.device_get(ref(*args))
+        same_rows = np.all(np.asarray(out[2]) == np.asarray(want[2]), axis=1)
+        bad = [n for n, a, b in zip(("scales", "reciprocals", "g"), (out[0], out[1], out[3]),
+                                    (want[0], want[1], want[3]), strict=True)
+               if not np.array_equal(np.asarray(a)[same_rows], np.asarray(b)[same_rows],
+                                     equal_nan=True)]
+        verdict = "PASS" if not bad and same_rows.mean() > 0.99 else "FAIL"
+        bk.log(f"  {verdict} rac_select {name}: masks equal on {same_rows.mean():.4f} of rows; "
+               f"scales/reciprocals/g {'differ: ' + ','.join(bad) if bad else 'bit-identical'}")
+        for tag, fn in (("kernel", kern), ("jnp", ref)):
+            us, count, busy = traced_kernels(fn, *args, match="" if tag == "jnp" else "rac",
+                                             tag=f"rsel_{name}_{tag}")
+            bk.log(f"  rac_select {name} {tag:6s} {us * count:7.1f} us in {count} kernels, "
+                   f"busy {busy:.2f}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="/tmp/probe_out")
@@ -521,6 +559,8 @@ def main(argv=None):
     p.add_argument("--trace-grouped", action="store_true", help="kernels of a grouped call")
     p.add_argument("--grouped-ablations", action="store_true",
                    help="floors + the grouped tile kernel's variants and ablations, traced")
+    p.add_argument("--rac-select", action="store_true",
+                   help="the RAC selection kernel: GPU bit-identity with jnp, traced times")
     p.add_argument("--variants", default=None,
                    help="--grouped-ablations: comma-separated GROUPED_VARIANTS names (all)")
     p.add_argument("--check-variants", default="",
@@ -545,6 +585,9 @@ def main(argv=None):
             run_grouped_ablations(
                 variants=None if args.variants is None else tuple(args.variants.split(",")),
                 checks=tuple(v for v in args.check_variants.split(",") if v))
+            return 0
+        if args.rac_select:
+            run_rac_select()
             return 0
         if args.n_group:
             bk.measure_floors()
