@@ -80,7 +80,9 @@ def divide_by_constant(a: jax.Array, c: float) -> jax.Array:
     q = n // _U(odd)
     rem = n - q * _U(odd)
     # q has 24 + d significant bits (d >= 1 because odd < 64); keep 24, round half to even.
-    d = (_U(32) - lax.clz(q)) - _U(24)
+    # clz of the int32 bit pattern: Triton lowers an int32 clz to __nv_clz but cannot legalize
+    # the math.ctlz it emits for uint32 (pallas_kernels.rac_select traces this on the H200).
+    d = (_U(32) - lax.clz(lax.bitcast_convert_type(q, jnp.int32)).astype(_U)) - _U(24)
     kept = q >> d
     low = q & ((_U(1) << d) - _U(1))
     half = _U(1) << (d - _U(1))

@@ -97,7 +97,11 @@ def test_lowers_for_cuda():
             jax.jit(lambda *a: rs.grouped_rac_selection(*a, ratio=0.5)), platforms=["cuda"],
             disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
         )(*args)
-    assert "rac_select" in exp.mlir_module()
+    text = exp.mlir_module()
+    assert "rac_select" in text
+    # Ops Triton's NVIDIA backend cannot legalize (its compile runs only on a GPU): math.ctlz
+    # (an unsigned clz) failed on the H200 on 2026-12-03.
+    assert "ctlz" not in text
 
 
 def test_bad_input():
