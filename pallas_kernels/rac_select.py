@@ -57,10 +57,12 @@ MAX_ROWS = 16384
 @dataclasses.dataclass(frozen=True)
 class RACSelectConfig:
     """block_rows: GEMM rows an expert's program loads per loop step (a power of two; most
-    decode experts have fewer rows); num_warps: Triton warps per program."""
+    decode experts have fewer rows); num_warps: Triton warps per program; exact_division:
+    divide with ``div.rn.f32`` on the GPU (False: Triton's approximate ``div.full.f32``)."""
 
     block_rows: int = 16
     num_warps: int = 4
+    exact_division: bool = True
 
     def __post_init__(self):
         br = self.block_rows
@@ -179,7 +181,8 @@ def grouped_rac_selection(scores: jax.Array, amax: jax.Array, finite: jax.Array,
                           to="varying")
             for a in (gs_p, rows_p, scores_p, amax_p, finite_p))
     kernel = functools.partial(_kernel, num_experts=e, nb=nb, n_keep=n_keep, m=m,
-                               block_rows=br, exact_division=not interpret)
+                               block_rows=br,
+                               exact_division=config.exact_division and not interpret)
     s, rcp, mask, g = pl.pallas_call(
         kernel,
         grid=(e,),

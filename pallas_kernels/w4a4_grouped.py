@@ -122,8 +122,10 @@ def rac_selector(rac, act_scale_mode: str, group_sizes: jax.Array, source_rows, 
     rows = jnp.arange(m, dtype=jnp.int32) if source_rows is None else source_rows
 
     def select(scores, amax, finite):
+        cfg = rac_select.RACSelectConfig(block_rows=config.rac_select_block_rows)
         return rac_select.grouped_rac_selection(scores, amax, finite, rows, group_sizes,
-                                                ratio=rac.rac_ratio, interpret=interpret)
+                                                ratio=rac.rac_ratio, config=cfg,
+                                                interpret=interpret)
 
     return select
 

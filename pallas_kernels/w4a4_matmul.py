@@ -46,7 +46,8 @@ class W4A4MatmulConfig:
         compute-bound GEMM at M = 8192) and multiplied by XLA's GEMM (PALLAS_NOTES 6.4; the
         product is the same exact-operand f32-accumulated W4A4). None = always the kernel.
       rac_select_kernel: grouped GEMMs with RAC select blocks and code the residual's scales
-        in ``pallas_kernels.rac_select`` (where its ``supports`` holds), not in jnp.
+        in ``pallas_kernels.rac_select`` (where its ``supports`` holds), not in jnp;
+        rac_select_block_rows: its ``RACSelectConfig.block_rows``.
       decode_impl, mma_overlap, chain_items, stack_operands: see
         ``nvfp4_tiles_mgpu.TileGemmConfig``.
       n_group: weight-row tiles per work item (``TileGemmConfig.n_group``). 1 by default: on
@@ -72,6 +73,7 @@ class W4A4MatmulConfig:
     # Grouped GEMMs with RAC: the per-expert block selection and the residual's scales in one
     # Triton kernel (``pallas_kernels.rac_select``) instead of ~5 small XLA kernels per GEMM.
     rac_select_kernel: bool = True
+    rac_select_block_rows: int = 16
 
     def __post_init__(self):
         bm = self.block_m

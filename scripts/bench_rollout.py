@@ -462,6 +462,8 @@ def parse_args(argv):
     p.add_argument("--rac-select-kernel", action=argparse.BooleanOptionalAction, default=True,
                    help="RAC's per-expert selection in the Triton kernel (the default) or in "
                    "jnp (W4A4MatmulConfig.rac_select_kernel)")
+    p.add_argument("--rac-select-block-rows", type=int, default=16,
+                   help="rows per loop step of the RAC selection kernel")
     p.add_argument("--unroll-decode", action="store_true",
                    help="decode steps with the layers unrolled (SamplerConfig."
                    "unroll_decode_layers; an ablation: longer compile)")
@@ -500,12 +502,14 @@ def main(argv=None) -> int:
         BF16_PATH["path"] = args.bf16_path
     models.layers.set_decode_attention(args.decode_attention)
     if (args.w4a4_n_group != 1 or not args.w4a4_stack_operands or args.w4a4_mma_overlap
-            or not args.rac_select_kernel or not args.grouped_barrier):
+            or not args.rac_select_kernel or args.rac_select_block_rows != 16
+            or not args.grouped_barrier):
         from quads_jax.quant import kernel_backend
         kernel_backend.set_w4a4_overrides(n_group=args.w4a4_n_group,
                                           stack_operands=args.w4a4_stack_operands,
                                           mma_overlap=args.w4a4_mma_overlap,
-                                          rac_select_kernel=args.rac_select_kernel)
+                                          rac_select_kernel=args.rac_select_kernel,
+                                          rac_select_block_rows=args.rac_select_block_rows)
         kernel_backend.set_grouped_barrier(args.grouped_barrier)
     clock = Clock(args.budget_s)
     os.makedirs(args.out, exist_ok=True)
@@ -520,6 +524,7 @@ def main(argv=None) -> int:
                           w4a4_stack_operands=args.w4a4_stack_operands,
                           w4a4_mma_overlap=args.w4a4_mma_overlap,
                           rac_select_kernel=args.rac_select_kernel,
+                          rac_select_block_rows=args.rac_select_block_rows,
                           grouped_barrier=args.grouped_barrier,
                           unroll_decode=args.unroll_decode,
                           copy_bandwidth_TBps=bandwidth / 1e12,

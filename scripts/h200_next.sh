@@ -38,6 +38,8 @@
 #   rsel   the RAC selection kernel (pallas_kernels.rac_select): the decode MoE operand check
 #          (check-moe), then nvfp4_rac and nvfp4 at batch 128 traced, and nvfp4_rac with
 #          --no-rac-select-kernel (the jnp selection) in the same call
+#   rsel2  the selection kernel's variants (block rows, warps, division) against the jnp path on
+#          the GPU, then nvfp4_rac with --rac-select-block-rows 64 and without the kernel
 #   hlo    nvfp4 at batch 128 with the decode program's optimized HLO dumped to $OUT/hlo (what
 #          the 386 small `memcpy32_post` copies per step and the MoE block's fusions are)
 #
@@ -119,8 +121,15 @@ for step in "$@"; do
       rollout rsel128 250 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 --budget-s 200
       rollout nosel128 130 --quick --profile-steps 4 --precisions nvfp4_rac \
       --no-rac-select-kernel --budget-s 100 ;;
+    rsel2) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 150 python3 scripts/kernel_probe.py \
+      --rac-select --out "$OUT/rselk" > "$OUT/rselk.log" 2>&1
+      echo "rselk rc $?"; grep -E "rac_select|XLA:GPU|Error" "$OUT/rselk.log" | cut -c1-150
+      rollout rsel64 130 --quick --profile-steps 4 --precisions nvfp4_rac \
+      --rac-select-block-rows 64 --budget-s 100
+      rollout nosel128 130 --quick --profile-steps 4 --precisions nvfp4_rac \
+      --no-rac-select-kernel --budget-s 100 ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
-    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel hlo)"; exit 2 ;;
+    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 hlo)"; exit 2 ;;
   esac
 done
