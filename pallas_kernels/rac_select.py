@@ -34,6 +34,14 @@ other way. With exactly representable sums (the tests) the results are bit-ident
 
 The row loop is serial per expert, so the kernel is for decode-sized GEMMs: ``MAX_ROWS``
 bounds where ``pallas_kernels.w4a4_grouped`` uses it (prefill keeps the jnp path).
+
+Measured on the H200 (2026-12-03, ``kernel_probe --rac-select``, traced): at uniform routing
+(largest expert 15-17 rows) 7.5 / 6.5 us for gate_up / down against 14.1 / 10.7 us for the jnp
+path's 8 kernels, but its time grows with the largest expert (55 rows: 18.8 us; 225: 41 us),
+and in the rollout's decode step (random-init router) it took 14.3 + 11.1 us per layer: the
+step was 18.66 ms against 18.47 with jnp. So it is off by default
+(``W4A4MatmulConfig.rac_select_kernel``). A faster design would split the per-row scale coding
+(parallel over row blocks) from the per-expert selection.
 """
 
 from __future__ import annotations
@@ -62,7 +70,11 @@ class RACSelectConfig:
 
     block_rows: int = 16
     num_warps: int = 4
-    exact_division: bool = True
+    # False: the same division as XLA:GPU's jnp path. On the H200 XLA's float32 1 / x differs
+    # from the IEEE quotient on 13.5 % of values (2026-12-03, kernel_probe --rac-select), and
+    # the kernel with div.full.f32 matched the jnp path bit for bit (div.rn.f32: 8 388 of
+    # 131 072 reciprocals differed). In interpret mode both are jnp's division.
+    exact_division: bool = False
 
     def __post_init__(self):
         br = self.block_rows

@@ -71,8 +71,11 @@ class W4A4MatmulConfig:
     # batch 128; the grouped kernels alone: gate_up +RAC 114.6 -> 97.7 us, down 59.8 -> 51.8.
     stack_operands: bool = True
     # Grouped GEMMs with RAC: the per-expert block selection and the residual's scales in one
-    # Triton kernel (``pallas_kernels.rac_select``) instead of ~5 small XLA kernels per GEMM.
-    rac_select_kernel: bool = True
+    # Triton kernel (``pallas_kernels.rac_select``) instead of ~8 small XLA kernels per GEMM.
+    # Off: on the H200 (2026-12-03, batch 128 decode step, same calls) it took 14.3 + 11.1 us
+    # per layer against the jnp path's ~14 + 11, and the step 18.66 ms against 18.47 (its
+    # serial walk over an expert's rows is latency-bound; 64 rows per step: 21.67 ms).
+    rac_select_kernel: bool = False
     rac_select_block_rows: int = 16
 
     def __post_init__(self):

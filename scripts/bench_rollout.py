@@ -459,9 +459,9 @@ def parse_args(argv):
     p.add_argument("--w4a4-mma-overlap", type=int, choices=(0, 1), default=0,
                    help="wgmma groups left in flight while the next chunk is decoded "
                    "(W4A4MatmulConfig.mma_overlap)")
-    p.add_argument("--rac-select-kernel", action=argparse.BooleanOptionalAction, default=True,
-                   help="RAC's per-expert selection in the Triton kernel (the default) or in "
-                   "jnp (W4A4MatmulConfig.rac_select_kernel)")
+    p.add_argument("--rac-select-kernel", action=argparse.BooleanOptionalAction, default=False,
+                   help="RAC's per-expert selection in the Triton kernel or in jnp (the "
+                   "default; W4A4MatmulConfig.rac_select_kernel)")
     p.add_argument("--rac-select-block-rows", type=int, default=16,
                    help="rows per loop step of the RAC selection kernel")
     p.add_argument("--unroll-decode", action="store_true",
@@ -502,7 +502,7 @@ def main(argv=None) -> int:
         BF16_PATH["path"] = args.bf16_path
     models.layers.set_decode_attention(args.decode_attention)
     if (args.w4a4_n_group != 1 or not args.w4a4_stack_operands or args.w4a4_mma_overlap
-            or not args.rac_select_kernel or args.rac_select_block_rows != 16
+            or args.rac_select_kernel or args.rac_select_block_rows != 16
             or not args.grouped_barrier):
         from quads_jax.quant import kernel_backend
         kernel_backend.set_w4a4_overrides(n_group=args.w4a4_n_group,

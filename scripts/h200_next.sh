@@ -118,14 +118,15 @@ for step in "$@"; do
       --rac-select --out "$OUT/rselk" > "$OUT/rselk.log" 2>&1
       echo "rselk rc $?"; grep -E "rac_select|Error" "$OUT/rselk.log" | cut -c1-140
       check check-moe 100
-      rollout rsel128 250 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 --budget-s 200
+      rollout rsel128 250 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \
+      --rac-select-kernel --budget-s 200
       rollout nosel128 130 --quick --profile-steps 4 --precisions nvfp4_rac \
       --no-rac-select-kernel --budget-s 100 ;;
     rsel2) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 150 python3 scripts/kernel_probe.py \
       --rac-select --out "$OUT/rselk" > "$OUT/rselk.log" 2>&1
       echo "rselk rc $?"; grep -E "rac_select|XLA:GPU|Error" "$OUT/rselk.log" | cut -c1-150
       rollout rsel64 130 --quick --profile-steps 4 --precisions nvfp4_rac \
-      --rac-select-block-rows 64 --budget-s 100
+      --rac-select-kernel --rac-select-block-rows 64 --budget-s 100
       rollout nosel128 130 --quick --profile-steps 4 --precisions nvfp4_rac \
       --no-rac-select-kernel --budget-s 100 ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \

@@ -87,18 +87,22 @@ def test_supports_only_what_it_computes():
     assert not rs.supports(aq.RACConfig(rac_residual_scale="shared"), "per_token")
 
 
-def test_lowers_for_cuda():
+@pytest.mark.parametrize("exact", [False, True])
+def test_lowers_for_cuda(exact):
     h200 = AbstractMesh((), (), abstract_device=AbstractDevice(
         device_kind="NVIDIA H200", platform="gpu", num_cores=132))
     args = (jnp.ones((128, 48)), jnp.ones((128, 48)), jnp.ones((128, 48), bool),
             jnp.zeros((1024,), jnp.int32), jnp.full((128,), 8, jnp.int32))
+    cfg = rs.RACSelectConfig(exact_division=exact)
     with jax.sharding.use_abstract_mesh(h200):
         exp = export.export(
-            jax.jit(lambda *a: rs.grouped_rac_selection(*a, ratio=0.5)), platforms=["cuda"],
+            jax.jit(lambda *a: rs.grouped_rac_selection(*a, ratio=0.5, config=cfg)),
+            platforms=["cuda"],
             disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
         )(*args)
     text = exp.mlir_module()
     assert "rac_select" in text
+    assert ("div.rn.f32" in text) == exact  # arith.division: the kernel's division
     # Ops Triton's NVIDIA backend cannot legalize (its compile runs only on a GPU): math.ctlz
     # (an unsigned clz) failed on the H200 on 2026-12-03.
     assert "ctlz" not in text

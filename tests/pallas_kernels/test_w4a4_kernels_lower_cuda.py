@@ -57,6 +57,15 @@ def test_grouped_lowers_for_cuda(n, n_group, stack):
             x, w, gs)
 
 
+def _export_moe(cfg, p, recipe, moe_block):
+    return export.export(
+        jax.jit(lambda p, x: moe_block(cfg, p, x, "layers.0.mlp", recipe)[0]),
+        platforms=["cuda"],
+        disabled_checks=[export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2"),
+                         export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+    )(p, jnp.ones((16, 64), jnp.bfloat16))
+
+
 def test_expert_parallel_moe_block_lowers_for_cuda(monkeypatch):
     """The MoE block's expert-parallel shard_map around the W4A4 + RAC grouped kernels, for 4
     H200s along ``expert``: the kernels lower with the local experts' shapes (2 of 8)."""
@@ -74,13 +83,12 @@ def test_expert_parallel_moe_block_lowers_for_cuda(monkeypatch):
     mesh = AbstractMesh((4,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,),
                         abstract_device=H200.abstract_device)
     monkeypatch.setattr(ops.jax, "default_backend", lambda: "gpu")  # "auto" picks the kernels
+    kernel_backend.set_w4a4_overrides(rac_select_kernel=True)  # the selection kernel too
     with jax.sharding.use_abstract_mesh(mesh):
-        exp = export.export(
-            jax.jit(lambda p, x: moe_block(cfg, p, x, "layers.0.mlp", recipe)[0]),
-            platforms=["cuda"],
-            disabled_checks=[export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2"),
-                             export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-        )(p, jnp.ones((16, 64), jnp.bfloat16))
+        try:
+            exp = _export_moe(cfg, p, recipe, moe_block)
+        finally:
+            kernel_backend.set_w4a4_overrides()  # the defaults again
     text = exp.mlir_module()
     assert "mosaic_gpu" in text
     assert "tensor<2x1x128x64xui16>" in text  # the local experts' codes inside the shard_map
