@@ -10,6 +10,13 @@ Two XLA rewrites silently change quantizers inside jitted programs:
   one program returns the *unrounded* ``s``: codes would be computed from a scale that is not
   the stored one (found on the H200; see docs/BENCHMARKS.md).
 
+A third difference is the backend's own division: XLA:GPU's float32 ``1 / x`` is not the IEEE
+quotient (on the H200 it differed from numpy on 13.5 % of random values, 2026-12-03), so the
+reciprocals ``r_b = 1 / (s_b * g)`` and ``1 / g`` can differ between CPU and GPU in the last
+bit, and a code at an E2M1 tie with them. Within one backend (the trainer's fake-quant, the
+weight sync and the rollout all run on the GPU) everything is bit-identical; ``divide`` is the
+hook through which a Pallas kernel tracing these functions chooses its division.
+
 So division by a constant is done on the integer significand (exact, correctly rounded, the
 same on every backend), and E4M3 rounding is done with power-of-two scaling and
 ``round-half-even`` (exact f32 operations), so the value is already on the E4M3 grid before any
