@@ -102,7 +102,9 @@ def supports(rac_config, act_scale_mode: str) -> bool:
 
 def _div_rn(a, b) -> jax.Array:
     """Correctly rounded float32 ``a / b`` in a Triton kernel (its ``/`` is the approximate
-    ``div.full.f32``, which would change reciprocals and so codes against the jnp path)."""
+    ``div.full.f32``): the IEEE quotient of the CPU path. XLA:GPU's own division is not IEEE
+    either, so the default (``RACSelectConfig.exact_division=False``) matches the GPU's jnp
+    path and this is the option."""
     a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
     (out,) = pltriton.elementwise_inline_asm(
         "div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=f,f,f", pack=1,
@@ -111,8 +113,9 @@ def _div_rn(a, b) -> jax.Array:
 
 
 def _kernel(*refs, exact_division: bool, **static):
-    # On the GPU the traced quantizer functions divide with div.rn.f32 (arith.division); the
-    # interpreter runs jnp's division, which is correctly rounded already.
+    # With exact_division the traced quantizer functions divide with div.rn.f32 on the GPU
+    # (arith.division); otherwise with Triton's '/', as XLA:GPU's jnp path does (bit-identical
+    # on the H200). The interpreter always runs jnp's division.
     with arith.division(_div_rn if exact_division else None):
         _select_and_code(*refs, **static)
 
