@@ -51,6 +51,9 @@
 # `b128` (0fc02f8, not measured), `kern` alone, then `gcheck p1024`.
 # Session 16 ran `gabl b128`, `gwgs wgs128` (reverted: hung) and `stk stk128` (stacked RAC
 # operands: now the default). Next: `b128` at the newest commit, then `kern` alone.
+# Session 17 ran `prof ov` (the reference row at the stacked default; mma_overlap=1 no gain),
+# `rsel` (twice: the first failed to compile the kernel), `rsel2` (the RAC selection kernel is
+# slower in the rollout: off by default) and `b32`. Next: `kern` alone, then `p1024 b256`.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
