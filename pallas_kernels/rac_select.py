@@ -55,7 +55,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from quads_jax.quant import arith, nvfp4, rac
+from quads_jax.quant import arith, nvfp4, ops, rac
 
 # GEMM rows above which the grouped matmuls keep the jnp selection (prefill): an expert's rows
 # are walked serially, ~2 048 per expert at 262 144 rows over 128 experts.
@@ -231,8 +231,9 @@ def grouped_rac_selection_reference(scores, amax, finite, rows, group_sizes, *, 
     """The jnp path (``rac.selection_mask`` + the per-row scales of ``rac.select_residual``)
     on the same inputs: what the kernel must equal."""
     m, e = rows.shape[0], group_sizes.shape[0]
-    rexp = jnp.minimum(
-        jnp.sum(jnp.cumsum(group_sizes)[None, :] <= jnp.arange(m)[:, None], axis=1), e - 1)
+    # Each GEMM row's expert (w4a4_grouped.row_experts), rows past the groups in the last one.
+    rexp = jnp.minimum(ops.count_le(jnp.cumsum(group_sizes), jnp.arange(m, dtype=jnp.int32)),
+                       e - 1)
     recipe = types.SimpleNamespace(rac_selection="online_batch", rac_score="residual_l2",
                                    rac_ratio=ratio, rac_energy_target=None)
     mask = rac.selection_mask(scores, recipe, rows=rows, row_expert=rexp, num_experts=e)

@@ -35,21 +35,21 @@ from jax import lax
 _U = jnp.uint32
 
 # The float32 division of ``divide`` while a kernel traces this module's functions (None: jnp's
-# ``/``, correctly rounded on CPU and under XLA:GPU). Triton lowers ``/`` to the approximate
-# ``div.full.f32``, so a Pallas Triton kernel installs ``div.rn.f32`` here (``division``).
+# ``/``, i.e. the backend's: IEEE on CPU, not on XLA:GPU, see above). A Pallas Triton kernel may
+# install its own here (``division``; ``pallas_kernels.rac_select`` can install div.rn.f32).
 _DIVISION: list = [None]
 
 
 def divide(a, b) -> jax.Array:
-    """float32 ``a / b``, correctly rounded wherever the quantizers run (see ``division``)."""
+    """float32 ``a / b``: the backend's division, or the one a tracing kernel installed."""
     fn = _DIVISION[0]
     return jnp.divide(a, b) if fn is None else fn(a, b)
 
 
 @contextlib.contextmanager
 def division(fn):
-    """Within the block, ``divide`` calls ``fn(a, b)`` (a kernel's correctly rounded division)
-    instead of ``/``: the quantizer functions traced into a Pallas kernel stay the same code."""
+    """Within the block, ``divide`` calls ``fn(a, b)`` (a kernel's division) instead of ``/``:
+    the quantizer functions traced into a Pallas kernel stay the same code."""
     prev, _DIVISION[0] = _DIVISION[0], fn
     try:
         yield
@@ -119,6 +119,8 @@ def decode_scale_from_amax(amax: jax.Array, target: float) -> jax.Array:
 
 
 E4M3_MAX = 448.0
+
+
 def round_half_even_small(v: jax.Array) -> jax.Array:
     """Non-negative float32 ``v < 2^31`` rounded to the nearest integer, ties to even
     (``jnp.round`` there), from its truncation and the exact remainder: no rounding primitive,

@@ -17,12 +17,16 @@ H200 = AbstractMesh((), (), abstract_device=AbstractDevice(
     device_kind="NVIDIA H200", platform="gpu", num_cores=132))
 
 
+# The kernels' custom calls: Mosaic GPU, and Triton for the RAC selection kernel
+# (pallas_kernels.rac_select) of the grouped RAC calls.
+KERNEL_CALLS = [export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2"),
+                export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+
+
 def _export(fn, *args):
     with jax.sharding.use_abstract_mesh(H200):
-        exp = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
-            export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2"),
-            # the RAC selection kernel (pallas_kernels.rac_select) of the grouped RAC calls
-            export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+        exp = export.export(jax.jit(fn), platforms=["cuda"],
+                            disabled_checks=KERNEL_CALLS)(*args)
     text = exp.mlir_module()
     assert "mosaic_gpu" in text
     return text
@@ -57,15 +61,6 @@ def test_grouped_lowers_for_cuda(n, n_group, stack):
             x, w, gs)
 
 
-def _export_moe(cfg, p, recipe, moe_block):
-    return export.export(
-        jax.jit(lambda p, x: moe_block(cfg, p, x, "layers.0.mlp", recipe)[0]),
-        platforms=["cuda"],
-        disabled_checks=[export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2"),
-                         export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-    )(p, jnp.ones((16, 64), jnp.bfloat16))
-
-
 def test_expert_parallel_moe_block_lowers_for_cuda(monkeypatch):
     """The MoE block's expert-parallel shard_map around the W4A4 + RAC grouped kernels, for 4
     H200s along ``expert``: the kernels lower with the local experts' shapes (2 of 8)."""
@@ -86,7 +81,10 @@ def test_expert_parallel_moe_block_lowers_for_cuda(monkeypatch):
     kernel_backend.set_w4a4_overrides(rac_select_kernel=True)  # the selection kernel too
     with jax.sharding.use_abstract_mesh(mesh):
         try:
-            exp = _export_moe(cfg, p, recipe, moe_block)
+            exp = export.export(
+                jax.jit(lambda p, x: moe_block(cfg, p, x, "layers.0.mlp", recipe)[0]),
+                platforms=["cuda"], disabled_checks=KERNEL_CALLS,
+            )(p, jnp.ones((16, 64), jnp.bfloat16))
         finally:
             kernel_backend.set_w4a4_overrides()  # the defaults again
     text = exp.mlir_module()
