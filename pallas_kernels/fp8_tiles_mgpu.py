@@ -34,6 +34,7 @@ from jax import lax
 
 from pallas_kernels.layout import N_TILE, tile_rows, untile_rows
 from pallas_kernels.nvfp4_tiles_mgpu import (
+    ROW_ALIGN,
     _num_sms,
     check_col_scales,
     check_schedule,
@@ -42,6 +43,7 @@ from pallas_kernels.nvfp4_tiles_mgpu import (
     store_transposed,
     work_item,
 )
+from pallas_kernels.token_tiles import TokenTiles
 from quads_jax.quant import fp8
 
 K_TILE = 128  # K bytes per row per pipeline step: one 128-byte swizzle row of E4M3 values
@@ -148,7 +150,7 @@ def _swizzled() -> tuple:
 
 
 def fp8_tile_gemm(
-    b_tiles: tuple[jax.Array],
+    b_tiles: TokenTiles | tuple[jax.Array],
     w: FP8Weights,
     tile_expert: jax.Array,
     num_tiles: jax.Array,
@@ -161,7 +163,8 @@ def fp8_tile_gemm(
     """Run the kernel.
 
     Args:
-      b_tiles: one array ``[T, block_m, Kp]`` float8_e4m3fn; block_m % 8 == 0.
+      b_tiles: ``TokenTiles`` of one float8_e4m3fn operand ``[R, Kp]`` (windows of ``block_m``
+        rows), or one gathered array ``[T, block_m, Kp]`` (a tuple).
       w: the weights in kernel layout, ``E`` matrices ``[Np, Kp]``.
       tile_expert: int32 ``[T]``, the matrix each token tile multiplies.
       num_tiles: int32 ``[1]``; tiles ``t >= num_tiles[0]`` are skipped (their output is garbage).
@@ -171,15 +174,16 @@ def fp8_tile_gemm(
       ``[T, k_splits, 1, block_m, Np]`` scaled partial sums (the module docstring's ``out``) in
       ``out_dtype``.
     """
-    (b,) = b_tiles
     n_pad, k_pad = w.n_pad, w.k_pad
-    t_max, block_m, kb = b.shape
-    if b.dtype != jnp.float8_e4m3fn:
-        raise ValueError(f"b_tiles: dtype {b.dtype}; need float8_e4m3fn")
-    if kb != k_pad:
-        raise ValueError(f"b_tiles: K={kb} does not match the weights' padded K={k_pad}")
-    if block_m % 8 or not 8 <= block_m <= 256:
-        raise ValueError(f"block_m={block_m}: the wgmma N side needs a multiple of 8 in [8, 256]")
+    tiles = TokenTiles.of(b_tiles)
+    tiles.check(k_pad, (jnp.float8_e4m3fn,))
+    if len(tiles.rows) != 1:
+        raise ValueError(f"b_tiles: {len(tiles.rows)} operands; the FP8 kernel takes one")
+    (b,) = tiles.rows
+    t_max, block_m = tiles.num_tiles, tiles.block_m
+    if tile_expert.shape != (t_max,):
+        raise ValueError(f"tile_expert: shape {tuple(tile_expert.shape)}; need [{t_max}] (one "
+                         "per tile)")
     k_steps_total = k_pad // K_TILE
     if k_steps_total % config.k_splits:
         raise ValueError(
@@ -199,8 +203,8 @@ def fp8_tile_gemm(
         plgpu.BlockSpec((block_m, K_TILE), lambda k: (0, k), transforms=_swizzled()),
     ]
 
-    def kernel(tile_expert_gmem, num_tiles_gmem, w_gmem, ws_gmem, cs_gmem, b_gmem, out_gmem,
-               out_smem):
+    def kernel(tile_expert_gmem, num_tiles_gmem, row0_gmem, w_gmem, ws_gmem, cs_gmem, b_gmem,
+               out_gmem, out_smem):
         def get_pipeline(body, compute_context, state=None):
             return plgpu.emit_pipeline_warp_specialized(
                 body, grid=(k_steps,), memory_registers=40, in_specs=in_specs, wg_axis="wg",
@@ -212,7 +216,7 @@ def fp8_tile_gemm(
         @functools.partial(
             pl.run_scoped,
             pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(
-                w_gmem.at[0, 0], b_gmem.at[0]),
+                w_gmem.at[0, 0], b_gmem.at[pl.ds(0, block_m)]),
             collective_axes="wg",
         )
         def _pipeline_scope(pipeline_allocs):
@@ -246,7 +250,8 @@ def fp8_tile_gemm(
                     return acc
 
                 refs = (w_gmem.at[expert, ni, pl.ds(split * k_steps * N_TILE, k_steps * N_TILE)],
-                        b_gmem.at[t, :, pl.ds(split * k_steps * K_TILE, k_steps * K_TILE)])
+                        b_gmem.at[pl.ds(pl.multiple_of(row0_gmem[t], ROW_ALIGN), block_m),
+                                  pl.ds(split * k_steps * K_TILE, k_steps * K_TILE)])
                 return refs, mma_body, compute_context
 
             run_work_items(get_pipeline, pipeline_allocs,
@@ -266,13 +271,14 @@ def fp8_tile_gemm(
         scratch_types=[plgpu.SMEM((block_m, N_TILE), out_dtype)],
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    return call(tile_expert, num_tiles, w.data, w.scale, col_scales, b)
+    return call(tile_expert, num_tiles, tiles.row0, w.data, w.scale, col_scales, b)
 
 
-def fp8_tile_gemm_reference(b_tiles: tuple[jax.Array], w: FP8Weights, tile_expert: jax.Array,
-                            col_scales: jax.Array, out_dtype=jnp.float32) -> jax.Array:
+def fp8_tile_gemm_reference(b_tiles: TokenTiles | tuple[jax.Array], w: FP8Weights,
+                            tile_expert: jax.Array, col_scales: jax.Array,
+                            out_dtype=jnp.float32) -> jax.Array:
     """``[T, 1, 1, block_m, Np]``: the kernel's result with ``k_splits=1`` in jnp."""
-    (b,) = b_tiles
+    (b,) = TokenTiles.of(b_tiles).gathered()
     wd = untile_rows(w.data).astype(jnp.float32)  # [E, Np, Kp]
     e = jnp.clip(tile_expert, 0, w.num_experts - 1)
     out = jnp.einsum("tnk,tmk->tmn", wd[e], b.astype(jnp.float32), precision="highest")

@@ -42,6 +42,7 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from pallas_kernels.layout import K_TILE, N_TILE, W4A4Weights
+from pallas_kernels.token_tiles import ROW_ALIGN, TokenTiles
 
 WG_ROWS = 64  # wgmma M per warpgroup
 NUM_COMPUTE_WGS = N_TILE // WG_ROWS
@@ -204,9 +205,14 @@ def work_item(idx, k_splits: int, n_tiles: int):
     return split, ni, lax.div(idx, k_splits * n_tiles)
 
 
-def _swizzled(dtype) -> tuple:
+def _swizzled(dtype, stacked: bool = False) -> tuple:
+    """The SMEM transforms of a wgmma operand: (8, 128-byte) tiles, 128-byte swizzle. A stacked
+    ``[2, rows, cols]`` block is tiled (1, 8, 128 bytes), so that it folds into the
+    ``[2 * rows, cols]`` operand the wgmma reads (Mosaic GPU folds leading dims into a tiled
+    one only when they have unit tiles)."""
     bits = jnp.dtype(dtype).itemsize * 8
-    return (plgpu.TilingTransform((8, 128 * 8 // bits)), plgpu.SwizzleTransform(128))
+    tile = (8, 128 * 8 // bits)
+    return (plgpu.TilingTransform((1, *tile) if stacked else tile), plgpu.SwizzleTransform(128))
 
 
 def _code_to_f16(c: jax.Array, decode: str) -> jax.Array:
@@ -281,7 +287,7 @@ def _decode_chunk(w16: jax.Array, scales, rows, g: int, mma_dtype, decode: str,
 
 
 def nvfp4_tile_gemm(
-    b_tiles: tuple[jax.Array, ...],
+    b_tiles: TokenTiles | tuple[jax.Array, ...],
     w: W4A4Weights,
     tile_expert: jax.Array,
     num_tiles: jax.Array,
@@ -294,7 +300,8 @@ def nvfp4_tile_gemm(
     """Run the kernel.
 
     Args:
-      b_tiles: one or two (RAC) arrays ``[T, block_m, Kp]`` in ``w.mma_dtype``; block_m % 8 == 0.
+      b_tiles: ``TokenTiles`` (one or two (RAC) operands ``[R, Kp]`` in ``w.mma_dtype`` read
+        as windows of ``block_m`` rows), or gathered tiles ``[T, block_m, Kp]`` (a tuple).
       w: the weights in kernel layout, ``E`` matrices ``[Np, Kp]``.
       tile_expert: int32 ``[T]``, the matrix each token tile multiplies.
       num_tiles: int32 ``[1]``, tiles ``t >= num_tiles[0]`` are skipped (their output is garbage).
@@ -309,11 +316,12 @@ def nvfp4_tile_gemm(
     """
     mma_dtype = jnp.dtype(w.mma_dtype)
     n_pad, k_pad = w.n_pad, w.k_pad
-    t_max, block_m, kb = b_tiles[0].shape
-    if kb != k_pad:
-        raise ValueError(f"b_tiles: K={kb} does not match the weights' padded K={k_pad}")
-    if block_m % 8 or not 8 <= block_m <= 256:
-        raise ValueError(f"block_m={block_m}: the wgmma N side needs a multiple of 8 in [8, 256]")
+    tiles = TokenTiles.of(b_tiles)
+    tiles.check(k_pad, (mma_dtype,))
+    t_max, block_m = tiles.num_tiles, tiles.block_m
+    if tile_expert.shape != (t_max,):
+        raise ValueError(f"tile_expert: shape {tuple(tile_expert.shape)}; need [{t_max}] (one "
+                         "per tile)")
     k_steps_total = k_pad // K_TILE
     ptx_ok = not interpret and w.decode == "subnormal" and mma_dtype == jnp.float16
     if config.decode_impl == "auto":
@@ -333,7 +341,7 @@ def nvfp4_tile_gemm(
     n_group = config.n_group
     check_n_group(n_group, n_pad)
     n_items = n_tiles // n_group
-    num_ops = len(b_tiles)
+    num_ops = len(tiles.rows)
     if col_scales is None:
         out_dtype, num_out = jnp.dtype(jnp.float32), num_ops
     else:
@@ -341,12 +349,16 @@ def nvfp4_tile_gemm(
         check_col_scales(col_scales, (t_max, num_ops, block_m))
     # halves: operands stacked along the wgmma N side (bn = halves * block_m columns per
     # accumulator); num_acc: accumulators (and B tiles) per weight-row tile.
+    # Stacked operands are one array [2, R, Kp]: a window [2, block_m, 256] of it lands in SMEM
+    # as the [2 * block_m, 256] tile (leading dims fold: same tiled layout).
     halves = 2 if config.stack_operands and num_ops == 2 else 1
     if halves == 2:
-        b_tiles = (jnp.concatenate(b_tiles, axis=1),)
+        b_arrays = (jnp.stack(tiles.rows),)
         if col_scales is not None:
             col_scales = col_scales.reshape(t_max, 1, 2 * block_m)
-    num_acc = len(b_tiles)
+    else:
+        b_arrays = tiles.rows
+    num_acc = len(b_arrays)
     bn = halves * block_m
     if bn > 256:
         raise ValueError(f"block_m={block_m} with stack_operands: the stacked wgmma N side "
@@ -355,8 +367,12 @@ def nvfp4_tile_gemm(
     item = mma_dtype.itemsize
     stage_bytes = (n_group * (N_TILE * KW_TILE * 2 + (K_TILE // 16) * N_TILE * item)
                    + num_acc * bn * K_TILE * item)
-    fixed = NUM_COMPUTE_WGS * WG_ROWS * (block_m * out_dtype.itemsize
-                                         + (CHUNK * item if config.a_via_smem else 0))
+    # The interpreter cannot run a wgmma on the folded [2 * block_m, 256] view of the stacked
+    # [2, block_m, 256] B tile that the device reads: it gets a 2-D copy (registers, then SMEM).
+    b_copy = interpret and halves == 2
+    fixed = (NUM_COMPUTE_WGS * WG_ROWS * (block_m * out_dtype.itemsize
+                                          + (CHUNK * item if config.a_via_smem else 0))
+             + (NUM_COMPUTE_WGS * bn * K_TILE * item if b_copy else 0))
     stages = pipeline_stages(config.max_concurrent_steps, k_steps,
                              (SMEM_BYTES - fixed) // stage_bytes)
     if stages < 1:
@@ -373,19 +389,29 @@ def nvfp4_tile_gemm(
                         transforms=_swizzled(jnp.uint16)),
         plgpu.BlockSpec((group, K_TILE // 16, N_TILE), lambda k: (0, k, 0)),
     ] + [
-        plgpu.BlockSpec((bn, K_TILE), lambda k: (0, k), transforms=_swizzled(mma_dtype))
+        plgpu.BlockSpec((2, block_m, K_TILE), lambda k: (0, 0, k),
+                        transforms=_swizzled(mma_dtype, stacked=True))
+        if halves == 2 else
+        plgpu.BlockSpec((block_m, K_TILE), lambda k: (0, k), transforms=_swizzled(mma_dtype))
         for _ in range(num_acc)
     ]
+
+    def window(b, row0, cols):
+        """Rows ``[row0, row0 + block_m)`` (of both stacked operands) and columns ``cols``."""
+        rows = pl.ds(row0 if isinstance(row0, int) else pl.multiple_of(row0, ROW_ALIGN),
+                     block_m)
+        return b.at[:, rows, cols] if halves == 2 else b.at[rows, cols]
 
     def group_tile(ref, j: int):
         return ref if group is None else ref.at[j]
 
-    def kernel(tile_expert_gmem, num_tiles_gmem, codes_gmem, scales_gmem, *rest):
+    def kernel(tile_expert_gmem, num_tiles_gmem, row0_gmem, codes_gmem, scales_gmem, *rest):
         if col_scales is not None:
             cs_gmem, rest = rest[0], rest[1:]
         b_gmems = rest[:num_acc]
         out_gmem, out_smem = rest[num_acc], rest[num_acc + 1]
         a_smem = rest[num_acc + 2] if config.a_via_smem else None
+        b2_smem = rest[num_acc + 3] if b_copy else None
 
         def get_pipeline(body, compute_context, state=None):
             return plgpu.emit_pipeline_warp_specialized(
@@ -401,7 +427,7 @@ def nvfp4_tile_gemm(
             )
 
         ignore = lambda *_, **__: None  # noqa: E731
-        dummy_b = [b.at[0] for b in b_gmems]
+        dummy_b = [window(b, 0, slice(None)) for b in b_gmems]
 
         @functools.partial(
             pl.run_scoped,
@@ -475,6 +501,14 @@ def nvfp4_tile_gemm(
                     return accs
 
                 def tile_mma(w_smem, s_smem, b_smems, accs):
+                    if halves == 2:  # [2, block_m, 256] -> the [2 * block_m, 256] operand
+                        if b2_smem is None:
+                            b_smems = [b.reshape(bn, K_TILE) for b in b_smems]
+                        else:
+                            (b,) = b_smems
+                            b2_smem[wg] = b[...].reshape(bn, K_TILE)
+                            plgpu.commit_smem()
+                            b_smems = [b2_smem.at[wg]]
                     w16 = w_smem[rows]
                     n_chunks = K_TILE // CHUNK
                     total = None
@@ -501,7 +535,7 @@ def nvfp4_tile_gemm(
                 tiles = pl.ds(gi * n_group, n_group)
                 refs = (codes_gmem.at[expert, tiles, k_rows],
                         scales_gmem.at[expert, tiles, k_blocks],
-                        *[b.at[t, :, k_cols] for b in b_gmems])
+                        *[window(b, row0_gmem[t], k_cols) for b in b_gmems])
                 return refs, mma_body, compute_context
 
             run_work_items(get_pipeline, pipeline_allocs,
@@ -515,6 +549,9 @@ def nvfp4_tile_gemm(
         scratch.append(
             plgpu.SMEM((NUM_COMPUTE_WGS, WG_ROWS, CHUNK), mma_dtype, transforms=_swizzled(mma_dtype))
         )
+    if b_copy:
+        scratch.append(plgpu.SMEM((NUM_COMPUTE_WGS, bn, K_TILE), mma_dtype,
+                                  transforms=_swizzled(mma_dtype)))
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((t_max, config.k_splits, num_out, block_m, n_pad), out_dtype),
@@ -527,11 +564,11 @@ def nvfp4_tile_gemm(
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
     scaled = () if col_scales is None else (col_scales,)
-    return call(tile_expert, num_tiles, w.codes, w.scales, *scaled, *b_tiles)
+    return call(tile_expert, num_tiles, tiles.row0, w.codes, w.scales, *scaled, *b_arrays)
 
 
 def tile_gemm_reference(
-    b_tiles: tuple[jax.Array, ...], w: W4A4Weights, tile_expert: jax.Array,
+    b_tiles: TokenTiles | tuple[jax.Array, ...], w: W4A4Weights, tile_expert: jax.Array,
     col_scales: jax.Array | None = None, out_dtype=jnp.float32,
 ) -> jax.Array:
     """The kernel's result with ``k_splits=1`` in jnp: float32 ``[T, 1, A, block_m, Np]``, or
@@ -539,6 +576,7 @@ def tile_gemm_reference(
     ``out_dtype``."""
     from pallas_kernels.layout import dequantize_w4a4_weights
 
+    b_tiles = TokenTiles.of(b_tiles).gathered()
     wd = dequantize_w4a4_weights(w)  # [E, N, K] e2m1 * s
     wd = wd / w.code_factor
     e = wd.shape[0]

@@ -21,9 +21,10 @@ from pallas_kernels.w4a4_matmul import (
     W4A4MatmulConfig,
     _check,
     as_kernel_weights,
-    row_tiles,
+    plain_operand,
     run_dense,
     run_tiles,
+    token_tiles,
 )
 from quads_jax.quant import nvfp4
 
@@ -40,6 +41,12 @@ def _weights(w_q, config: W4A4MatmulConfig):
     return w
 
 
+def _operand(x: jax.Array, index: jax.Array, w) -> tuple[tuple[jax.Array], tuple[jax.Array]]:
+    """The bf16 rows ``x[index]`` as the kernel's one B operand, scale 1 (0 for zero rows)."""
+    rows, scale = plain_operand(x, index, jnp.bfloat16, w.k_pad)
+    return (rows,), (scale,)
+
+
 def w4a16_matmul(
     x: jax.Array, w_q, *, config: W4A4MatmulConfig | None = None, interpret: bool = False
 ) -> jax.Array:
@@ -49,11 +56,8 @@ def w4a16_matmul(
     if w.stacked:
         raise ValueError("w_q: stacked experts; use w4a16_grouped_matmul")
     _check(x, w)
-    def tiles_of(row_index):
-        tiles, slot_g = row_tiles(x, row_index, jnp.bfloat16, w.k_pad)
-        return (tiles,), (slot_g,)
-
-    return run_dense(tiles_of, x.shape[0], w, config, interpret, x.dtype)
+    return run_dense(lambda idx: _operand(x, idx, w), x.shape[0], w, config, interpret,
+                     x.dtype)
 
 
 def w4a16_grouped_matmul(
@@ -73,9 +77,10 @@ def w4a16_grouped_matmul(
     m, e = x_sorted.shape[0], w.num_experts
     gs = _check_group_sizes(group_sizes, e, m)
     block_m = config.block_m or grouped_block_m(m, e)
-    row_index, tile_expert, num_tiles, row_slot = tile_plan(gs, m, block_m)
-    tiles, slot_g = row_tiles(x_sorted, row_index, jnp.bfloat16, w.k_pad)
-    return run_tiles((tiles,), (slot_g,), row_slot, w, tile_expert, num_tiles, config, interpret,
+    row_index, tile_expert, num_tiles, row_slot, row0, window_rows = tile_plan(gs, m, block_m)
+    tiles, slot_g = token_tiles(lambda idx: _operand(x_sorted, idx, w), row_index, row0,
+                                window_rows)
+    return run_tiles(tiles, slot_g, row_slot, w, tile_expert, num_tiles, config, interpret,
                      x_sorted.dtype, live_tiles=expected_tiles(m, e, block_m))
 
 

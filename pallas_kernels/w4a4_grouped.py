@@ -17,12 +17,14 @@ import numpy as np
 
 from pallas_kernels import nvfp4_quantize as aq
 from pallas_kernels import rac_select
+from pallas_kernels.nvfp4_tiles_mgpu import ROW_ALIGN
 from pallas_kernels.w4a4_matmul import (
     W4A4MatmulConfig,
     _check,
     as_kernel_weights,
-    operand_tiles,
+    operand_rows,
     run_tiles,
+    token_tiles,
 )
 from quads_jax.quant import nvfp4, ops
 
@@ -58,9 +60,15 @@ def row_experts(group_sizes: jax.Array, m: int) -> jax.Array:
 def tile_plan(group_sizes: jax.Array, m: int, block_m: int):
     """Token-tile metadata for sorted rows.
 
-    Returns ``(row_index [T, block_m], tile_expert [T], num_tiles [1], row_slot [M])``:
-    ``row_index`` is the source row of each tile slot (``m`` = zero row), ``row_slot`` the flat
-    slot ``t * block_m + r`` of each source row (``T * block_m`` for rows past the groups).
+    Returns ``(row_index [T, block_m], tile_expert [T], num_tiles [1], row_slot [M], row0 [T],
+    window_rows [P])``: ``row_index`` is the GEMM row of each tile slot (``m`` = empty),
+    ``row_slot`` the flat slot ``t * block_m + r`` of each GEMM row (``T * block_m`` for rows
+    past the groups). The kernels read tile ``t`` as the window of rows ``[row0[t], row0[t] +
+    block_m)`` of an operand laid out as ``window_rows`` (the GEMM row at each of its ``P``
+    rows, ``m`` = a zero row; ``token_tiles.TokenTiles``): the groups in order, each starting
+    at a multiple of ``ROW_ALIGN`` (Mosaic GPU copies whole 8-row tiles), so ``P = m + (ROW_ALIGN
+    - 1) * min(E, m) + block_m`` bounds every window; a window's slots past its group hold
+    padding or the next group's rows (empty slots). ``row0`` is 0 past the live tiles.
     """
     e = group_sizes.shape[0]
     t_max = m // block_m + e
@@ -72,7 +80,8 @@ def tile_plan(group_sizes: jax.Array, m: int, block_m: int):
     te = jnp.minimum(ops.count_le(tile_ends, t), e - 1)
     first = starts[te] + (t - tile_starts[te]) * block_m
     rows = first[:, None] + jnp.arange(block_m, dtype=jnp.int32)[None, :]
-    live = (t[:, None] < tile_ends[-1]) & (rows < (starts + group_sizes)[te][:, None])
+    live_tile = t < tile_ends[-1]
+    live = live_tile[:, None] & (rows < (starts + group_sizes)[te][:, None])
     row_index = jnp.where(live, rows, m)
     rexp = row_experts(group_sizes, m)
     valid = rexp < e
@@ -80,7 +89,20 @@ def tile_plan(group_sizes: jax.Array, m: int, block_m: int):
     local = jnp.arange(m, dtype=jnp.int32) - starts[re]
     slot = (tile_starts[re] + local // block_m) * block_m + local % block_m
     row_slot = jnp.where(valid, slot, t_max * block_m)
-    return row_index, te, tile_ends[-1:].astype(jnp.int32), row_slot
+    # The aligned layout: group g at padded_starts[g], its rows in order, then zero rows.
+    padded = -(-group_sizes // ROW_ALIGN) * ROW_ALIGN
+    padded_ends = jnp.cumsum(padded)
+    padded_starts = padded_ends - padded
+    row0 = jnp.where(live_tile, padded_starts[te] + (t - tile_starts[te]) * block_m, 0)
+    # Rows: a multiple of ROW_ALIGN too (the kernels' TMA views it as whole 8-row tiles).
+    p = jnp.arange(-(-(m + (ROW_ALIGN - 1) * min(e, m) + block_m) // ROW_ALIGN) * ROW_ALIGN,
+                   dtype=jnp.int32)
+    pe = jnp.minimum(ops.count_le(padded_ends, p), e - 1)
+    p_local = p - padded_starts[pe]
+    window_rows = jnp.where((p < padded_ends[-1]) & (p_local < group_sizes[pe]),
+                            starts[pe] + p_local, m)
+    return (row_index, te, tile_ends[-1:].astype(jnp.int32), row_slot, row0.astype(jnp.int32),
+            window_rows)
 
 
 def expected_tiles(m: int, num_experts: int, block_m: int) -> int:
@@ -184,8 +206,9 @@ def w4a4_grouped_matmul(
     acts = _grouped_acts(x_sorted, rexp, e, act_scale_mode, rac, rac_blocks, act_global_scale,
                          source_rows, selector)
     block_m = config.block_m or grouped_block_m(m, e)
-    row_index, tile_expert, num_tiles, row_slot = tile_plan(gs, m, block_m)
-    tiles, slot_g = operand_tiles(acts, row_index, w.mma_dtype, w.k_pad)
+    row_index, tile_expert, num_tiles, row_slot, row0, window_rows = tile_plan(gs, m, block_m)
+    tiles, slot_g = token_tiles(lambda idx: operand_rows(acts, idx, w.mma_dtype, w.k_pad),
+                                row_index, row0, window_rows)
     return run_tiles(tiles, slot_g, row_slot, w, tile_expert, num_tiles, config, interpret,
                      x_sorted.dtype, live_tiles=expected_tiles(m, e, block_m))
 

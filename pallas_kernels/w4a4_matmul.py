@@ -23,6 +23,7 @@ from pallas_kernels.nvfp4_tiles_mgpu import (
     check_n_group,
     nvfp4_tile_gemm,
 )
+from pallas_kernels.token_tiles import TokenTiles
 from quads_jax.quant import nvfp4, rac
 
 MAX_BLOCK_M = 64  # a pipeline stage of 64 tokens x 256 K (f16) is 32 KB; RAC doubles it
@@ -138,53 +139,71 @@ def as_kernel_weights(w, mma_dtype: str) -> W4A4Weights:
     raise ValueError(f"w_q: expected an NVFP4Tensor or W4A4Weights, got {type(w).__name__}")
 
 
-def gather_tiles(rows: jax.Array, row_index: jax.Array, dtype, k_pad: int) -> jax.Array:
-    """Rows ``[R, K]`` -> token tiles ``[T, block_m, Kp]`` in ``dtype`` (``row_index`` ``R`` =
-    a zero row; K zero-padded to ``k_pad``)."""
-    padded = jnp.pad(rows.astype(dtype), ((0, 1), (0, k_pad - rows.shape[1])))
-    return padded[row_index]
+def _pad_k(a: jax.Array, k_pad: int) -> jax.Array:
+    return jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, k_pad - a.shape[-1])])
 
 
-def row_tiles(rows: jax.Array, row_index: jax.Array, dtype, k_pad: int,
-              row_scales: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """One B operand of plain rows ``[R, K]`` as token tiles (``gather_tiles``) and each
-    slot's float32 scale ``[T, block_m]`` from ``row_scales [R]`` (None: 1; empty slots 0)."""
+def gather_rows(rows: jax.Array, index: jax.Array, dtype, k_pad: int) -> jax.Array:
+    """Rows ``[R, K]`` at ``index`` (int32, any shape ``I``; ``>= R`` = a zero row) in
+    ``dtype``, K zero-padded to ``k_pad``: ``I + [Kp]``."""
+    return _pad_k(rac.rows_or_fill(rows.astype(dtype), index, 0), k_pad)
+
+
+def plain_operand(rows: jax.Array, index: jax.Array, dtype, k_pad: int,
+                  row_scales: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """One B operand of plain rows ``[R, K]`` at ``index`` (``gather_rows``) and each row's
+    float32 scale ``I`` from ``row_scales [R]`` (None: 1; zero rows 0)."""
     g = jnp.ones((rows.shape[0],), jnp.float32) if row_scales is None else row_scales
-    return (gather_tiles(rows, row_index, dtype, k_pad),
-            rac.rows_or_fill(g.astype(jnp.float32), row_index, 0.0))
+    return (gather_rows(rows, index, dtype, k_pad),
+            rac.rows_or_fill(g.astype(jnp.float32), index, 0.0))
 
 
 def source_tile_rows(source_rows: jax.Array, num_rows: int, row_index: jax.Array) -> jax.Array:
-    """``row_index`` (GEMM rows, M = empty slot) mapped to rows of an operand of ``num_rows``
-    distinct rows through ``source_rows [M]`` (empty slots -> ``num_rows``, its zero row)."""
+    """``row_index`` (GEMM rows, >= M = empty) mapped to rows of an operand of ``num_rows``
+    distinct rows through ``source_rows [M]`` (empty -> ``num_rows``, its zero row)."""
     return rac.rows_or_fill(source_rows, row_index, num_rows)
 
 
-def operand_tiles(acts: aq.QuantizedActivations, row_index: jax.Array, dtype,
-                  k_pad: int) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
-    """The W4A4 kernel's B operands as token tiles ``[T, block_m, Kp]`` in ``dtype`` (1, or 2
-    with RAC) and each slot's activation decode scale ``[T, block_m]`` (0 for empty slots).
+def operand_rows(acts: aq.QuantizedActivations, index: jax.Array, dtype,
+                 k_pad: int) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """The W4A4 kernel's B operands for GEMM rows ``index`` (int32, any shape ``I``; ``>= M``
+    = a zero row): ``I + [Kp]`` in ``dtype`` (1, or 2 with RAC) and each row's activation
+    decode scale ``I`` (0 for zero rows).
 
-    ``row_index``: int32 ``[T, block_m]`` GEMM row of each slot (M = empty). The activation
-    operand is gathered from its distinct rows (``acts.q_rows``); RAC's residual operand is
-    coded straight into the tiles from the distinct rows' residual
-    (``rac.SelectedResidual.unscaled``): one elementwise pass, no ``[M, K]`` residual and no
-    uint8 codes between.
+    The activation operand is gathered from its distinct rows (``acts.q_rows``); RAC's
+    residual operand is coded straight from the distinct rows' residual
+    (``rac.SelectedResidual.unscaled``): one elementwise pass, no separate ``[M, K]`` residual
+    and no uint8 codes between.
     """
     b0, g0 = aq.mma_operand(acts.q, dtype)
-    q_index = row_index if acts.q_rows is None else source_tile_rows(
-        acts.q_rows, b0.shape[0], row_index)
-    t0, s0 = row_tiles(b0, q_index, dtype, k_pad, g0)
+    q_index = index if acts.q_rows is None else source_tile_rows(
+        acts.q_rows, b0.shape[0], index)
+    t0, s0 = plain_operand(b0, q_index, dtype, k_pad, g0)
     res = acts.residual
     if res is None:
         return (t0,), (s0,)
     if isinstance(res, rac.SelectedResidual):
-        vals = res.unscaled(row_index).astype(dtype)
-        t1 = jnp.pad(vals, ((0, 0), (0, 0), (0, k_pad - vals.shape[-1])))
-        s1 = rac.rows_or_fill(res.global_scale, row_index, 0.0)
+        t1 = _pad_k(res.unscaled(index).astype(dtype), k_pad)
+        s1 = rac.rows_or_fill(res.global_scale, index, 0.0)
     else:  # bf16 residual (rac_residual_format="bf16"): plain rows, scale 1
-        t1, s1 = row_tiles(res, row_index, dtype, k_pad)
+        t1, s1 = plain_operand(res, index, dtype, k_pad)
     return (t0, t1), (s0, s1)
+
+
+def token_tiles(operand_of, row_index: jax.Array, row0: jax.Array,
+                window_rows: jax.Array) -> tuple[TokenTiles, tuple[jax.Array, ...]]:
+    """The tile kernels' operands as row windows, and each token slot's scale.
+
+    ``operand_of(index)`` returns ``(operands, row scales)`` of GEMM rows ``index``
+    (``operand_rows`` / ``plain_operand``; ``>= M`` = a zero row, scale 0); it is called once,
+    on ``window_rows`` (int32 ``[P]``: the GEMM row at each row of the windowed operand, the
+    tile plan's layout). ``row_index``: int32 ``[T, block_m]`` GEMM row of each slot (``>= M``
+    = empty, scale 0); ``row0``: int32 ``[T]`` each tile's first row of the windowed operand.
+    Returns the ``TokenTiles`` and the slot scales ``[T, block_m]`` per operand.
+    """
+    operands, _ = operand_of(window_rows)
+    _, scales = operand_of(row_index)  # scales only: XLA drops the operands' gather
+    return TokenTiles(tuple(operands), row0, row_index.shape[1]), tuple(scales)
 
 
 def stored_dtype(out_dtype, k_splits: int):
@@ -222,7 +241,7 @@ def slot_scales(slot_g: tuple[jax.Array, ...], tile_expert: jax.Array,
 
 
 def run_tiles(
-    tiles: tuple[jax.Array, ...],
+    tiles: TokenTiles,
     slot_g: tuple[jax.Array, ...],
     row_slot: jax.Array | int,
     w: W4A4Weights,
@@ -235,9 +254,9 @@ def run_tiles(
 ) -> jax.Array:
     """Run the kernel on token tiles, return the scaled rows ``[M, N]``.
 
-    ``tiles``: the B operands ``[T, block_m, Kp]`` in the MMA dtype (``operand_tiles``,
-    ``row_tiles``) and ``slot_g`` their float32 ``[T, block_m]`` activation scales (applied
-    in the kernel's epilogue with the weight's, ``slot_scales``); ``row_slot``: int32 ``[M]``
+    ``tiles``: the B operands in the MMA dtype as row windows, and ``slot_g`` their float32
+    ``[T, block_m]`` activation scales (``token_tiles``; applied in the kernel's epilogue with
+    the weight's, ``slot_scales``); ``row_slot``: int32 ``[M]``
     tile slot of each row (``T * block_m`` = a zero row), or an int M: the first M slots
     (``rows_from_tiles``). The kernel stores ``out_dtype`` when K is not split, float32 partial
     sums otherwise. ``live_tiles``: the tiles expected to hold rows (static; None: all ``T``),
@@ -245,7 +264,7 @@ def run_tiles(
     """
     num_sms = config.num_sms or _num_sms()
     check_n_group(config.n_group, w.n_pad)
-    tiles_used = live_tiles or tiles[0].shape[0]
+    tiles_used = live_tiles or tiles.num_tiles
     k_splits = config.k_splits or auto_k_splits(
         tiles_used * (w.n_pad // N_TILE // config.n_group), w.k_pad // K_TILE, num_sms
     )
@@ -260,20 +279,22 @@ def run_tiles(
 
 def dense_plan(m: int, block_m: int | None):
     """Token tiles of a dense ``[M, K]`` operand: ``(row_index [T, block_m], tile_expert [T]
-    (zeros), num_tiles [1])``; block_m None: M rounded up to 8 when M <= 64 (decode: one tile),
-    else 64."""
+    (zeros), num_tiles [1], row0 [T])``, tile ``t`` = rows ``[t * block_m, (t + 1) *
+    block_m)``; block_m None: M rounded up to 8 when M <= 64 (decode: one tile), else 64."""
     block_m = block_m or (_round_up(m, 8) if m <= MAX_BLOCK_M else MAX_BLOCK_M)
     t = -(-m // block_m)
     rows = jnp.arange(t * block_m, dtype=jnp.int32)
     row_index = jnp.where(rows < m, rows, m).reshape(t, block_m)
-    return row_index, jnp.zeros((t,), jnp.int32), jnp.full((1,), t, jnp.int32)
+    return (row_index, jnp.zeros((t,), jnp.int32), jnp.full((1,), t, jnp.int32),
+            jnp.arange(t, dtype=jnp.int32) * block_m)
 
 
-def run_dense(tiles_of, m: int, w: W4A4Weights, config, interpret: bool, out_dtype) -> jax.Array:
-    """Dense rows in consecutive token tiles through the kernel: ``[M, N]``. ``tiles_of(
-    row_index)`` returns the tiles and slot scales of ``run_tiles`` for ``dense_plan``'s rows."""
-    row_index, tile_expert, num_tiles = dense_plan(m, config.block_m)
-    tiles, slot_g = tiles_of(row_index)
+def run_dense(operand_of, m: int, w: W4A4Weights, config, interpret: bool,
+              out_dtype) -> jax.Array:
+    """Dense rows in consecutive token tiles through the kernel: ``[M, N]``. ``operand_of(
+    index)``: the B operands and row scales of GEMM rows ``index`` (``token_tiles``)."""
+    row_index, tile_expert, num_tiles, row0 = dense_plan(m, config.block_m)
+    tiles, slot_g = token_tiles(operand_of, row_index, row0, row_index.reshape(-1))
     return run_tiles(tiles, slot_g, m, w, tile_expert, num_tiles, config, interpret, out_dtype)
 
 
@@ -339,7 +360,7 @@ def w4a4_matmul(
                              static_blocks=rac_blocks, static_scale=act_global_scale)
     m = x.shape[0]
     if config.prefill_min_rows is None or m < config.prefill_min_rows:
-        return run_dense(lambda idx: operand_tiles(acts, idx, w.mma_dtype, w.k_pad), m, w,
+        return run_dense(lambda idx: operand_rows(acts, idx, w.mma_dtype, w.k_pad), m, w,
                          config, interpret, x.dtype)
     b_rows, row_scales = aq.kernel_operands(acts, w.mma_dtype)
     parts = dense_prefill_parts(b_rows, w)

@@ -35,10 +35,11 @@ from pallas_kernels.w4a4_grouped import (
 from pallas_kernels.w4a4_matmul import (
     auto_k_splits,
     dense_plan,
-    row_tiles,
+    plain_operand,
     rows_from_tiles,
     source_tile_rows,
     stored_dtype,
+    token_tiles,
 )
 from quads_jax.quant import fp8
 
@@ -91,18 +92,27 @@ def _act_scale(qx: fp8.FP8Tensor, m: int) -> jax.Array:
     return jnp.broadcast_to(jnp.asarray(qx.scale, jnp.float32).reshape(-1, 1), (m, 1))
 
 
-def _run(qx: fp8.FP8Tensor, w, row_index, row_slot, tile_expert, num_tiles, config, interpret,
-         out_dtype, live_tiles: int | None = None) -> jax.Array:
-    """Tiles through the kernel; the scales are applied in its epilogue: ``[M, N]``
-    (``live_tiles`` as ``w4a4_matmul.run_tiles``)."""
-    m = qx.data.shape[0]
-    tiles, act = row_tiles(qx.data, row_index, jnp.float8_e4m3fn, w.k_pad,
-                           _act_scale(qx, m)[:, 0])
+def _run(qx: fp8.FP8Tensor, w, plan, config, interpret, out_dtype,
+         source_rows: jax.Array | None = None, live_tiles: int | None = None) -> jax.Array:
+    """Token tiles (``plan`` = ``(row_index, tile_expert, num_tiles, row_slot, row0,
+    window_rows)``, as ``w4a4_grouped.tile_plan``) through the kernel; the scales are applied
+    in its epilogue: ``[M, N]`` (``source_rows``: the GEMM rows' rows of ``qx``, as
+    ``w8a8_grouped_matmul``; ``live_tiles`` as ``w4a4_matmul.run_tiles``)."""
+    row_index, tile_expert, num_tiles, row_slot, row0, window_rows = plan
+    r = qx.data.shape[0]
+    act_scale = _act_scale(qx, r)[:, 0]
+
+    def operand_of(index):
+        src = index if source_rows is None else source_tile_rows(source_rows, r, index)
+        rows, scale = plain_operand(qx.data, src, jnp.float8_e4m3fn, w.k_pad, act_scale)
+        return (rows,), (scale,)
+
+    tiles, (act,) = token_tiles(operand_of, row_index, row0, window_rows)
     num_sms = config.num_sms or _num_sms()
     k_splits = config.k_splits or auto_k_splits(
         (live_tiles or row_index.shape[0]) * (w.n_pad // N_TILE), w.k_pad // K_TILE, num_sms)
     cfg = FP8GemmConfig(k_splits, config.max_concurrent_steps, num_sms)
-    out = fp8_tile_gemm((tiles,), w, tile_expert, num_tiles, config=cfg, interpret=interpret,
+    out = fp8_tile_gemm(tiles, w, tile_expert, num_tiles, config=cfg, interpret=interpret,
                         col_scales=act[:, None],  # [T, 1, block_m]
                         out_dtype=stored_dtype(out_dtype, k_splits))
     return rows_from_tiles(out, row_slot, w.n, out_dtype)
@@ -123,8 +133,9 @@ def w8a8_matmul(x: jax.Array, w_q, *, act_granularity: str = "token",
     _check(x, w, act_granularity)
     m = x.shape[0]
     qx = fp8.quantize(x, granularity=act_granularity)
-    row_index, tile_expert, num_tiles = dense_plan(m, config.block_m)
-    return _run(qx, w, row_index, m, tile_expert, num_tiles, config, interpret, x.dtype)
+    row_index, tile_expert, num_tiles, row0 = dense_plan(m, config.block_m)
+    plan = (row_index, tile_expert, num_tiles, m, row0, row_index.reshape(-1))
+    return _run(qx, w, plan, config, interpret, x.dtype)
 
 
 def w8a8_grouped_matmul(x_sorted: jax.Array, w_q, group_sizes: jax.Array, *,
@@ -154,11 +165,8 @@ def w8a8_grouped_matmul(x_sorted: jax.Array, w_q, group_sizes: jax.Array, *,
     gs = _check_group_sizes(group_sizes, e, m)
     qx = fp8.quantize(x_sorted, granularity=act_granularity)
     block_m = config.block_m or grouped_block_m(m, e)
-    row_index, tile_expert, num_tiles, row_slot = tile_plan(gs, m, block_m)
-    tile_rows = row_index if source_rows is None else source_tile_rows(
-        source_rows, x_sorted.shape[0], row_index)
-    return _run(qx, w, tile_rows, row_slot, tile_expert, num_tiles, config, interpret,
-                x_sorted.dtype, live_tiles=expected_tiles(m, e, block_m))
+    return _run(qx, w, tile_plan(gs, m, block_m), config, interpret, x_sorted.dtype,
+                source_rows, live_tiles=expected_tiles(m, e, block_m))
 
 
 def w8a8_reference(x: jax.Array, w_q: fp8.FP8Tensor, group_sizes: jax.Array | None = None, *,

@@ -433,7 +433,7 @@ def run_grouped_ablations(tokens: int = 128, variants: tuple[str, ...] | None = 
     m = int(gs.sum())
     touched = int((np.asarray(gs) > 0).sum())
     block_m = grouped_block_m(m, GE)
-    row_index, te, nt, _ = tile_plan(gs, m, block_m)
+    row_index, te, nt, *_ = tile_plan(gs, m, block_m)
     t_max, live = row_index.shape[0], expected_tiles(m, GE, block_m)
     sms = _num_sms()
     bk.log(f"== grouped tile kernel alone: rows={m} experts={touched} block_m={block_m} "

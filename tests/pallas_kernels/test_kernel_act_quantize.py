@@ -141,7 +141,8 @@ def test_unselected_non_finite_blocks_code_to_zero():
 
 @pytest.mark.parametrize("rac_on", [False, True])
 def test_operand_tiles_are_the_gathered_operands(rac_on):
-    """The kernels' B tiles built in tile space equal the row operands gathered into tiles."""
+    """The kernels' windowed B operands, coded from the distinct rows, hold the row operands
+    gathered in every filled slot, and zero padding."""
     from pallas_kernels import w4a4_grouped as wg
     from pallas_kernels import w4a4_matmul as wm
 
@@ -155,12 +156,19 @@ def test_operand_tiles_are_the_gathered_operands(rac_on):
     rexp = wg.row_experts(gs, m)
     cfg = aq.RACConfig() if rac_on else None
     acts = aq.nvfp4_quantize(x, rac_config=cfg, row_expert=rexp, num_experts=e, source_rows=rows)
-    row_index, _, _, _ = wg.tile_plan(gs, m, 8)
-    tiles, slot_g = wm.operand_tiles(acts, row_index, jnp.float16, 256)
+    row_index, _, _, _, row0, window_rows = wg.tile_plan(gs, m, 8)
+    tiles, slot_g = wm.token_tiles(lambda idx: wm.operand_rows(acts, idx, jnp.float16, 256),
+                                   row_index, row0, window_rows)
     b_rows, g_rows = aq.kernel_operands(acts, jnp.float16)
     q_index = wm.source_tile_rows(rows, n_tok, row_index)
     want_index = (q_index, row_index)[:len(b_rows)]
-    assert len(tiles) == len(b_rows) == (2 if rac_on else 1)
-    for t, s, b, g, idx in zip(tiles, slot_g, b_rows, g_rows, want_index, strict=True):
-        np.testing.assert_array_equal(t, wm.gather_tiles(b, idx, jnp.float16, 256))
+    assert len(tiles.rows) == len(b_rows) == (2 if rac_on else 1)
+    live = np.asarray(row_index) < m  # the windows' slots past a group hold other rows
+    for t, s, b, g, idx in zip(tiles.gathered(), slot_g, b_rows, g_rows, want_index,
+                               strict=True):
+        want = wm.gather_rows(b, idx, jnp.float16, 256)
+        np.testing.assert_array_equal(np.asarray(t)[live], np.asarray(want)[live])
         np.testing.assert_array_equal(s, jnp.pad(g, (0, 1))[idx])
+    pad = np.asarray(window_rows) == m
+    for r in tiles.rows:  # the aligned layout's padding rows are zero
+        assert r.shape == (window_rows.shape[0], 256) and not np.asarray(r)[pad].any()

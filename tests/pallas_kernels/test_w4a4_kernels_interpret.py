@@ -134,7 +134,7 @@ def test_w4a16_dense_and_grouped():
 def test_tile_plan_covers_every_row_once():
     gs = jnp.asarray([3, 0, 20, 1, 0], jnp.int32)
     m, bm = 27, 8
-    row_index, tile_expert, num_tiles, row_slot = tile_plan(gs, m, bm)
+    row_index, tile_expert, num_tiles, row_slot, row0, window_rows = tile_plan(gs, m, bm)
     nt = int(num_tiles[0])
     assert nt == 1 + 3 + 1
     flat = np.asarray(row_index).reshape(-1)
@@ -143,6 +143,19 @@ def test_tile_plan_covers_every_row_once():
     np.testing.assert_array_equal(flat[np.asarray(row_slot)[:24]], np.arange(24))
     assert np.all(np.asarray(row_slot)[24:] == row_index.size)
     np.testing.assert_array_equal(np.asarray(tile_expert)[:nt], [0, 2, 2, 2, 3])
+    # The windowed operand: each group from a multiple of 8 (sizes 3, 20, 1 -> 8, 24, 8 rows),
+    # zero rows (index m) between; each live tile is the window of 8 rows from row0, whose
+    # filled slots are exactly the tile's GEMM rows.
+    wr = np.asarray(window_rows)
+    assert wr.shape == (72,)  # m + 7 * 5 + bm, rounded up to a multiple of 8
+    want = np.full(wr.shape, m)
+    want[0:3], want[8:28], want[32] = np.arange(3), np.arange(3, 23), 23
+    np.testing.assert_array_equal(wr, want)
+    np.testing.assert_array_equal(np.asarray(row0), [0, 8, 16, 24, 32, 0, 0, 0])
+    window = wr[np.asarray(row0)[:, None] + np.arange(bm)]
+    filled = np.asarray(row_index) < m
+    np.testing.assert_array_equal(np.asarray(row_index)[filled], window[filled])
+    assert (window[:nt][~filled[:nt]] == m).all()  # here: padding, no other group's rows
 
 
 def test_bad_inputs_raise():
