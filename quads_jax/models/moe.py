@@ -39,12 +39,23 @@ class RouterStats(NamedTuple):
     tokens: jax.Array  # [] f32, number of real tokens
 
 
+# Dtypes whose products are exact in float32 (8- and 11-bit significands).
+EXACT_PRODUCT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
 def route(config: ModelConfig, router_w, x: jax.Array, site: str, recipe: QuantRecipe) -> Routing:
     """Softmax router with top-k (and ``norm_topk_prob`` renormalisation), in float32.
 
     x: ``[N, H]``; router_w: ``[E, H]``.
     """
-    logits = ops.linear(x.astype(jnp.float32), router_w, site, recipe).astype(jnp.float32)
+    if x.dtype == router_w.dtype and x.dtype in EXACT_PRODUCT_DTYPES:
+        # Products of two bf16 (or f16) values are exact in float32, so a bf16 GEMM with float32
+        # accumulation gives the float32 logits up to summation order, on tensor cores (the
+        # rollout's synced tree): the float32 GEMM runs on CUDA cores (6.8 us per layer of
+        # the 30B decode step on the H200, 2026-12-03).
+        logits = ops.linear(x, router_w, site, recipe, out_dtype=jnp.float32)
+    else:
+        logits = ops.linear(x.astype(jnp.float32), router_w, site, recipe).astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
     weights, ids = jax.lax.top_k(probs, config.num_experts_per_tok)
     if config.norm_topk_prob:
