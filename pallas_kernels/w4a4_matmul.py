@@ -46,6 +46,8 @@ class W4A4MatmulConfig:
         weight is decoded to its exact bf16/f16 values once per call (an XLA fusion, ~5% of a
         compute-bound GEMM at M = 8192) and multiplied by XLA's GEMM (PALLAS_NOTES 6.4; the
         product is the same exact-operand f32-accumulated W4A4). None = always the kernel.
+      windowed_operands: the kernels read token tiles as row windows of a compact operand
+        (``token_tiles``), not as gathered ``[T, block_m, Kp]`` tiles.
       rac_select_kernel: grouped GEMMs with RAC select blocks and code the residual's scales
         in ``pallas_kernels.rac_select`` (where its ``supports`` holds), not in jnp;
         rac_select_block_rows: its ``RACSelectConfig.block_rows``.
@@ -78,6 +80,7 @@ class W4A4MatmulConfig:
     # serial walk over an expert's rows is latency-bound; 64 rows per step: 21.67 ms).
     rac_select_kernel: bool = False
     rac_select_block_rows: int = 16
+    windowed_operands: bool = True
 
     def __post_init__(self):
         bm = self.block_m
@@ -190,8 +193,8 @@ def operand_rows(acts: aq.QuantizedActivations, index: jax.Array, dtype,
     return (t0, t1), (s0, s1)
 
 
-def token_tiles(operand_of, row_index: jax.Array, row0: jax.Array,
-                window_rows: jax.Array) -> tuple[TokenTiles, tuple[jax.Array, ...]]:
+def token_tiles(operand_of, row_index: jax.Array, row0: jax.Array, window_rows: jax.Array,
+                windowed: bool = True) -> tuple[TokenTiles, tuple[jax.Array, ...]]:
     """The tile kernels' operands as row windows, and each token slot's scale.
 
     ``operand_of(index)`` returns ``(operands, row scales)`` of GEMM rows ``index``
@@ -199,8 +202,12 @@ def token_tiles(operand_of, row_index: jax.Array, row0: jax.Array,
     on ``window_rows`` (int32 ``[P]``: the GEMM row at each row of the windowed operand, the
     tile plan's layout). ``row_index``: int32 ``[T, block_m]`` GEMM row of each slot (``>= M``
     = empty, scale 0); ``row0``: int32 ``[T]`` each tile's first row of the windowed operand.
-    Returns the ``TokenTiles`` and the slot scales ``[T, block_m]`` per operand.
+    Returns the ``TokenTiles`` and the slot scales ``[T, block_m]`` per operand. ``windowed``
+    False: the operands gathered into tiles ``[T, block_m, Kp]`` instead (``TokenTiles.of``).
     """
+    if not windowed:
+        operands, scales = operand_of(row_index)
+        return TokenTiles.of(operands), tuple(scales)
     operands, _ = operand_of(window_rows)
     _, scales = operand_of(row_index)  # scales only: XLA drops the operands' gather
     return TokenTiles(tuple(operands), row0, row_index.shape[1]), tuple(scales)
@@ -294,7 +301,8 @@ def run_dense(operand_of, m: int, w: W4A4Weights, config, interpret: bool,
     """Dense rows in consecutive token tiles through the kernel: ``[M, N]``. ``operand_of(
     index)``: the B operands and row scales of GEMM rows ``index`` (``token_tiles``)."""
     row_index, tile_expert, num_tiles, row0 = dense_plan(m, config.block_m)
-    tiles, slot_g = token_tiles(operand_of, row_index, row0, row_index.reshape(-1))
+    tiles, slot_g = token_tiles(operand_of, row_index, row0, row_index.reshape(-1),
+                                config.windowed_operands)
     return run_tiles(tiles, slot_g, m, w, tile_expert, num_tiles, config, interpret, out_dtype)
 
 

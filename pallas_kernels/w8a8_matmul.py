@@ -54,12 +54,14 @@ class W8A8MatmulConfig:
       block_m: tokens per tile, a multiple of 8 in [8, 256]; None: as the NVFP4 kernels.
       k_splits: split-K factor; None = the smallest that fills the SMs.
       max_concurrent_steps: pipeline depth; num_sms: persistent CTAs (None: the device's).
+      windowed_operands: as ``W4A4MatmulConfig``.
     """
 
     block_m: int | None = None
     k_splits: int | None = None
     max_concurrent_steps: int = 4
     num_sms: int | None = None
+    windowed_operands: bool = True
 
     def __post_init__(self):
         bm = self.block_m
@@ -107,7 +109,8 @@ def _run(qx: fp8.FP8Tensor, w, plan, config, interpret, out_dtype,
         rows, scale = plain_operand(qx.data, src, jnp.float8_e4m3fn, w.k_pad, act_scale)
         return (rows,), (scale,)
 
-    tiles, (act,) = token_tiles(operand_of, row_index, row0, window_rows)
+    tiles, (act,) = token_tiles(operand_of, row_index, row0, window_rows,
+                                config.windowed_operands)
     num_sms = config.num_sms or _num_sms()
     k_splits = config.k_splits or auto_k_splits(
         (live_tiles or row_index.shape[0]) * (w.n_pad // N_TILE), w.k_pad // K_TILE, num_sms)

@@ -459,6 +459,10 @@ def parse_args(argv):
     p.add_argument("--w4a4-mma-overlap", type=int, choices=(0, 1), default=0,
                    help="wgmma groups left in flight while the next chunk is decoded "
                    "(W4A4MatmulConfig.mma_overlap)")
+    p.add_argument("--windowed-operands", action=argparse.BooleanOptionalAction, default=True,
+                   help="the NVFP4 and FP8 kernels read token tiles as row windows (the "
+                   "default) or as gathered tiles (W4A4MatmulConfig / W8A8MatmulConfig."
+                   "windowed_operands)")
     p.add_argument("--rac-select-kernel", action=argparse.BooleanOptionalAction, default=False,
                    help="RAC's per-expert selection in the Triton kernel or in jnp (the "
                    "default; W4A4MatmulConfig.rac_select_kernel)")
@@ -503,13 +507,15 @@ def main(argv=None) -> int:
     models.layers.set_decode_attention(args.decode_attention)
     if (args.w4a4_n_group != 1 or not args.w4a4_stack_operands or args.w4a4_mma_overlap
             or args.rac_select_kernel or args.rac_select_block_rows != 16
-            or not args.grouped_barrier):
+            or not args.grouped_barrier or not args.windowed_operands):
         from quads_jax.quant import kernel_backend
         kernel_backend.set_w4a4_overrides(n_group=args.w4a4_n_group,
                                           stack_operands=args.w4a4_stack_operands,
                                           mma_overlap=args.w4a4_mma_overlap,
                                           rac_select_kernel=args.rac_select_kernel,
-                                          rac_select_block_rows=args.rac_select_block_rows)
+                                          rac_select_block_rows=args.rac_select_block_rows,
+                                          windowed_operands=args.windowed_operands)
+        kernel_backend.set_fp8_overrides(windowed_operands=args.windowed_operands)
         kernel_backend.set_grouped_barrier(args.grouped_barrier)
     clock = Clock(args.budget_s)
     os.makedirs(args.out, exist_ok=True)
@@ -526,6 +532,7 @@ def main(argv=None) -> int:
                           rac_select_kernel=args.rac_select_kernel,
                           rac_select_block_rows=args.rac_select_block_rows,
                           grouped_barrier=args.grouped_barrier,
+                          windowed_operands=args.windowed_operands,
                           unroll_decode=args.unroll_decode,
                           copy_bandwidth_TBps=bandwidth / 1e12,
                           date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())))

@@ -40,6 +40,8 @@
 #          --no-rac-select-kernel (the jnp selection) in the same call
 #   rsel2  the selection kernel's variants (block rows, warps, division) against the jnp path on
 #          the GPU, then nvfp4_rac with --rac-select-block-rows 64 and without the kernel
+#   win    nvfp4_rac and nvfp4 at batch 128, traced, with the token tiles read as row windows
+#          (the default) and gathered (--no-windowed-operands), in the same call
 #   hlo    nvfp4 at batch 128 with the decode program's optimized HLO dumped to $OUT/hlo (what
 #          the 386 small `memcpy32_post` copies per step and the MoE block's fusions are)
 #
@@ -132,8 +134,11 @@ for step in "$@"; do
       --rac-select-kernel --rac-select-block-rows 64 --budget-s 100
       rollout nosel128 130 --quick --profile-steps 4 --precisions nvfp4_rac \
       --no-rac-select-kernel --budget-s 100 ;;
+    win) rollout win128 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 --budget-s 110
+      rollout gat128 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \
+      --no-windowed-operands --budget-s 110 ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
-    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 hlo)"; exit 2 ;;
+    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win hlo)"; exit 2 ;;
   esac
 done

@@ -33,23 +33,35 @@ from quads_jax.quant import fp8, nvfp4, ops
 from quads_jax.quant.rac import CalibratedWeight
 
 INTERPRET_NUM_SMS = 4
-# W4A4MatmulConfig fields every registered NVFP4 kernel call uses (``set_w4a4_overrides``;
-# benchmarks and ablations); empty = the config's defaults.
+# W4A4MatmulConfig / W8A8MatmulConfig fields every registered NVFP4 / FP8 kernel call uses
+# (``set_w4a4_overrides`` / ``set_fp8_overrides``; benchmarks and ablations); empty = the
+# configs' defaults.
 _W4A4_OVERRIDES: dict = {}
+_FP8_OVERRIDES: dict = {}
+
+
+def _set_overrides(store: dict, cls, fields: dict, fixed: set, name: str) -> None:
+    names = {f.name for f in dataclasses.fields(cls)} - fixed
+    if unknown := sorted(set(fields) - names):
+        raise ValueError(f"{name}: unknown field(s) {unknown}; one of {sorted(names)}")
+    cls(**fields)  # validates the values
+    store.clear()
+    store.update(fields)
 
 
 def set_w4a4_overrides(**fields) -> None:
     """Ablations: ``W4A4MatmulConfig`` fields that every registered NVFP4 kernel call then
-    uses (e.g. ``n_group=2``); no arguments restores the defaults. Checked at once: an unknown
-    field or a bad value raises ``ValueError`` and changes nothing. Like
-    ``models.layers.set_decode_attention``, it takes effect at the next trace."""
-    names = {f.name for f in dataclasses.fields(W4A4MatmulConfig)} - {"mma_dtype"}
-    if unknown := sorted(set(fields) - names):
-        raise ValueError(f"set_w4a4_overrides: unknown field(s) {unknown}; "
-                         f"one of {sorted(names)} (mma_dtype follows the weights' layout)")
-    W4A4MatmulConfig(**fields)  # validates the values
-    _W4A4_OVERRIDES.clear()
-    _W4A4_OVERRIDES.update(fields)
+    uses (e.g. ``n_group=2``; not ``mma_dtype``, which follows the weights' layout); no
+    arguments restores the defaults. Checked at once: an unknown field or a bad value raises
+    ``ValueError`` and changes nothing. Like ``models.layers.set_decode_attention``, it takes
+    effect at the next trace."""
+    _set_overrides(_W4A4_OVERRIDES, W4A4MatmulConfig, fields, {"mma_dtype"},
+                   "set_w4a4_overrides")
+
+
+def set_fp8_overrides(**fields) -> None:
+    """``set_w4a4_overrides`` for the FP8 kernels' ``W8A8MatmulConfig`` (not ``num_sms``)."""
+    _set_overrides(_FP8_OVERRIDES, W8A8MatmulConfig, fields, {"num_sms"}, "set_fp8_overrides")
 
 
 def _mma_dtype(mode: str, recipe) -> str:
@@ -161,7 +173,7 @@ def _fp8_weights(w, recipe) -> FP8Weights:
 
 
 def _fp8_config(interpret: bool) -> W8A8MatmulConfig:
-    return W8A8MatmulConfig(num_sms=INTERPRET_NUM_SMS if interpret else None)
+    return W8A8MatmulConfig(num_sms=INTERPRET_NUM_SMS if interpret else None, **_FP8_OVERRIDES)
 
 
 def _fp8_dense(x: jax.Array, w, *, recipe, site: str, interpret: bool) -> jax.Array:

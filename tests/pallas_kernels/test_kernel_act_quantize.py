@@ -140,7 +140,7 @@ def test_unselected_non_finite_blocks_code_to_zero():
 
 
 @pytest.mark.parametrize("rac_on", [False, True])
-def test_operand_tiles_are_the_gathered_operands(rac_on):
+def test_windowed_operands_are_the_gathered_operands(rac_on):
     """The kernels' windowed B operands, coded from the distinct rows, hold the row operands
     gathered in every filled slot, and zero padding."""
     from pallas_kernels import w4a4_grouped as wg

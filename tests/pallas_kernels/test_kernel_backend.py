@@ -44,6 +44,18 @@ def test_w4a4_overrides_are_checked_and_used():
     assert kernel_backend._config(False, "float16") == kernel_backend.W4A4MatmulConfig()
 
 
+def test_fp8_overrides_are_checked_and_used():
+    try:
+        kernel_backend.set_fp8_overrides(windowed_operands=False)
+        assert not kernel_backend._fp8_config(True).windowed_operands
+        with pytest.raises(ValueError, match="unknown field"):
+            kernel_backend.set_fp8_overrides(num_sms=2)
+        assert not kernel_backend._fp8_config(False).windowed_operands  # unchanged
+    finally:
+        kernel_backend.set_fp8_overrides()
+    assert kernel_backend._fp8_config(False) == kernel_backend.W8A8MatmulConfig()
+
+
 def test_grouped_barrier_switch():
     """The barrier after the grouped kernels is on by default; the ablation drops it from the
     traced program; a non-bool is refused and changes nothing."""

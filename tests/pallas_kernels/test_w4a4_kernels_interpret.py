@@ -91,6 +91,10 @@ def test_grouped_w4a4_zero_and_uneven_groups(sizes, extra, rac, n, ng, stack):
     np.testing.assert_array_equal(np.asarray(y)[int(gs.sum()):], 0.0)
     ref = w4a4_grouped_matmul_reference(x, wq, gs, rac=racc)
     assert _rel(ref, want) < 1e-5
+    # Gathered tiles instead of row windows: the same products in every filled slot.
+    gathered = w4a4_grouped_matmul(x, wq, gs, rac=racc, interpret=True,
+                                   config=dataclasses.replace(cfg, windowed_operands=False))
+    np.testing.assert_array_equal(np.asarray(gathered), np.asarray(y))
 
 
 @pytest.mark.parametrize("rac", [False, True])
