@@ -22,6 +22,8 @@
 #   kern   the kernel tables of issue 4 (bench_kernels --part decode,grouped: dense decode and
 #          grouped decode against their floors and XLA BF16 / FP8), not complete since session 12;
 #          about 9 minutes: one call of its own
+#   kgroup the grouped table of `kern` alone (bench_kernels --part grouped; 270 s: the rows
+#          finished by then are in the log)
 #   cmdbuf nvfp4 and nvfp4_rac at batch 128 with XLA's command buffers (CUDA graphs) asked for
 #          explicitly (the session-13 HLO had none; compare with b128 of the same call)
 #   gabl   the grouped tile kernel alone at the decode step's shapes, traced: variants
@@ -56,6 +58,10 @@
 # Session 17 ran `prof ov` (the reference row at the stacked default; mma_overlap=1 no gain),
 # `rsel` (twice: the first failed to compile the kernel), `rsel2` (the RAC selection kernel is
 # slower in the rollout: off by default) and `b32`. Next: `kern` alone, then `p1024 b256`.
+# Session 18 ran `kern` (failed: the device copied an uncommitted kernel edit), `gcheck mcheck
+# b128` (row windows; check-grouped ran out of its 160 s before its W4A16 items: now 240 s),
+# `win` (windows vs gathered tiles, same call) and `kern` at e3d82e8. Next: `p1024 b256`, and
+# `gcheck` for the W4A16 items.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
@@ -81,8 +87,8 @@ check() {  # check PART SECONDS
 short="--decode-steps 16 --reps 2 --prefill-reps 1"
 for step in "$@"; do
   case $step in
-    check) check check 230; check check-grouped 160 ;;
-    gcheck) check check-grouped 160 ;;
+    check) check check 230; check check-grouped 240 ;;
+    gcheck) check check-grouped 240 ;;
     mcheck) check check-moe 100 ;;
     b128) rollout b128 250 --quick --profile-steps 4 --precisions $ALL --budget-s 200 ;;
     b32) rollout b32 220 --batches 32 --prompts 256 $short --precisions $ALL --budget-s 170 ;;
@@ -100,6 +106,9 @@ for step in "$@"; do
     kern) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 540 python3 scripts/bench_kernels.py \
       --part decode,grouped --out "$OUT/kern" > "$OUT/kern.log" 2>&1
       echo "kern rc $?"; tail -40 "$OUT/kern/bench_kernels.md" ;;
+    kgroup) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 270 python3 scripts/bench_kernels.py \
+      --part grouped --out "$OUT/kgroup" > "$OUT/kgroup.log" 2>&1
+      echo "kgroup rc $?"; grep -E "grouped|floor|bw" "$OUT/kgroup.log" | cut -c1-150 ;;
     cmdbuf) XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL --xla_gpu_graph_min_graph_size=2" \
       rollout cmdbuf 220 --quick --precisions nvfp4,nvfp4_rac --budget-s 170 ;;
     gabl) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 280 python3 scripts/kernel_probe.py \
@@ -139,6 +148,6 @@ for step in "$@"; do
       --no-windowed-operands --budget-s 110 ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
-    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win hlo)"; exit 2 ;;
+    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win kgroup hlo)"; exit 2 ;;
   esac
 done
