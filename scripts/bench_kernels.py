@@ -50,6 +50,10 @@ from quads_jax.quant import fp8, nvfp4
 
 L2_FLUSH_BYTES = 160e6
 SMOKE = False  # --smoke: tiny shapes, jnp instead of the kernel, to test this script on a CPU
+# --trace: each timed row also records device times from one profiled run of its chain
+# (``device_times``); ``time_chain`` leaves them here for the next ``record``.
+TRACE = False
+_LAST_TRACE: dict = {}
 RESULTS: dict = {"checks": [], "timings": [], "floors": {}}
 # The kernel variant the timings use: the first that passes the checks (run_checks sets it).
 VARIANTS = (
@@ -102,7 +106,33 @@ def time_chain(op, x, weights, *, reps=None, runs=5, target_s=1e-3):
         t0 = time.perf_counter()
         jax.block_until_ready(f(x, *weights))
         ts.append(time.perf_counter() - t0)
+    _LAST_TRACE.clear()
+    if TRACE:
+        _LAST_TRACE.update(device_times(f, (x, *weights), reps * c))
     return statistics.median(ts) / (reps * c), reps * c
+
+
+def device_times(f, args, calls: int) -> dict:
+    """Per call of the chained program ``f(*args)`` (``calls`` calls), from one profiled run:
+    ``device_us``, the summed device time of all its kernels (its XLA glue included, launch
+    gaps and host work not), and ``kernel_us`` / ``kernel``, its largest kernel (the op's
+    GEMM: ours or XLA's). The wall-clock median of a chain of calls of tens of microseconds is
+    mostly glue and launch gaps (session 18's tables). Empty where the trace has no device
+    plane (CPU) or fails (a failed trace must not stop the run)."""
+    try:
+        import trace_summary
+
+        summary = trace_summary.trace(lambda: jax.block_until_ready(f(*args)), "bench_kernels",
+                                      top=1)
+    except Exception as err:  # noqa: BLE001
+        log(f"  trace failed: {type(err).__name__}: {str(err)[:150]}")
+        return {}
+    for plane in summary.values():
+        if plane["top"]:
+            top = plane["top"][0]
+            return {"device_us": plane["busy_ms"] * 1e3 / calls,
+                    "kernel_us": top["total_ms"] * 1e3 / calls, "kernel": top["name"]}
+    return {}
 
 
 def copies_for(nbytes: float) -> int:
@@ -124,9 +154,17 @@ def record(name, seconds, calls, *, bytes_=None, flops=None, note=""):
     if floors:
         row["floor_us"] = max(floors) * 1e6
         row["floor_ratio"] = max(floors) / seconds
+    traced = ""
+    if _LAST_TRACE:  # this row's device times (time_chain with --trace)
+        row.update(_LAST_TRACE)
+        _LAST_TRACE.clear()
+        if "floor_us" in row:
+            row["kernel_floor_ratio"] = row["floor_us"] / row["kernel_us"]
+        traced = (f"  device {row['device_us']:.1f} us, kernel {row['kernel_us']:.1f} us "
+                  f"(ratio {row.get('kernel_floor_ratio', 0):.2f}) {row['kernel'][:40]}")
     RESULTS["timings"].append(row)
     log(f"  {name:58s} {seconds * 1e6:9.1f} us  floor {row.get('floor_us', 0):8.1f} us  "
-        f"ratio {row.get('floor_ratio', 0):5.2f}  {note}")
+        f"ratio {row.get('floor_ratio', 0):5.2f}  {note}{traced}")
 
 
 # ----------------------------------------------------------------------------- data
@@ -585,12 +623,15 @@ def write_outputs(out: str):
     lines = [f"device {RESULTS['device']}, jax {RESULTS['jax']}; read bw "
              f"{fl.get('read_bw', 0) / 1e12:.2f} TB/s, bf16 {fl.get('bf16_flops', 0) / 1e12:.0f} "
              f"TFLOP/s, chain step overhead {fl.get('chain_overhead_us', 0):.2f} us", "",
-             "| op | median us | floor us | floor/median | TB/s | TFLOP/s | calls | note |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| op | median us | floor us | floor/median | TB/s | TFLOP/s | calls | "
+             "device us | kernel us | floor/kernel | note |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in RESULTS["timings"]:
         lines.append(f"| {r['name']} | {r['us']:.1f} | {r.get('floor_us', 0):.1f} | "
                      f"{r.get('floor_ratio', 0):.2f} | {r.get('achieved_TBps', 0):.2f} | "
-                     f"{r.get('TFLOPs', 0):.1f} | {r['calls']} | {r['note']} |")
+                     f"{r.get('TFLOPs', 0):.1f} | {r['calls']} | {r.get('device_us', 0):.1f} | "
+                     f"{r.get('kernel_us', 0):.1f} | {r.get('kernel_floor_ratio', 0):.2f} | "
+                     f"{r['note']} |")
     lines += ["", "| check | rel err | ok |", "|---|---|---|"]
     lines += [f"| {c['name']} | {c['rel_err']:.2e} | {c['ok']} |" for c in RESULTS["checks"]]
     with open(os.path.join(out, "bench_kernels.md"), "w") as f:
@@ -602,7 +643,12 @@ def main(argv=None):
     p.add_argument("--out", default="/tmp/bench_out")
     p.add_argument("--part", default="all")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, jnp kernel stand-in (CPU)")
+    p.add_argument("--trace", action="store_true",
+                   help="also record each timed row's device time (all kernels, and its "
+                   "largest kernel) from one profiled run of its chain")
     args = p.parse_args(argv)
+    global TRACE
+    TRACE = args.trace
     if args.smoke:
         enable_smoke()
     log(jax.devices())

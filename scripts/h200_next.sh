@@ -21,7 +21,10 @@
 #          dynamic slices of the stacked weights; compare with prof / b128 of the same commit)
 #   kern   the kernel tables of issue 4 (bench_kernels --part decode,grouped: dense decode and
 #          grouped decode against their floors and XLA BF16 / FP8), not complete since session 12;
-#          about 9 minutes: one call of its own
+#          over 9 minutes (session 18: the dense table alone took the whole 540 s): use
+#          kdense and kgroup, one call each
+#   kdense the dense decode table of `kern` alone (--part decode --trace: each row also with
+#          its traced device time and its largest kernel's; 270 s)
 #   kgroup the grouped table of `kern` alone (bench_kernels --part grouped; 270 s: the rows
 #          finished by then are in the log)
 #   cmdbuf nvfp4 and nvfp4_rac at batch 128 with XLA's command buffers (CUDA graphs) asked for
@@ -106,9 +109,12 @@ for step in "$@"; do
     kern) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 540 python3 scripts/bench_kernels.py \
       --part decode,grouped --out "$OUT/kern" > "$OUT/kern.log" 2>&1
       echo "kern rc $?"; tail -40 "$OUT/kern/bench_kernels.md" ;;
+    kdense) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 270 python3 scripts/bench_kernels.py \
+      --part decode --trace --out "$OUT/kdense" > "$OUT/kdense.log" 2>&1
+      echo "kdense rc $?"; grep -E "M=|floor|bw" "$OUT/kdense.log" | cut -c1-240 ;;
     kgroup) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 270 python3 scripts/bench_kernels.py \
-      --part grouped --out "$OUT/kgroup" > "$OUT/kgroup.log" 2>&1
-      echo "kgroup rc $?"; grep -E "grouped|floor|bw" "$OUT/kgroup.log" | cut -c1-150 ;;
+      --part grouped --trace --out "$OUT/kgroup" > "$OUT/kgroup.log" 2>&1
+      echo "kgroup rc $?"; grep -E "grouped|floor|bw" "$OUT/kgroup.log" | cut -c1-240 ;;
     cmdbuf) XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL --xla_gpu_graph_min_graph_size=2" \
       rollout cmdbuf 220 --quick --precisions nvfp4,nvfp4_rac --budget-s 170 ;;
     gabl) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 280 python3 scripts/kernel_probe.py \
@@ -148,6 +154,6 @@ for step in "$@"; do
       --no-windowed-operands --budget-s 110 ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
-    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win kgroup hlo)"; exit 2 ;;
+    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win kdense kgroup hlo)"; exit 2 ;;
   esac
 done
