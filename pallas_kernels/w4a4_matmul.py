@@ -208,9 +208,13 @@ def token_tiles(operand_of, row_index: jax.Array, row0: jax.Array, window_rows: 
     if not windowed:
         operands, scales = operand_of(row_index)
         return TokenTiles.of(operands), tuple(scales)
-    operands, _ = operand_of(window_rows)
-    _, scales = operand_of(row_index)  # scales only: XLA drops the operands' gather
-    return TokenTiles(tuple(operands), row0, row_index.shape[1]), tuple(scales)
+    operands, row_scales = operand_of(window_rows)
+    # Slot r of tile t is window row row0[t] + r: its scale where that row is the slot's GEMM
+    # row, else 0 (an empty slot reading padding, scale 0 anyway, or the next group's row).
+    at = row0[:, None] + jnp.arange(row_index.shape[1], dtype=jnp.int32)[None, :]
+    filled = window_rows[at] == row_index
+    scales = tuple(jnp.where(filled, g[at], 0.0) for g in row_scales)
+    return TokenTiles(tuple(operands), row0, row_index.shape[1]), scales
 
 
 def stored_dtype(out_dtype, k_splits: int):
