@@ -63,8 +63,9 @@
 # slower in the rollout: off by default) and `b32`. Next: `kern` alone, then `p1024 b256`.
 # Session 18 ran `kern` (failed: the device copied an uncommitted kernel edit), `gcheck mcheck
 # b128` (row windows; check-grouped ran out of its 160 s before its W4A16 items: now 240 s),
-# `win` (windows vs gathered tiles, same call) and `kern` at e3d82e8. Next: `p1024 b256`, and
-# `gcheck` for the W4A16 items.
+# `win` (windows vs gathered tiles, same call), `kern` at e3d82e8 (the dense table alone took
+# its 540 s) and `kgroup` (cut at 64 tokens; wall-clock only). Next: `kdense`, `kgroup` (both
+# with device times now), `gcheck` for the W4A16 items, then `p1024 b256`.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
