@@ -51,7 +51,7 @@ class W4A4MatmulConfig:
       rac_select_kernel: grouped GEMMs with RAC select blocks and code the residual's scales
         in ``pallas_kernels.rac_select`` (where its ``supports`` holds), not in jnp;
         rac_select_block_rows: its ``RACSelectConfig.block_rows``.
-      decode_impl, mma_overlap, chain_items, stack_operands: see
+      decode_impl, mma_overlap, mma_k, chain_items, stack_operands: see
         ``nvfp4_tiles_mgpu.TileGemmConfig``.
       n_group: weight-row tiles per work item (``TileGemmConfig.n_group``). 1 by default: on
         the H200 (2026-12-03, decode step of 128 sequences) 2 left the expert kernels' time in
@@ -68,6 +68,7 @@ class W4A4MatmulConfig:
     prefill_min_rows: int | None = 2048
     decode_impl: str = "auto"
     mma_overlap: int = 0
+    mma_k: int = 64
     n_group: int = 1
     chain_items: bool = True
     # On the H200 (2026-12-03, 4a3768d, same call): the RAC decode step 19.37 -> 18.37 ms at
@@ -103,7 +104,8 @@ class W4A4MatmulConfig:
         return TileGemmConfig(
             k_splits=k_splits, max_concurrent_steps=self.max_concurrent_steps,
             a_via_smem=self.a_via_smem, num_sms=num_sms, decode_impl=self.decode_impl,
-            mma_overlap=self.mma_overlap, n_group=n_group, chain_items=self.chain_items,
+            mma_overlap=self.mma_overlap, mma_k=self.mma_k, n_group=n_group,
+            chain_items=self.chain_items,
             stack_operands=self.stack_operands)
 
 

@@ -47,6 +47,10 @@
 #          the GPU, then nvfp4_rac with --rac-select-block-rows 64 and without the kernel
 #   win    nvfp4_rac and nvfp4 at batch 128, traced, with the token tiles read as row windows
 #          (the default) and gathered (--no-windowed-operands), in the same call
+#   mmak   the grouped tile kernel with wider wgmma groups (mma_k 128 / 256: the step's decoded
+#          chunks multiplied by one wgmma group, one wait), GPU-checked first, against base and
+#          stacked (kernel_probe --grouped-ablations), then nvfp4_rac and nvfp4 at batch 128
+#          with --w4a4-mma-k 256 and the default 64 in the same call
 #   hlo    nvfp4 at batch 128 with the decode program's optimized HLO dumped to $OUT/hlo (what
 #          the 386 small `memcpy32_post` copies per step and the MoE block's fusions are)
 #
@@ -153,8 +157,16 @@ for step in "$@"; do
     win) rollout win128 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 --budget-s 110
       rollout gat128 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \
       --no-windowed-operands --budget-s 110 ;;
+    mmak) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 240 python3 scripts/kernel_probe.py \
+      --grouped-ablations --out "$OUT/mmak" \
+      --variants "base,stacked,mma_k 128,mma_k 256,stacked k128,stacked k256,stacked k128 overlap1" \
+      --check-variants "mma_k 256,stacked k256,stacked k128" > "$OUT/mmak.log" 2>&1
+      echo "mmak rc $?"; grep -E "grouped|FAIL|PASS|floor|Error" "$OUT/mmak.log" | cut -c1-140
+      rollout k256 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 --w4a4-mma-k 256 \
+      --budget-s 110
+      rollout k64 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 --budget-s 110 ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
-    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win kdense kgroup hlo)"; exit 2 ;;
+    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win kdense kgroup mmak hlo)"; exit 2 ;;
   esac
 done

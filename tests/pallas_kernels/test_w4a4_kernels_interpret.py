@@ -245,3 +245,34 @@ def test_tile_gemm_chained_work_items(t, live, n, k, sms, chain):
     assert y.shape == (t, 1, 1, 8, n) and y.dtype == jnp.float32
     if live:
         assert _rel(y[:live], tile_gemm_reference(b, w, te)[:live]) < 1e-5
+
+
+@pytest.mark.parametrize("mma_k,stack", [(128, False), (256, False), (256, True)])
+def test_tile_gemm_mma_k_groups(mma_k, stack):
+    """Wider wgmma groups (``mma_k``: two or four decoded 64-column chunks per wgmma) give the
+    reference's result, with the RAC operands stacked on the N side or not."""
+    from pallas_kernels.nvfp4_tiles_mgpu import TileGemmConfig, nvfp4_tile_gemm, tile_gemm_reference
+
+    t, bm, k, n = 2, 8, 512, 128
+    wq = nvfp4.quantize(jax.random.normal(jax.random.key(21), (2, n, k)))
+    w = prepare_w4a4_weights(wq, mma_dtype="float16")
+    b = tuple(nvfp4.dequantize(nvfp4.quantize(
+        jax.random.normal(jax.random.key(22 + a), (t, bm, k))), jnp.float16) for a in range(2))
+    te = jnp.array([1, 0], jnp.int32)
+    cs = jax.random.uniform(jax.random.key(25), (t, 2, bm)) + 0.5
+    cfg = TileGemmConfig(a_via_smem=True, num_sms=2, max_concurrent_steps=2, mma_k=mma_k,
+                         stack_operands=stack)
+    y = nvfp4_tile_gemm(b, w, te, jnp.array([t], jnp.int32), config=cfg, interpret=True,
+                        col_scales=cs, out_dtype=jnp.float32)
+    assert _rel(y, tile_gemm_reference(b, w, te, cs, jnp.float32)) < 1e-5
+
+
+def test_mma_k_config_errors():
+    from pallas_kernels.nvfp4_tiles_mgpu import TileGemmConfig
+
+    with pytest.raises(ValueError, match=r"mma_k=96: one of \(64, 128, 256\)"):
+        TileGemmConfig(mma_k=96)
+    with pytest.raises(ValueError, match="mma_overlap=1 with mma_k=256"):
+        TileGemmConfig(mma_k=256, mma_overlap=1)
+    with pytest.raises(ValueError, match="mma_k=32"):
+        W4A4MatmulConfig(mma_k=32)

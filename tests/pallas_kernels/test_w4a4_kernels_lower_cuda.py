@@ -50,13 +50,15 @@ def test_dense_lowers_for_cuda(mma, decode, a_via_smem, rac, block_m):
     _export(lambda x, w: w4a4_matmul(x, w, rac=racc, config=cfg), x, w)
 
 
-@pytest.mark.parametrize("n,n_group,stack", [(128, 1, False), (512, 4, False), (256, 1, True)])
-def test_grouped_lowers_for_cuda(n, n_group, stack):
+@pytest.mark.parametrize("n,n_group,stack,mma_k", [(128, 1, False, 64), (512, 4, False, 64),
+                                                   (256, 1, True, 64), (128, 1, False, 256),
+                                                   (256, 1, True, 128)])
+def test_grouped_lowers_for_cuda(n, n_group, stack, mma_k):
     wq = nvfp4.quantize(jax.random.normal(jax.random.key(1), (4, n, 256)), scale_mode="expert")
     w = prepare_w4a4_weights(wq)
     x = jnp.ones((24, 256), jnp.bfloat16)
     gs = jnp.asarray([8, 0, 10, 6], jnp.int32)
-    cfg = W4A4MatmulConfig(n_group=n_group, stack_operands=stack)
+    cfg = W4A4MatmulConfig(n_group=n_group, stack_operands=stack, mma_k=mma_k)
     _export(lambda x, w, gs: w4a4_grouped_matmul(x, w, gs, rac=aq.RACConfig(), config=cfg),
             x, w, gs)
 
