@@ -81,9 +81,11 @@ class TileGemmConfig:
         64-column chunk, multiplies it and (``mma_overlap`` 0) waits for the product before
         the next chunk, four times per 256-column step; 256 decodes the whole step into
         registers first (64 more registers per thread) and issues one wgmma group and one wait
-        per step. A wgmma group's issue, fence and wait are latency the warpgroup does not
-        hide (with four chunks per step and one wait each, the time the ``one_mma`` ablation
-        removed: 92.8 -> 72.5 us for the decode step's gate_up on the H200, session 16).
+        per step (the default). A wgmma group's issue, fence and wait are latency the
+        warpgroup does not hide. On the H200 (2026-12-04, 7413c4c, the decode step's grouped
+        calls alone, stacked RAC operands): gate_up 95.8 -> 90.3 us, +RAC 95.1 -> 92.0 us;
+        down unchanged within noise; in the rollout at batch 128 the expert kernels took 72.6
+        instead of 78.1 us per call (nvfp4_rac) and the step 17.93 instead of 18.36 ms.
       ablation: None, or one of ``ABLATIONS`` (time attribution; wrong results).
       n_group: weight-row tiles (of 128 rows) per work item, each with its own accumulator,
         copied together in each pipeline step: one activation tile per K step serves all of
@@ -110,7 +112,7 @@ class TileGemmConfig:
     num_sms: int | None = None
     decode_impl: str = "auto"
     mma_overlap: int = 0
-    mma_k: int = 64
+    mma_k: int = 256
     ablation: str | None = None
     n_group: int = 1
     chain_items: bool = True
@@ -128,7 +130,11 @@ class TileGemmConfig:
             raise ValueError(f"TileGemmConfig.mma_k={self.mma_k!r}: one of {MMA_KS}")
         if self.mma_overlap and self.mma_k == K_TILE:
             raise ValueError(f"TileGemmConfig.mma_overlap={self.mma_overlap} with mma_k="
-                             f"{K_TILE}: a step has one wgmma group, nothing to overlap; use 0")
+                             f"{K_TILE}: a step has one wgmma group, nothing to overlap; use "
+                             "mma_overlap=0, or mma_k=64 / 128 to overlap")
+        if self.ablation == "one_mma" and self.mma_k != CHUNK:
+            raise ValueError(f"TileGemmConfig.ablation='one_mma' sums the step's {CHUNK}-column "
+                             f"chunks into one wgmma: needs mma_k={CHUNK} (got {self.mma_k})")
         if self.ablation not in ABLATIONS:
             raise ValueError(f"TileGemmConfig.ablation={self.ablation!r}: one of {ABLATIONS}")
 

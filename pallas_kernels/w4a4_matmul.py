@@ -68,7 +68,7 @@ class W4A4MatmulConfig:
     prefill_min_rows: int | None = 2048
     decode_impl: str = "auto"
     mma_overlap: int = 0
-    mma_k: int = 64
+    mma_k: int = 256
     n_group: int = 1
     chain_items: bool = True
     # On the H200 (2026-12-03, 4a3768d, same call): the RAC decode step 19.37 -> 18.37 ms at

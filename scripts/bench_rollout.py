@@ -459,8 +459,9 @@ def parse_args(argv):
     p.add_argument("--w4a4-mma-overlap", type=int, choices=(0, 1), default=0,
                    help="wgmma groups left in flight while the next chunk is decoded "
                    "(W4A4MatmulConfig.mma_overlap)")
-    p.add_argument("--w4a4-mma-k", type=int, choices=(64, 128, 256), default=64,
-                   help="K columns of decoded weight per wgmma group (W4A4MatmulConfig.mma_k)")
+    p.add_argument("--w4a4-mma-k", type=int, choices=(64, 128, 256), default=256,
+                   help="K columns of decoded weight per wgmma group (W4A4MatmulConfig.mma_k; "
+                   "--w4a4-mma-overlap 1 needs 64 or 128)")
     p.add_argument("--windowed-operands", action=argparse.BooleanOptionalAction, default=True,
                    help="the NVFP4 and FP8 kernels read token tiles as row windows (the "
                    "default) or as gathered tiles (W4A4MatmulConfig / W8A8MatmulConfig."
@@ -508,7 +509,7 @@ def main(argv=None) -> int:
         BF16_PATH["path"] = args.bf16_path
     models.layers.set_decode_attention(args.decode_attention)
     if (args.w4a4_n_group != 1 or not args.w4a4_stack_operands or args.w4a4_mma_overlap
-            or args.w4a4_mma_k != 64 or args.rac_select_kernel or args.rac_select_block_rows != 16
+            or args.w4a4_mma_k != 256 or args.rac_select_kernel or args.rac_select_block_rows != 16
             or not args.grouped_barrier or not args.windowed_operands):
         from quads_jax.quant import kernel_backend
         kernel_backend.set_w4a4_overrides(n_group=args.w4a4_n_group,

@@ -70,6 +70,8 @@
 # `win` (windows vs gathered tiles, same call), `kern` at e3d82e8 (the dense table alone took
 # its 540 s) and `kgroup` (cut at 64 tokens; wall-clock only). Next: `kdense`, `kgroup` (both
 # with device times now), `gcheck` for the W4A16 items, then `p1024 b256`.
+# Session 19 ran `mmak` (7413c4c: mma_k 256 faster; the default since, so `mmak`'s "base" is now
+# 256 and "mma_k 64" the old path). Next: `kdense kgroup`, then `b128 p1024`.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}

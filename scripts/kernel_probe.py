@@ -43,10 +43,11 @@ TILE_VARIANTS = (  # the first two are timed again at the end (run-to-run spread
     ("ptx s2", "subnormal", dict(decode_impl="ptx", max_concurrent_steps=2)),
     ("ptx s3", "subnormal", dict(decode_impl="ptx", max_concurrent_steps=3)),
     ("ptx s6", "subnormal", dict(decode_impl="ptx", max_concurrent_steps=6)),
-    ("ptx overlap1 s4", "subnormal", dict(decode_impl="ptx", mma_overlap=1)),
+    ("ptx overlap1 s4", "subnormal", dict(decode_impl="ptx", mma_overlap=1, mma_k=64)),
     ("ptx ks2 s4", "subnormal", dict(decode_impl="ptx", k_splits=2)),
     ("ablate no_decode s4", "normal", dict(ablation="no_decode")),
-    ("ablate one_mma (ptx) s4", "subnormal", dict(ablation="one_mma", decode_impl="ptx")),
+    ("ablate one_mma (ptx) s4", "subnormal", dict(ablation="one_mma", decode_impl="ptx",
+                                                  mma_k=64)),
     ("ablate no_compute s4", "normal", dict(ablation="no_compute")),
     ("ablate no_compute s2", "normal", dict(ablation="no_compute", max_concurrent_steps=2)),
 )
@@ -401,11 +402,12 @@ def run_trace_grouped():
 # (name, TileGemmConfig overrides): the grouped tile kernel alone at the decode step's shapes.
 GROUPED_VARIANTS = (
     ("base", {}),
-    ("mma_overlap=1", dict(mma_overlap=1)),
+    ("mma_k 64", dict(mma_k=64)),
+    ("mma_overlap=1", dict(mma_overlap=1, mma_k=64)),
     ("stages 2", dict(max_concurrent_steps=2)),
     ("n_group 2", dict(n_group=2)),
     ("stacked", dict(stack_operands=True)),
-    ("stacked overlap1", dict(stack_operands=True, mma_overlap=1)),
+    ("stacked overlap1", dict(stack_operands=True, mma_overlap=1, mma_k=64)),
     ("mma_k 128", dict(mma_k=128)),
     ("mma_k 256", dict(mma_k=256)),
     ("stacked k128", dict(stack_operands=True, mma_k=128)),
@@ -413,7 +415,7 @@ GROUPED_VARIANTS = (
     ("stacked k128 overlap1", dict(stack_operands=True, mma_k=128, mma_overlap=1)),
     ("unchained", dict(chain_items=False)),
     ("ablate no_decode", dict(ablation="no_decode")),
-    ("ablate one_mma", dict(ablation="one_mma")),
+    ("ablate one_mma", dict(ablation="one_mma", mma_k=64)),
     ("ablate no_compute", dict(ablation="no_compute")),
 )
 
