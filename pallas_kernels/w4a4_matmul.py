@@ -14,6 +14,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from pallas_kernels import nvfp4_quantize as aq
 from pallas_kernels.layout import K_TILE, N_TILE, W4A4Weights, prepare_w4a4_weights
@@ -48,6 +49,8 @@ class W4A4MatmulConfig:
         product is the same exact-operand f32-accumulated W4A4). None = always the kernel.
       windowed_operands: the kernels read token tiles as row windows of a compact operand
         (``token_tiles``), not as gathered ``[T, block_m, Kp]`` tiles.
+      materialize_operands: the distinct rows' operand values and RAC residual are computed
+        once before the row gathers (``operand_rows``); False is the ablation.
       rac_select_kernel: grouped GEMMs with RAC select blocks and code the residual's scales
         in ``pallas_kernels.rac_select`` (where its ``supports`` holds), not in jnp;
         rac_select_block_rows: its ``RACSelectConfig.block_rows``.
@@ -69,6 +72,7 @@ class W4A4MatmulConfig:
     decode_impl: str = "auto"
     mma_overlap: int = 0
     mma_k: int = 256
+    materialize_operands: bool = True
     n_group: int = 1
     chain_items: bool = True
     # On the H200 (2026-12-03, 4a3768d, same call): the RAC decode step 19.37 -> 18.37 ms at
@@ -169,8 +173,8 @@ def source_tile_rows(source_rows: jax.Array, num_rows: int, row_index: jax.Array
     return rac.rows_or_fill(source_rows, row_index, num_rows)
 
 
-def operand_rows(acts: aq.QuantizedActivations, index: jax.Array, dtype,
-                 k_pad: int) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+def operand_rows(acts: aq.QuantizedActivations, index: jax.Array, dtype, k_pad: int,
+                 materialize: bool = True) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
     """The W4A4 kernel's B operands for GEMM rows ``index`` (int32, any shape ``I``; ``>= M``
     = a zero row): ``I + [Kp]`` in ``dtype`` (1, or 2 with RAC) and each row's activation
     decode scale ``I`` (0 for zero rows).
@@ -178,13 +182,22 @@ def operand_rows(acts: aq.QuantizedActivations, index: jax.Array, dtype,
     The activation operand is gathered from its distinct rows (``acts.q_rows``); RAC's
     residual operand is coded straight from the distinct rows' residual
     (``rac.SelectedResidual.unscaled``): one elementwise pass, no separate ``[M, K]`` residual
-    and no uint8 codes between.
+    and no uint8 codes between. ``materialize``: the distinct rows' operand values and RAC
+    residual are computed once, behind an optimization barrier, before the row gathers
+    replicate them (a decode step's windowed gate_up operand holds each of its 128 tokens'
+    rows ~15 times); without it XLA may fuse their producers (the quantizer's rounding, the
+    dequantization inside the residual) into the gather and redo them for every windowed row.
     """
     b0, g0 = aq.mma_operand(acts.q, dtype)
+    res = acts.residual
+    if materialize and isinstance(res, rac.SelectedResidual):
+        b0, r = lax.optimization_barrier((b0, res.r))
+        res = dataclasses.replace(res, r=r)
+    elif materialize:
+        b0 = lax.optimization_barrier(b0)
     q_index = index if acts.q_rows is None else source_tile_rows(
         acts.q_rows, b0.shape[0], index)
     t0, s0 = plain_operand(b0, q_index, dtype, k_pad, g0)
-    res = acts.residual
     if res is None:
         return (t0,), (s0,)
     if isinstance(res, rac.SelectedResidual):
@@ -374,8 +387,9 @@ def w4a4_matmul(
                              static_blocks=rac_blocks, static_scale=act_global_scale)
     m = x.shape[0]
     if config.prefill_min_rows is None or m < config.prefill_min_rows:
-        return run_dense(lambda idx: operand_rows(acts, idx, w.mma_dtype, w.k_pad), m, w,
-                         config, interpret, x.dtype)
+        return run_dense(lambda idx: operand_rows(acts, idx, w.mma_dtype, w.k_pad,
+                                                  config.materialize_operands),
+                         m, w, config, interpret, x.dtype)
     b_rows, row_scales = aq.kernel_operands(acts, w.mma_dtype)
     parts = dense_prefill_parts(b_rows, w)
     g_w = jnp.broadcast_to(w.global_scale[0], (m,))

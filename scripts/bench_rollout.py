@@ -462,6 +462,10 @@ def parse_args(argv):
     p.add_argument("--w4a4-mma-k", type=int, choices=(64, 128, 256), default=256,
                    help="K columns of decoded weight per wgmma group (W4A4MatmulConfig.mma_k; "
                    "--w4a4-mma-overlap 1 needs 64 or 128)")
+    p.add_argument("--materialize-operands", action=argparse.BooleanOptionalAction,
+                   default=True, help="the NVFP4 kernels' distinct-row operands and RAC residual "
+                   "computed once before the row gathers (the default; "
+                   "W4A4MatmulConfig.materialize_operands)")
     p.add_argument("--windowed-operands", action=argparse.BooleanOptionalAction, default=True,
                    help="the NVFP4 and FP8 kernels read token tiles as row windows (the "
                    "default) or as gathered tiles (W4A4MatmulConfig / W8A8MatmulConfig."
@@ -509,13 +513,15 @@ def main(argv=None) -> int:
         BF16_PATH["path"] = args.bf16_path
     models.layers.set_decode_attention(args.decode_attention)
     if (args.w4a4_n_group != 1 or not args.w4a4_stack_operands or args.w4a4_mma_overlap
-            or args.w4a4_mma_k != 256 or args.rac_select_kernel or args.rac_select_block_rows != 16
+            or args.w4a4_mma_k != 256 or not args.materialize_operands
+            or args.rac_select_kernel or args.rac_select_block_rows != 16
             or not args.grouped_barrier or not args.windowed_operands):
         from quads_jax.quant import kernel_backend
         kernel_backend.set_w4a4_overrides(n_group=args.w4a4_n_group,
                                           stack_operands=args.w4a4_stack_operands,
                                           mma_overlap=args.w4a4_mma_overlap,
                                           mma_k=args.w4a4_mma_k,
+                                          materialize_operands=args.materialize_operands,
                                           rac_select_kernel=args.rac_select_kernel,
                                           rac_select_block_rows=args.rac_select_block_rows,
                                           windowed_operands=args.windowed_operands)
@@ -534,6 +540,7 @@ def main(argv=None) -> int:
                           w4a4_stack_operands=args.w4a4_stack_operands,
                           w4a4_mma_overlap=args.w4a4_mma_overlap,
                           w4a4_mma_k=args.w4a4_mma_k,
+                          materialize_operands=args.materialize_operands,
                           rac_select_kernel=args.rac_select_kernel,
                           rac_select_block_rows=args.rac_select_block_rows,
                           grouped_barrier=args.grouped_barrier,

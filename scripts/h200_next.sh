@@ -51,6 +51,9 @@
 #          chunks multiplied by one wgmma group, one wait), GPU-checked first, against base and
 #          stacked (kernel_probe --grouped-ablations), then nvfp4_rac and nvfp4 at batch 128
 #          with --w4a4-mma-k 256 and the default 64 in the same call
+#   nomat  nvfp4_rac and nvfp4 at batch 128, traced, without the optimization barrier that
+#          materializes the distinct rows' operands and RAC residual before the windows' row
+#          gathers (--no-materialize-operands; compare with b128 of the same call)
 #   hlo    nvfp4 at batch 128 with the decode program's optimized HLO dumped to $OUT/hlo (what
 #          the 386 small `memcpy32_post` copies per step and the MoE block's fusions are)
 #
@@ -71,7 +74,8 @@
 # its 540 s) and `kgroup` (cut at 64 tokens; wall-clock only). Next: `kdense`, `kgroup` (both
 # with device times now), `gcheck` for the W4A16 items, then `p1024 b256`.
 # Session 19 ran `mmak` (7413c4c: mma_k 256 faster; the default since, so `mmak`'s "base" is now
-# 256 and "mma_k 64" the old path). Next: `kdense kgroup`, then `b128 p1024`.
+# 256 and "mma_k 64" the old path), `kdense kgroup` (fa54bdd; both cut by their 270 s limits,
+# rows in the logs) and `b128 nomat`. Next: `p1024 b256`, `gcheck`.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
@@ -167,8 +171,10 @@ for step in "$@"; do
       rollout k256 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 --w4a4-mma-k 256 \
       --budget-s 110
       rollout k64 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 --budget-s 110 ;;
+    nomat) rollout nomat 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \
+      --no-materialize-operands --budget-s 110 ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
-    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win kdense kgroup mmak hlo)"; exit 2 ;;
+    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win kdense kgroup mmak nomat hlo)"; exit 2 ;;
   esac
 done

@@ -172,3 +172,9 @@ def test_windowed_operands_are_the_gathered_operands(rac_on):
     pad = np.asarray(window_rows) == m
     for r in tiles.rows:  # the aligned layout's padding rows are zero
         assert r.shape == (window_rows.shape[0], 256) and not np.asarray(r)[pad].any()
+    # Without the barrier before the row gathers (the ablation): the same operands, jitted.
+    for materialize in (True, False):
+        ops_j, _ = jax.jit(lambda idx, mt=materialize: wm.operand_rows(
+            acts, idx, jnp.float16, 256, mt))(window_rows)
+        for got, want in zip(ops_j, tiles.rows, strict=True):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
