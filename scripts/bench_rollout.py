@@ -463,8 +463,8 @@ def parse_args(argv):
                    help="K columns of decoded weight per wgmma group (W4A4MatmulConfig.mma_k; "
                    "--w4a4-mma-overlap 1 needs 64 or 128)")
     p.add_argument("--materialize-operands", action=argparse.BooleanOptionalAction,
-                   default=True, help="the NVFP4 kernels' distinct-row operands and RAC residual "
-                   "computed once before the row gathers (the default; "
+                   default=True, help="with RAC, the NVFP4 kernels' distinct-row operands and "
+                   "residual computed once before the row gathers (the default; "
                    "W4A4MatmulConfig.materialize_operands)")
     p.add_argument("--windowed-operands", action=argparse.BooleanOptionalAction, default=True,
                    help="the NVFP4 and FP8 kernels read token tiles as row windows (the "
