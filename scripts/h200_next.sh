@@ -92,13 +92,13 @@ ALL=nvfp4,nvfp4_rac,bf16,fp8
 
 rollout() {  # rollout TAG SECONDS ARGS...
   local tag=$1 limit=$2; shift 2
-  XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout "$limit" python3 scripts/bench_rollout.py \
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -k 15 "$limit" python3 scripts/bench_rollout.py \
     --no-ragged --bf16-path mgpu --no-split --commit "$COMMIT" \
     --out "$OUT/$tag" "$@" > "$OUT/$tag.log" 2>&1
   echo "$tag rc $?"; grep -E "^\||busy|^ +[0-9.]+ ms" "$OUT/$tag.log" | cut -c1-120
 }
 check() {  # check PART SECONDS
-  XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout "$2" python3 scripts/bench_kernels.py \
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 "$2" python3 scripts/bench_kernels.py \
     --part "$1" --out "$OUT/$1" > "$OUT/$1.log" 2>&1
   echo "$1 rc $?"; grep -E "PASS|FAIL" "$OUT/$1.log" | cut -c1-110
 }
@@ -121,13 +121,13 @@ for step in "$@"; do
     nobar) rollout nobar 220 --quick --no-grouped-barrier --precisions nvfp4,nvfp4_rac \
       --budget-s 170 ;;
     unroll) rollout unroll 280 --quick --unroll-decode --precisions nvfp4,bf16 --budget-s 220 ;;
-    kern) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 540 python3 scripts/bench_kernels.py \
+    kern) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 540 python3 scripts/bench_kernels.py \
       --part decode,grouped --out "$OUT/kern" > "$OUT/kern.log" 2>&1
       echo "kern rc $?"; tail -40 "$OUT/kern/bench_kernels.md" ;;
-    kdense) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 270 python3 scripts/bench_kernels.py \
+    kdense) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 270 python3 scripts/bench_kernels.py \
       --part decode --trace --out "$OUT/kdense" > "$OUT/kdense.log" 2>&1
       echo "kdense rc $?"; grep -E "M=|floor|bw" "$OUT/kdense.log" | cut -c1-240 ;;
-    kgroup) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 270 python3 scripts/bench_kernels.py \
+    kgroup) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 270 python3 scripts/bench_kernels.py \
       --part grouped --trace --out "$OUT/kgroup" > "$OUT/kgroup.log" 2>&1
       echo "kgroup rc $?"; grep -E "grouped|floor|bw" "$OUT/kgroup.log" | cut -c1-240 ;;
     cmdbuf) XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL --xla_gpu_graph_min_graph_size=2" \
