@@ -22,6 +22,15 @@ Kernel layout of a weight ``[..., N, K]`` (``...`` = nothing for dense, ``E`` fo
   subnormals (verified on the H200, 2026-12-02: rel. err 1e-6 against float64, as "normal").
   The default for float16 MMA.
 * ``global_scale`` float32 ``[E]``: the NVFP4 decode scale ``g`` of each matrix.
+* ``bits`` (static): where a word keeps its four codes' bits. "nibbles": code ``i`` in bits
+  ``[4i, 4i + 4)`` (sign on top). "signs_high": code ``i``'s three magnitude bits at
+  ``[3i, 3i + 3)`` and its sign at bit ``SIGNS_HIGH_SIGN_BIT[i]`` (14, 13, 12, 15), chosen
+  (by a search over bit layouts) so that the device decode of code ``i`` into the "subnormal"
+  f16 bits ``sign << 15 | magnitude << 9`` of both words of a 32-bit register takes 1
+  (code 3: a mask), 2 (code 2: a shift and a mask) or 3 operations (codes 0 and 1: a mask, a
+  multiply by ``2^a + 2^b`` whose two shifted copies never overlap, so it adds without
+  carries, and a mask; the multiply runs on the FMA pipe, not the integer one), against 3-4
+  integer operations per code for "nibbles" (two shifts, two masks and an or). Same bytes.
 
 ``Np`` and ``Kp`` are N and K padded with zero codes and zero scales to the kernel tiles
 (``N_TILE`` rows, ``K_TILE`` columns), so the padding contributes exact zeros.
@@ -41,6 +50,8 @@ K_TILE = 256  # K columns per pipeline step: 64 uint16 words = one 128-byte swiz
 N_TILE = 128  # weight rows per CTA tile: two compute warpgroups x 64 wgmma rows.
 MMA_DTYPES = ("float16", "bfloat16")
 DECODES = ("normal", "subnormal")
+BITS = ("nibbles", "signs_high")
+SIGNS_HIGH_SIGN_BIT = (14, 13, 12, 15)  # "signs_high": the sign bit of code i of a word
 # "subnormal" decode: the f16 bit pattern ((c & 8) << 12) | ((c & 7) << 9) is e2m1(c) * 2^-14.
 CODE_EXPONENT = -14
 
@@ -66,6 +77,7 @@ class W4A4Weights:
       global_scale: float32 ``[E]``.
       n: logical N (static); k: logical K (static); stacked: False for a dense ``[N, K]`` weight.
       decode: "normal" | "subnormal" (static; module docstring).
+      bits: "nibbles" | "signs_high" (static; module docstring).
     """
 
     CODES_NDIM = 4  # codes' rank for one weight; leading axes beyond it are stacked layers
@@ -77,6 +89,7 @@ class W4A4Weights:
     k: int = dataclasses.field(metadata={"static": True})
     stacked: bool = dataclasses.field(metadata={"static": True})
     decode: str = dataclasses.field(default="normal", metadata={"static": True})
+    bits: str = dataclasses.field(default="nibbles", metadata={"static": True})
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -120,20 +133,46 @@ def _check_mma_dtype(mma_dtype: str) -> None:
         raise ValueError(f"mma_dtype={mma_dtype!r} is not one of {MMA_DTYPES}")
 
 
-def split_nibble_pack(codes: jax.Array) -> jax.Array:
-    """uint8 E2M1 codes ``[..., K]`` (K % 64 == 0) -> uint16 split-nibble words ``[..., K // 4]``."""
+def _check_bits(bits: str) -> None:
+    if bits not in BITS:
+        raise ValueError(f"bits={bits!r} is not one of {BITS}")
+
+
+def code_bits(i: int, bits: str) -> tuple[int, int]:
+    """(magnitude shift, sign bit) of code ``i`` (0..3) in a word of the ``bits`` layout."""
+    _check_bits(bits)
+    return (4 * i, 4 * i + 3) if bits == "nibbles" else (3 * i, SIGNS_HIGH_SIGN_BIT[i])
+
+
+def word_code(words: jax.Array, i: int, bits: str) -> jax.Array:
+    """The E2M1 codes (sign << 3 | magnitude, uint16 0..15) of code ``i`` of uint16 ``words``."""
+    u16 = jnp.uint16
+    mag_shift, sign_bit = code_bits(i, bits)
+    if bits == "nibbles":  # one shift and one mask (the device's jnp decode path runs this)
+        return (words >> u16(mag_shift)) & u16(0xF) if mag_shift else words & u16(0xF)
+    mag = (words >> u16(mag_shift)) & u16(7) if mag_shift else words & u16(7)
+    return mag | (((words >> u16(sign_bit)) & u16(1)) << u16(3))
+
+
+def split_nibble_pack(codes: jax.Array, bits: str = "nibbles") -> jax.Array:
+    """uint8 E2M1 codes ``[..., K]`` (K % 64 == 0) -> uint16 split-nibble words ``[..., K // 4]``
+    (word ``j`` of each 64-column group holds ``k = 16 i + j`` as its code ``i``, placed by
+    ``bits``)."""
     k = codes.shape[-1]
     c = codes.astype(jnp.uint16).reshape(codes.shape[:-1] + (k // 64, 4, 16))
-    words = c[..., 0, :] | (c[..., 1, :] << 4) | (c[..., 2, :] << 8) | (c[..., 3, :] << 12)
+    words = jnp.zeros(c.shape[:-2] + (16,), jnp.uint16)
+    for i in range(4):
+        mag_shift, sign_bit = code_bits(i, bits)
+        ci = c[..., i, :]
+        words = words | ((ci & 7) << mag_shift) | ((ci >> 3) << sign_bit)
     return words.reshape(codes.shape[:-1] + (k // 4,))
 
 
-def split_nibble_unpack(words: jax.Array) -> jax.Array:
+def split_nibble_unpack(words: jax.Array, bits: str = "nibbles") -> jax.Array:
     """Inverse of ``split_nibble_pack``: uint16 ``[..., K // 4]`` -> uint8 codes ``[..., K]``."""
     kw = words.shape[-1]
-    w = words.reshape(words.shape[:-1] + (kw // 16, 1, 16))
-    shifts = jnp.arange(4, dtype=jnp.uint16).reshape(1, 4, 1) * 4
-    c = (w >> shifts) & jnp.uint16(0xF)
+    w = words.reshape(words.shape[:-1] + (kw // 16, 16))
+    c = jnp.stack([word_code(w, i, bits) for i in range(4)], axis=-2)
     return c.astype(jnp.uint8).reshape(words.shape[:-1] + (kw * 4,))
 
 
@@ -153,16 +192,18 @@ def untile_rows(a: jax.Array) -> jax.Array:
 
 
 def prepare_w4a4_weights(
-    w_q: nvfp4.NVFP4Tensor, *, mma_dtype: str = "float16", decode: str | None = None
+    w_q: nvfp4.NVFP4Tensor, *, mma_dtype: str = "float16", decode: str | None = None,
+    bits: str = "nibbles",
 ) -> W4A4Weights:
     """Convert an ``NVFP4Tensor`` weight ``[N, K]`` or ``[E, N, K]`` to the kernel layout.
 
     The global scale must be per tensor (dense) or per matrix ("expert" mode, or one scalar for
     all experts). Call this once at weight sync; inside a jitted forward it costs a full pass
     over the weight. ``decode`` None: "subnormal" for float16 MMA (where the kernel's fast PTX
-    decode applies), "normal" for bfloat16.
+    decode applies), "normal" for bfloat16. ``bits``: the words' bit layout (module docstring).
     """
     _check_mma_dtype(mma_dtype)
+    _check_bits(bits)
     if decode is None:
         decode = "subnormal" if mma_dtype == "float16" else "normal"
     if decode not in DECODES:
@@ -192,19 +233,20 @@ def prepare_w4a4_weights(
     s = s * np.float32(stored_scale_factor(mma_dtype, decode))
     s = jnp.pad(s, ((0, 0), (0, n_pad - n), (0, (k_pad - k) // nvfp4.BLOCK_SIZE)))
     return W4A4Weights(
-        codes=tile_rows(split_nibble_pack(codes), K_TILE // 4),
+        codes=tile_rows(split_nibble_pack(codes, bits), K_TILE // 4),
         scales=jnp.swapaxes(s.reshape(e, n_pad // N_TILE, N_TILE, -1), 2, 3).astype(mma_dtype),
         global_scale=g,
         n=n,
         k=k,
         stacked=stacked,
         decode=decode,
+        bits=bits,
     )
 
 
 def dequantize_w4a4_weights(w: W4A4Weights) -> jax.Array:
     """float32 ``[E, N, K]`` values ``e2m1 * s`` (no global scale): the layout's jnp reference."""
-    codes = split_nibble_unpack(untile_rows(w.codes))
+    codes = split_nibble_unpack(untile_rows(w.codes), w.bits)
     vals = nvfp4.e2m1_code_to_float(codes)
     e, n_pad, k_pad = vals.shape
     s = jnp.swapaxes(w.scales.astype(jnp.float32), 2, 3).reshape(e, n_pad, k_pad // 16)

@@ -41,7 +41,7 @@ from jax.experimental import mosaic as _mosaic  # noqa: F401  (registers the dia
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
-from pallas_kernels.layout import K_TILE, N_TILE, W4A4Weights
+from pallas_kernels.layout import K_TILE, N_TILE, W4A4Weights, code_bits, word_code
 from pallas_kernels.token_tiles import ROW_ALIGN, TokenTiles
 
 WG_ROWS = 64  # wgmma M per warpgroup
@@ -256,14 +256,60 @@ def _nibble_shifts(i: int) -> tuple[str, str]:
             f"shl.b32 m, $1, {mag};" if mag >= 0 else f"shr.b32 m, $1, {-mag};")
 
 
-def _codes_to_f16_ptx(words: jax.Array, nibble: int) -> jax.Array:
-    """uint16 ``[64, n]`` words (WGMMA layout) -> float16 ``[64, n]`` "subnormal" values of
-    nibble ``nibble``: each 32-bit register holds two words, decoded with four 32-bit ops
-    (Mosaic GPU lowers 16-bit shifts one half at a time, with unpack/repack around them)."""
-    layout = plgpu.Layout.WGMMA
+F16_SUBNORMAL_MASK = 0x8E008E00  # sign << 15 | magnitude << 9, in both halves of a register
+
+
+def signs_high_ops(i: int) -> tuple[tuple[str, int], ...]:
+    """The 32-bit operations that turn code ``i`` of both words of a register in the
+    "signs_high" layout (``layout.code_bits``) into f16 "subnormal" bits: ``("and", mask)``,
+    ``("shl", n)`` or ``("mul", 2^a + 2^b)``. With the sign and the magnitude at different
+    distances from their f16 places, a multiply makes the two shifted copies at once: the
+    layout keeps them from overlapping (checked by ``signs_high_decode_numpy``'s test over all
+    words), so the product is their sum without carries, and one mask keeps the wanted bits."""
+    mag_shift, sign_bit = code_bits(i, "signs_high")
+    ts, tm = 15 - sign_bit, 9 - mag_shift  # left shifts that put the sign and magnitude in place
+    if ts == tm:
+        return ((("shl", ts),) if ts else ()) + (("and", F16_SUBNORMAL_MASK),)
+    keep = ((1 << sign_bit) | (7 << mag_shift)) * 0x10001
+    return (("and", keep), ("mul", (1 << ts) + (1 << tm)), ("and", F16_SUBNORMAL_MASK))
+
+
+def signs_high_decode_numpy(regs: np.ndarray, i: int) -> np.ndarray:
+    """``signs_high_ops(i)`` on uint32 registers in numpy (what the PTX computes)."""
+    v = regs.astype(np.uint64)
+    for op, arg in signs_high_ops(i):
+        v = (v & arg) if op == "and" else (v << arg) if op == "shl" else (v * arg)
+        v &= 0xFFFFFFFF
+    return v.astype(np.uint32)
+
+
+def _decode_asm(nibble: int, bits: str) -> str:
+    """PTX for ``$0`` = the f16x2 "subnormal" bits of code ``nibble`` of the two words in ``$1``."""
+    if bits == "signs_high":
+        ops = signs_high_ops(nibble)
+        body = []
+        for n, (op, arg) in enumerate(ops):
+            src, dst = ("$1" if n == 0 else "t"), ("$0" if n == len(ops) - 1 else "t")
+            if op == "and":
+                body.append(f"and.b32 {dst}, {src}, {arg:#010x};")
+            elif op == "shl":
+                body.append(f"shl.b32 {dst}, {src}, {arg};")
+            else:
+                body.append(f"mul.lo.u32 {dst}, {src}, {arg};")
+        return "{ .reg .b32 t; " + " ".join(body) + " }"
     sign_op, mag_op = _nibble_shifts(nibble)
-    asm = (f"{{ .reg .b32 s, m; {sign_op} {mag_op} and.b32 s, s, 0x80008000; "
-           "and.b32 m, m, 0x0E000E00; or.b32 $0, s, m; }")
+    return (f"{{ .reg .b32 s, m; {sign_op} {mag_op} and.b32 s, s, 0x80008000; "
+            "and.b32 m, m, 0x0E000E00; or.b32 $0, s, m; }")
+
+
+def _codes_to_f16_ptx(words: jax.Array, nibble: int, bits: str = "nibbles") -> jax.Array:
+    """uint16 ``[64, n]`` words (WGMMA layout) -> float16 ``[64, n]`` "subnormal" values of
+    code ``nibble``: each 32-bit register holds two words, decoded with 32-bit ops on both at
+    once (Mosaic GPU lowers 16-bit shifts one half at a time, with unpack/repack around them):
+    two shifts, two masks and an or per code for "nibbles", one to three ops for "signs_high"
+    (``layout`` module docstring)."""
+    layout = plgpu.Layout.WGMMA
+    asm = _decode_asm(nibble, bits)
 
     @plgpu.inline_mgpu(
         arg_types=(layout,),
@@ -282,7 +328,7 @@ def _codes_to_f16_ptx(words: jax.Array, nibble: int) -> jax.Array:
 
 
 def _decode_chunk(w16: jax.Array, scales, rows, g: int, mma_dtype, decode: str,
-                  config: TileGemmConfig) -> jax.Array:
+                  config: TileGemmConfig, bits: str = "nibbles") -> jax.Array:
     """Decode K columns [64g, 64g + 64) of a 64-row uint16 tile to ``[64, 64]`` MMA values.
 
     ``w16``: uint16 ``[64, 64]`` words of the step; ``scales``: SMEM ref ``[16, 128]`` of the
@@ -295,10 +341,9 @@ def _decode_chunk(w16: jax.Array, scales, rows, g: int, mma_dtype, decode: str,
             pieces.append(lax.bitcast_convert_type(words, mma_dtype))
             continue
         if config.decode_impl == "ptx":
-            v = _codes_to_f16_ptx(words, i)
+            v = _codes_to_f16_ptx(words, i, bits)
         else:
-            c = (words >> jnp.uint16(4 * i)) & jnp.uint16(0xF) if i else words & jnp.uint16(0xF)
-            v = _code_to_f16(c, decode)
+            v = _code_to_f16(word_code(words, i, bits), decode)
         if mma_dtype != jnp.float16:
             v = v.astype(mma_dtype)
         s = scales[4 * g + i, rows]
@@ -534,7 +579,8 @@ def nvfp4_tile_gemm(
                     n_groups = K_TILE // config.mma_k
                     total = None
                     for g in range(n_groups):
-                        chunks = [_decode_chunk(w16, s_smem, rows, c, mma_dtype, w.decode, config)
+                        chunks = [_decode_chunk(w16, s_smem, rows, c, mma_dtype, w.decode,
+                                                config, w.bits)
                                   for c in range(g * per, (g + 1) * per)]
                         a = chunks[0] if per == 1 else jnp.concatenate(chunks, axis=1)
                         last = g == n_groups - 1

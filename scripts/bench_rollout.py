@@ -462,6 +462,9 @@ def parse_args(argv):
     p.add_argument("--w4a4-mma-k", type=int, choices=(64, 128, 256), default=256,
                    help="K columns of decoded weight per wgmma group (W4A4MatmulConfig.mma_k; "
                    "--w4a4-mma-overlap 1 needs 64 or 128)")
+    p.add_argument("--w4a4-bits", choices=("nibbles", "signs_high"), default="nibbles",
+                   help="the float16 NVFP4 weights' code-word bit layout made at weight sync "
+                   "(kernel_backend.set_w4a4_bits)")
     p.add_argument("--materialize-operands", action=argparse.BooleanOptionalAction,
                    default=True, help="with RAC, the NVFP4 kernels' distinct-row operands and "
                    "residual computed once before the row gathers (the default; "
@@ -522,11 +525,15 @@ def main(argv=None) -> int:
                                           mma_overlap=args.w4a4_mma_overlap,
                                           mma_k=args.w4a4_mma_k,
                                           materialize_operands=args.materialize_operands,
+                          w4a4_bits=args.w4a4_bits,
                                           rac_select_kernel=args.rac_select_kernel,
                                           rac_select_block_rows=args.rac_select_block_rows,
                                           windowed_operands=args.windowed_operands)
         kernel_backend.set_fp8_overrides(windowed_operands=args.windowed_operands)
         kernel_backend.set_grouped_barrier(args.grouped_barrier)
+    if args.w4a4_bits != "nibbles":
+        from quads_jax.quant import kernel_backend
+        kernel_backend.set_w4a4_bits(args.w4a4_bits)
     clock = Clock(args.budget_s)
     os.makedirs(args.out, exist_ok=True)
     open(os.path.join(args.out, "rollout.jsonl"), "w").close()
@@ -541,6 +548,7 @@ def main(argv=None) -> int:
                           w4a4_mma_overlap=args.w4a4_mma_overlap,
                           w4a4_mma_k=args.w4a4_mma_k,
                           materialize_operands=args.materialize_operands,
+                          w4a4_bits=args.w4a4_bits,
                           rac_select_kernel=args.rac_select_kernel,
                           rac_select_block_rows=args.rac_select_block_rows,
                           grouped_barrier=args.grouped_barrier,

@@ -56,6 +56,10 @@
 #          gathers (--no-materialize-operands; compare with b128 of the same call)
 #   fin    nvfp4_rac and nvfp4 at batch 128, traced (the newest commit's pair), then nvfp4_rac
 #          and bf16 at batch 128 / prompt 1024 (p1024 with a 200 s limit)
+#   bits   the "signs_high" code-word bit layout (fewer integer ops per decoded code; session 19,
+#          CPU-tested only): the grouped tile kernel with it, GPU-checked first, against the
+#          stacked default (kernel_probe --grouped-ablations), then nvfp4_rac and nvfp4 at batch
+#          128 with --w4a4-bits signs_high and with the default, in the same call
 #   hlo    nvfp4 at batch 128 with the decode program's optimized HLO dumped to $OUT/hlo (what
 #          the 386 small `memcpy32_post` copies per step and the MoE block's fusions are)
 #
@@ -78,8 +82,9 @@
 # Session 19 ran `mmak` (7413c4c: mma_k 256 faster; the default since, so `mmak`'s "base" is now
 # 256 and "mma_k 64" the old path), `kdense kgroup` (fa54bdd; both cut by their 270 s limits,
 # rows in the logs), `mcheck b128 nomat` (81f981d: the barrier helped RAC, cost plain nvfp4 a
-# kernel per GEMM: RAC-only since) and `fin`. Next: `b256`, `gcheck`, `kdense` / `kgroup` for
-# their remaining rows (each alone: both run into 270 s).
+# kernel per GEMM: RAC-only since) and `fin`. Next: `bits` (the signs_high layout, built after
+# the last call), then `b256`, `gcheck`, `kdense` / `kgroup` for their remaining rows (each
+# alone: both run into 270 s).
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
@@ -180,8 +185,15 @@ for step in "$@"; do
     fin) rollout fin128 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 --budget-s 110
       rollout p1024 200 --batches 128 --prompts 1024 $short --precisions nvfp4_rac,bf16 \
       --budget-s 150 ;;
+    bits) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 200 python3 scripts/kernel_probe.py \
+      --grouped-ablations --out "$OUT/bitsk" --variants "stacked,stacked signs_high,signs_high" \
+      --check-variants "stacked signs_high" > "$OUT/bitsk.log" 2>&1
+      echo "bitsk rc $?"; grep -E "grouped|FAIL|PASS|floor|Error" "$OUT/bitsk.log" | cut -c1-140
+      rollout sh128 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \
+      --w4a4-bits signs_high --budget-s 110
+      rollout nb128 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 --budget-s 110 ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
-    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win kdense kgroup mmak nomat fin hlo)"; exit 2 ;;
+    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win kdense kgroup mmak nomat fin bits hlo)"; exit 2 ;;
   esac
 done

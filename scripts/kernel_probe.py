@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_kernels as bk  # noqa: E402
 
 from pallas_kernels import nvfp4_quantize as aq  # noqa: E402
+from pallas_kernels.layout import prepare_w4a4_weights  # noqa: E402
 from pallas_kernels.nvfp4_tiles_mgpu import TileGemmConfig, nvfp4_tile_gemm  # noqa: E402
 from pallas_kernels.w4a4_grouped import w4a4_grouped_matmul  # noqa: E402
 from pallas_kernels.w4a4_matmul import W4A4MatmulConfig, w4a4_matmul  # noqa: E402
@@ -57,9 +58,13 @@ E2E_VARIANTS = (
 )
 
 
-def weights(key, shape, decode):
-    """``(NVFP4Tensor, W4A4Weights)`` of a random weight, f16 MMA, the given decode."""
-    return bk.nvfp4_weight(key, shape, "float16", decode)
+def weights(key, shape, decode, bits: str = "nibbles"):
+    """``(NVFP4Tensor, W4A4Weights)`` of a random weight, f16 MMA, the given decode and word
+    bit layout."""
+    wq, ww = bk.nvfp4_weight(key, shape, "float16", decode)
+    if bits != ww.bits:
+        ww = prepare_w4a4_weights(wq, mma_dtype="float16", decode=decode, bits=bits)
+    return wq, ww
 
 
 def tile_op(cfg):
@@ -413,6 +418,8 @@ GROUPED_VARIANTS = (
     ("stacked k128", dict(stack_operands=True, mma_k=128)),
     ("stacked k256", dict(stack_operands=True, mma_k=256)),
     ("stacked k128 overlap1", dict(stack_operands=True, mma_k=128, mma_overlap=1)),
+    ("signs_high", dict(bits="signs_high")),
+    ("stacked signs_high", dict(stack_operands=True, bits="signs_high")),
     ("unchained", dict(chain_items=False)),
     ("ablate no_decode", dict(ablation="no_decode")),
     ("ablate one_mma", dict(ablation="one_mma", mma_k=64)),
@@ -447,9 +454,11 @@ def run_grouped_ablations(tokens: int = 128, variants: tuple[str, ...] | None = 
            f"tiles={int(nt[0])} of {t_max}")
 
     for v in checks:
-        cfg = W4A4MatmulConfig(**dict(GROUPED_VARIANTS)[v])
+        kw = dict(dict(GROUPED_VARIANTS)[v])
+        bits = kw.pop("bits", "nibbles")
+        cfg = W4A4MatmulConfig(**kw)
         for n, k, name in ((2 * GN, GK, "gate_up"), (GK, GN, "down")):
-            wq, ww = weights(940 + n, (GE, n, k), "subnormal")
+            wq, ww = weights(940 + n, (GE, n, k), "subnormal", bits)
             x = bk.rand(941, (m, k), jnp.float32)  # f32 output: the check sees the f32 sums
             for r in (None, aq.RACConfig()):
                 bk.check(f"grouped {name} {v}{' +RAC' if r else ''} rows={m}",
@@ -466,12 +475,19 @@ def run_grouped_ablations(tokens: int = 128, variants: tuple[str, ...] | None = 
 
     for n, k, name in ((2 * GN, GK, "gate_up"), (GK, GN, "down")):
         wq, ww = weights(900 + n, (GE, n, k), "subnormal")
+        by_bits = {"nibbles": ww}
         b = [bk.rand(910 + a, (t_max, block_m, ww.k_pad), jnp.float16) for a in range(2)]
         cs = jnp.ones((t_max, 2, block_m), jnp.float32)
         nbytes = touched * n * k * 0.5625
         for v, kw in GROUPED_VARIANTS:
             if variants is not None and v not in variants:
                 continue
+            kw = dict(kw)
+            bits = kw.pop("bits", "nibbles")
+            if bits not in by_bits:  # the same weight, its words in another bit layout
+                by_bits[bits] = prepare_w4a4_weights(wq, mma_dtype="float16",
+                                                     decode="subnormal", bits=bits)
+            ww = by_bits[bits]
             for a in (1, 2):
                 ng = kw.get("n_group", 1)
                 ks = auto_k_splits(live * (ww.n_pad // N_TILE // ng), ww.k_pad // K_TILE, sms)
@@ -486,7 +502,7 @@ def run_grouped_ablations(tokens: int = 128, variants: tuple[str, ...] | None = 
                               note=f"busy {busy:.2f}")
                 except Exception as err:  # noqa: BLE001
                     bk.log(f"  {label} FAILED: {type(err).__name__}: {str(err)[:300]}")
-        del ww, b
+        del ww, by_bits, b
         try:
             w8 = bk.our_fp8_weight(fp8.quantize(bk.rand(920 + n, (GE, n, k), jnp.float32),
                                                 granularity="channel"))

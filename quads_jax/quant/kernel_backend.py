@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import nvfp4_quantize as aq
 from pallas_kernels.fp8_tiles_mgpu import FP8Weights
-from pallas_kernels.layout import W4A4Weights, prepare_w4a4_weights
+from pallas_kernels.layout import BITS, W4A4Weights, prepare_w4a4_weights
 from pallas_kernels.w4a4_grouped import w4a4_grouped_matmul
 from pallas_kernels.w4a4_matmul import W4A4MatmulConfig, w4a4_matmul
 from pallas_kernels.w4a16_matmul import w4a16_grouped_matmul, w4a16_matmul
@@ -38,6 +38,20 @@ INTERPRET_NUM_SMS = 4
 # configs' defaults.
 _W4A4_OVERRIDES: dict = {}
 _FP8_OVERRIDES: dict = {}
+# The code words' bit layout ``prepare_weights`` gives float16 NVFP4 weights (``layout.BITS``;
+# ``set_w4a4_bits``). "nibbles" by default: "signs_high" needs fewer integer operations to
+# decode but has not been timed on the GPU yet.
+_W4A4_BITS = ["nibbles"]
+
+
+def set_w4a4_bits(bits: str = "nibbles") -> None:
+    """The word bit layout of the float16 NVFP4 weights made from now on (at the next weight
+    sync): "nibbles" or "signs_high" (``pallas_kernels.layout``). bfloat16 layouts (W4A16,
+    RAC with a bf16 residual) keep "nibbles": their decode runs the jnp path on the device,
+    which would only get slower. A bad value raises ``ValueError`` and changes nothing."""
+    if bits not in BITS:
+        raise ValueError(f"set_w4a4_bits: bits={bits!r} is not one of {BITS}")
+    _W4A4_BITS[0] = bits
 
 
 def _set_overrides(store: dict, cls, fields: dict, fixed: set, name: str) -> None:
@@ -86,7 +100,9 @@ def prepare_weights(w, mode: str, recipe=None):
         return w
     if not isinstance(w, nvfp4.NVFP4Tensor):
         w = nvfp4.quantize(w, scale_mode="expert")
-    return prepare_w4a4_weights(w, mma_dtype=_mma_dtype(mode, recipe) if recipe else "float16")
+    mma_dtype = _mma_dtype(mode, recipe) if recipe else "float16"
+    bits = _W4A4_BITS[0] if mma_dtype == "float16" else "nibbles"
+    return prepare_w4a4_weights(w, mma_dtype=mma_dtype, bits=bits)
 
 
 def _unpack(w, mode: str, recipe):

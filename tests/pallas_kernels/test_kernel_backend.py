@@ -72,3 +72,22 @@ def test_grouped_barrier_switch():
     finally:
         kernel_backend.set_grouped_barrier(True)
     assert "optimization_barrier" in prim()
+
+
+def test_w4a4_bits_switch():
+    """``set_w4a4_bits`` picks the word bit layout of the float16 weights made at sync (bf16
+    layouts keep "nibbles"); a bad value raises and changes nothing."""
+    w = jax.random.normal(jax.random.key(3), (2, 128, 256))
+    recipe = QuantRecipe(rac_residual_format="bf16")
+    try:
+        kernel_backend.set_w4a4_bits("signs_high")
+        assert kernel_backend.prepare_weights(w, "w4a4_nvfp4").bits == "signs_high"
+        assert kernel_backend.prepare_weights(w, "w4a16_nvfp4", QuantRecipe()).bits == "nibbles"
+        assert kernel_backend.prepare_weights(w, "w4a4_nvfp4_rac", recipe).bits == "nibbles"
+        with pytest.raises(ValueError, match="bits='x' is not one of"):
+            kernel_backend.set_w4a4_bits("x")
+        assert kernel_backend.prepare_weights(w, "w4a4_nvfp4").bits == "signs_high"
+    finally:
+        kernel_backend.set_w4a4_bits()
+    assert kernel_backend.prepare_weights(w, "w4a4_nvfp4").bits == "nibbles"
+

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.layout import (
+    BITS,
     W4A4Weights,
     dequantize_w4a4_weights,
     prepare_w4a4_weights,
@@ -13,6 +14,7 @@ from pallas_kernels.layout import (
     split_nibble_unpack,
     tile_rows,
     untile_rows,
+    word_code,
 )
 from quads_jax.quant import nvfp4
 
@@ -30,12 +32,53 @@ def test_split_nibble_round_trip_and_block_property():
             np.testing.assert_array_equal(got, np.asarray(codes)[:, 64 * g + 16 * i :][:, :16])
 
 
-@pytest.mark.parametrize("mma_dtype,decode", [("float16", "normal"), ("bfloat16", "subnormal")])
+@pytest.mark.parametrize("bits", BITS)
+def test_word_bit_layouts_round_trip(bits):
+    """Both bit layouts: pack / unpack round trip, and code ``i`` of the 16 words of a
+    64-column group is the scale block ``4g + i``."""
+    codes = jax.random.randint(jax.random.key(3), (3, 128), 0, 16).astype(jnp.uint8)
+    words = split_nibble_pack(codes, bits)
+    np.testing.assert_array_equal(split_nibble_unpack(words, bits), codes)
+    for g in range(2):
+        for i in range(4):
+            got = word_code(words[:, 16 * g: 16 * g + 16], i, bits)
+            np.testing.assert_array_equal(got, np.asarray(codes)[:, 64 * g + 16 * i:][:, :16])
+
+
+def _f16_bits(words: np.ndarray, i: int) -> np.ndarray:
+    """uint32 f16 "subnormal" bits of code ``i`` of "signs_high" ``words``."""
+    c = np.asarray(word_code(jnp.asarray(words, jnp.uint16), i, "signs_high"), np.uint32)
+    return ((c >> 3) << 15) | ((c & 7) << 9)
+
+
+def test_signs_high_device_decode_ops_on_every_word():
+    """The "signs_high" decode's 32-bit ops (the PTX's, emulated in numpy) give the f16
+    "subnormal" bits ``sign << 15 | magnitude << 9`` of both words of a register, for every
+    low word with random high words: the multiply's two shifted copies never carry."""
+    from pallas_kernels.nvfp4_tiles_mgpu import _decode_asm, signs_high_decode_numpy
+
+    lo = np.arange(1 << 16, dtype=np.uint32)
+    for seed in range(3):
+        hi = np.random.default_rng(seed).integers(0, 1 << 16, lo.shape, dtype=np.uint32)
+        if seed == 0:
+            hi = lo[::-1].copy()
+        for i in range(4):
+            got = signs_high_decode_numpy(lo | (hi << 16), i)
+            np.testing.assert_array_equal(got, _f16_bits(lo, i) | (_f16_bits(hi, i) << 16))
+    # Fewer operations than "nibbles" (two shifts, two masks, an or per code).
+    assert [_decode_asm(i, "signs_high").count(";") - 1 for i in range(4)] == [3, 3, 2, 1]
+    assert all(_decode_asm(i, "nibbles").count(";") - 1 == 5 for i in range(4))
+
+
+@pytest.mark.parametrize("mma_dtype,decode,bits", [("float16", "normal", "nibbles"),
+                                                   ("bfloat16", "subnormal", "nibbles"),
+                                                   ("float16", "subnormal", "signs_high")])
 @pytest.mark.parametrize("shape", [(200, 304), (2, 130, 256)])
-def test_prepare_dequantizes_to_the_nvfp4_values(shape, mma_dtype, decode):
+def test_prepare_dequantizes_to_the_nvfp4_values(shape, mma_dtype, decode, bits):
     x = jax.random.normal(jax.random.key(1), shape) * 3
     q = nvfp4.quantize(x, scale_mode="expert" if len(shape) == 3 else "tensor")
-    w = prepare_w4a4_weights(q, mma_dtype=mma_dtype, decode=decode)
+    w = prepare_w4a4_weights(q, mma_dtype=mma_dtype, decode=decode, bits=bits)
+    assert w.bits == bits
     assert isinstance(w, W4A4Weights) and w.shape == shape and w.stacked == (len(shape) == 3)
     assert w.n_pad % 128 == 0 and w.k_pad % 256 == 0 and w.n_pad >= shape[-2]  # padded to tiles
     assert w.codes.shape == w.codes.shape[:1] + (w.n_pad // 128, w.k_pad // 256 * 128, 64)
@@ -56,6 +99,8 @@ def test_prepare_rejects_bad_weights():
         prepare_w4a4_weights(nvfp4.quantize(x[0]), mma_dtype="float32")
     with pytest.raises(ValueError, match="decode"):
         prepare_w4a4_weights(nvfp4.quantize(x[0]), decode="fast")
+    with pytest.raises(ValueError, match=r"bits='bytes' is not one of \('nibbles', 'signs_high'\)"):
+        prepare_w4a4_weights(nvfp4.quantize(x[0]), bits="bytes")
 
 
 def test_tile_rows_stores_each_kernel_tile_contiguously():

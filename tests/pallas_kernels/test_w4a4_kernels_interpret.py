@@ -247,15 +247,17 @@ def test_tile_gemm_chained_work_items(t, live, n, k, sms, chain):
         assert _rel(y[:live], tile_gemm_reference(b, w, te)[:live]) < 1e-5
 
 
-@pytest.mark.parametrize("mma_k,stack", [(128, False), (256, False), (256, True)])
-def test_tile_gemm_mma_k_groups(mma_k, stack):
+@pytest.mark.parametrize("mma_k,stack,bits", [(128, False, "nibbles"), (256, False, "nibbles"),
+                                              (256, True, "nibbles"), (64, True, "signs_high")])
+def test_tile_gemm_mma_k_groups(mma_k, stack, bits):
     """Wider wgmma groups (``mma_k``: two or four decoded 64-column chunks per wgmma) give the
-    reference's result, with the RAC operands stacked on the N side or not."""
+    reference's result, with the RAC operands stacked on the N side or not; so do weights in
+    the "signs_high" bit layout."""
     from pallas_kernels.nvfp4_tiles_mgpu import TileGemmConfig, nvfp4_tile_gemm, tile_gemm_reference
 
     t, bm, k, n = 2, 8, 512, 128
     wq = nvfp4.quantize(jax.random.normal(jax.random.key(21), (2, n, k)))
-    w = prepare_w4a4_weights(wq, mma_dtype="float16")
+    w = prepare_w4a4_weights(wq, mma_dtype="float16", bits=bits)
     b = tuple(nvfp4.dequantize(nvfp4.quantize(
         jax.random.normal(jax.random.key(22 + a), (t, bm, k))), jnp.float16) for a in range(2))
     te = jnp.array([1, 0], jnp.int32)
