@@ -19,9 +19,10 @@ This kernel (Pallas, Triton backend) runs one program per (row, KV head):
 The Triton backend is deprecated in jax 0.11 (PALLAS_NOTES section 1): this kernel is the
 second-best tool that works today; a Mosaic GPU version would follow the same plan.
 
-Shapes: q ``[B, KVH, G, D]``, k_all / v_all ``[L, B, KVH, S, D]`` (bf16 or f16), valid bool
-or int32 ``[B, S]`` (slot holds a token the query may see), layer and kv_len int32 scalars;
-output ``[B, KVH, G, D]`` in q's dtype.
+Shapes: q ``[B, KVH, G, D]``, k_all / v_all ``[L, B, KVH, S, D]`` (bf16, f16, or FP8 E4M3:
+an FP8 cache, half the bytes a decode step reads, is converted to bf16 block by block in the
+kernel), valid bool or int32 ``[B, S]`` (slot holds a token the query may see), layer and
+kv_len int32 scalars; output ``[B, KVH, G, D]`` in q's dtype.
 
 Around the kernel call a decode step (where it runs once per layer) pays for the query's
 padding to ``Gp`` rows and the output's slice back to G: XLA runs each as a small kernel of its
@@ -44,6 +45,14 @@ from jax.experimental.pallas import triton as pltriton
 # A masked score: exp() of it is 0 in f32, and it stays finite (no inf - inf = NaN).
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 MIN_DOT_ROWS = 16  # tensor-core dots in Triton need >= 16 rows
+CACHE_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn)
+
+
+def compute_dtype(cache_dtype) -> jnp.dtype:
+    """The dtype of the kernel's dot operands for a cache dtype: the cache's own for bf16 / f16,
+    bf16 for an FP8 cache (exact: every E4M3 value is a bf16 value)."""
+    cache_dtype = jnp.dtype(cache_dtype)
+    return jnp.dtype(jnp.bfloat16) if cache_dtype == jnp.float8_e4m3fn else cache_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,8 +84,8 @@ def _cache_problem(k_all: jax.Array, min_slots: int) -> str | None:
     d, s = k_all.shape[-1], k_all.shape[-2]
     if d < 16 or d & (d - 1):
         return f"head_dim {d} must be a power of two >= 16"
-    if k_all.dtype not in (jnp.bfloat16, jnp.float16):
-        return f"cache dtype {k_all.dtype}; bf16 or f16 expected"
+    if k_all.dtype not in CACHE_DTYPES:
+        return f"cache dtype {k_all.dtype}; bf16, f16 or float8_e4m3fn expected"
     if s < min_slots:
         return (f"{s} cache slots; the kernel needs >= {min_slots} (use the jnp path for "
                 "smaller caches)")
@@ -84,7 +93,7 @@ def _cache_problem(k_all: jax.Array, min_slots: int) -> str | None:
 
 
 def supports(k_all: jax.Array) -> bool:
-    """Whether the kernel takes this stacked cache (bf16/f16, head_dim a power of two >= 16,
+    """Whether the kernel takes this stacked cache (bf16/f16/FP8, head_dim a power of two >= 16,
     >= 16 slots); callers fall back to the jnp path otherwise (e.g. an f32 cache)."""
     return _cache_problem(k_all, MIN_DOT_ROWS) is None
 
@@ -122,8 +131,8 @@ def _kernel(layer_ref, kv_len_ref, q_ref, valid_ref, k_ref, v_ref, o_ref, *, blo
         # interpret mode would clamp anyway); its slots already seen are masked out.
         start = jnp.minimum(i * block_s, slots - block_s)
         window = pl.ds(start, block_s)
-        k = k_ref[layer, b, h, window, :]
-        v = v_ref[layer, b, h, window, :]
+        k = k_ref[layer, b, h, window, :].astype(q.dtype)  # FP8 -> bf16 (exact); else no-op
+        v = v_ref[layer, b, h, window, :].astype(q.dtype)
         ok = (valid_ref[window] != 0) & (start + offs >= i * block_s)
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                                 preferred_element_type=jnp.float32) * scale  # [Gp, BS]
@@ -151,7 +160,7 @@ def decode_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: ja
 
     Args:
       q: ``[B, KVH, G, D]`` (query heads grouped by their KV head), any float dtype.
-      k_all, v_all: ``[L, B, KVH, S, D]`` bf16/f16.
+      k_all, v_all: ``[L, B, KVH, S, D]`` bf16, f16 or float8_e4m3fn.
       layer: int32 scalar, the cache layer to read.
       valid: bool or int32 (nonzero = True) ``[B, S]``: the query of row b may attend to slot
         s; int32 is used as is (a decode step's layers share one mask: convert it once).
@@ -163,7 +172,8 @@ def decode_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: ja
     _, b, kvh, s, d = k_all.shape
     g = q.shape[2]
     gp = max(MIN_DOT_ROWS, 1 << (g - 1).bit_length())
-    qp = jnp.pad(q.astype(k_all.dtype), ((0, 0), (0, 0), (0, gp - g), (0, 0)))
+    dot_dtype = compute_dtype(k_all.dtype)
+    qp = jnp.pad(q.astype(dot_dtype), ((0, 0), (0, 0), (0, gp - g), (0, 0)))
     kv_len = jnp.asarray(kv_len, jnp.int32).reshape(1)
     valid = valid.astype(jnp.int32)  # no operation for an int32 mask
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
@@ -182,7 +192,7 @@ def decode_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: ja
             pl.BlockSpec(v_all.shape, lambda i, j: (0, 0, 0, 0, 0)),
         ],
         out_specs=pl.BlockSpec((None, None, gp, d), lambda i, j: (i, j, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((b, kvh, gp, d), k_all.dtype),
+        out_shape=jax.ShapeDtypeStruct((b, kvh, gp, d), dot_dtype),
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps,
                                                 num_stages=config.num_stages),
         interpret=interpret,
@@ -196,8 +206,9 @@ def decode_attention_reference(q, k_all, v_all, layer, valid, kv_len=None) -> ja
     kernel reads; it never changes the result when it covers every valid slot)."""
     _check(q, k_all, v_all, valid)
     valid = valid.astype(bool)
-    k = jax.lax.dynamic_index_in_dim(k_all, layer, 0, keepdims=False)
-    v = jax.lax.dynamic_index_in_dim(v_all, layer, 0, keepdims=False)
+    dot_dtype = compute_dtype(k_all.dtype)
+    k = jax.lax.dynamic_index_in_dim(k_all, layer, 0, keepdims=False).astype(dot_dtype)
+    v = jax.lax.dynamic_index_in_dim(v_all, layer, 0, keepdims=False).astype(dot_dtype)
     d = q.shape[-1]
     s = jnp.einsum("bkgd,bksd->bkgs", q.astype(k.dtype), k,
                    preferred_element_type=jnp.float32) * jnp.float32(d**-0.5)

@@ -225,9 +225,10 @@ def matmul_flops_per_token(cfg: ModelConfig) -> float:
     return 2.0 * cfg.num_hidden_layers * (attn + moe)
 
 
-def kv_bytes(config: ModelConfig, rows: int, slots: int) -> int:
+def kv_bytes(config: ModelConfig, rows: int, slots: int, itemsize: int = 2) -> int:
+    """Key and value bytes of ``rows`` x ``slots`` cache slots (``itemsize``: the cache dtype's)."""
     return 2 * config.num_hidden_layers * rows * slots * config.num_key_value_heads * \
-        config.head_dim * 2
+        config.head_dim * itemsize
 
 
 def profile_decode(dec, params, start, steps: int, tag: str, top: int = 16) -> dict:
@@ -247,7 +248,8 @@ def profile_decode(dec, params, start, steps: int, tag: str, top: int = 16) -> d
 def bench_case(params, cfg, recipe, batch, prompt, args, bandwidth, tag="") -> dict:
     chunk = args.prefill_chunk if args.prefill_chunk and batch % args.prefill_chunk == 0 else 0
     sc = engine.SamplerConfig(max_new_tokens=args.new_tokens, temperature=1.0,
-                              prefill_chunk=chunk, unroll_decode_layers=args.unroll_decode)
+                              prefill_chunk=chunk, unroll_decode_layers=args.unroll_decode,
+                              kv_cache_dtype=args.kv_cache_dtype)
     prompts = jax.random.randint(jax.random.key(batch + prompt), (batch, prompt), 0, cfg.vocab_size)
     mask = jnp.ones((batch, prompt), bool)
     rng = jax.random.key(0)
@@ -305,7 +307,8 @@ def bench_case(params, cfg, recipe, batch, prompt, args, bandwidth, tag="") -> d
     touched = 1.0 - (1.0 - cfg.num_experts_per_tok / cfg.num_experts) ** batch
     embed = params["embed"].size * params["embed"].dtype.itemsize
     w_all, w_exp = weight_bytes(params), expert_bytes(params)
-    step_bytes = (w_all - w_exp - embed) + touched * w_exp + kv_bytes(cfg, batch, slots)
+    step_bytes = (w_all - w_exp - embed) + touched * w_exp + kv_bytes(
+        cfg, batch, slots, kv_itemsize(args))
     cache_slots = prompt + args.new_tokens - 1  # prefill attends over the whole cache
     prefill_flops = matmul_flops_per_token(cfg) * batch * prompt + 4 * batch * prompt * cache_slots * \
         cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
@@ -325,12 +328,18 @@ def bench_case(params, cfg, recipe, batch, prompt, args, bandwidth, tag="") -> d
     )
 
 
-def largest_batch(cfg, weights: int, temp_per_row: float, context: int = 1024) -> int:
+def kv_itemsize(args) -> int:
+    """Bytes per cached key or value element of the run's ``--kv-cache-dtype``."""
+    return jnp.dtype(args.kv_cache_dtype).itemsize
+
+
+def largest_batch(cfg, weights: int, temp_per_row: float, context: int = 1024,
+                  itemsize: int = 2) -> int:
     stats = jax.devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit", 0)
     if not limit:
         return -1
-    per_row = kv_bytes(cfg, 1, context) + temp_per_row
+    per_row = kv_bytes(cfg, 1, context, itemsize) + temp_per_row
     return int((limit - weights) // per_row)
 
 
@@ -384,7 +393,7 @@ def bench_precision(name, make_params, cfg, cases, args, bandwidth, clock, out_d
                                  error=f"{type(e).__name__}: {str(e)[:400]}"))
             continue
         row["max_batch_1k_context"] = largest_batch(
-            cfg, wb, row["decode_temp_bytes"] / batch)
+            cfg, wb, row["decode_temp_bytes"] / batch, itemsize=kv_itemsize(args))
         record(out_dir, dict(kind="rollout", precision=name, weight_bytes=wb, **row,
                              elapsed_s=clock.elapsed()))
 
@@ -462,6 +471,9 @@ def parse_args(argv):
     p.add_argument("--w4a4-mma-k", type=int, choices=(64, 128, 256), default=256,
                    help="K columns of decoded weight per wgmma group (W4A4MatmulConfig.mma_k; "
                    "--w4a4-mma-overlap 1 needs 64 or 128)")
+    p.add_argument("--kv-cache-dtype", choices=("bfloat16", "float8_e4m3fn"), default="bfloat16",
+                   help="the rollout's KV cache (SamplerConfig.kv_cache_dtype); FP8 halves the "
+                   "decode attention's reads, in every arm")
     p.add_argument("--w4a4-bits", choices=("nibbles", "signs_high"), default="nibbles",
                    help="the float16 NVFP4 weights' code-word bit layout made at weight sync "
                    "(kernel_backend.set_w4a4_bits)")
@@ -526,6 +538,7 @@ def main(argv=None) -> int:
                                           mma_k=args.w4a4_mma_k,
                                           materialize_operands=args.materialize_operands,
                           w4a4_bits=args.w4a4_bits,
+                          kv_cache_dtype=args.kv_cache_dtype,
                                           rac_select_kernel=args.rac_select_kernel,
                                           rac_select_block_rows=args.rac_select_block_rows,
                                           windowed_operands=args.windowed_operands)
@@ -549,6 +562,7 @@ def main(argv=None) -> int:
                           w4a4_mma_k=args.w4a4_mma_k,
                           materialize_operands=args.materialize_operands,
                           w4a4_bits=args.w4a4_bits,
+                          kv_cache_dtype=args.kv_cache_dtype,
                           rac_select_kernel=args.rac_select_kernel,
                           rac_select_block_rows=args.rac_select_block_rows,
                           grouped_barrier=args.grouped_barrier,

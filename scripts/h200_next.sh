@@ -60,6 +60,9 @@
 #          CPU-tested only): the grouped tile kernel with it, GPU-checked first, against the
 #          stacked default (kernel_probe --grouped-ablations), then nvfp4_rac and nvfp4 at batch
 #          128 with --w4a4-bits signs_high and with the default, in the same call
+#   kv8    the decode attention kernel on an FP8 E4M3 cache (session 19, CPU-tested only):
+#          GPU-checked against the reference and timed (kernel_probe --attention), then the four
+#          arms at batch 128 with --kv-cache-dtype float8_e4m3fn (compare with b128)
 #   hlo    nvfp4 at batch 128 with the decode program's optimized HLO dumped to $OUT/hlo (what
 #          the 386 small `memcpy32_post` copies per step and the MoE block's fusions are)
 #
@@ -82,9 +85,9 @@
 # Session 19 ran `mmak` (7413c4c: mma_k 256 faster; the default since, so `mmak`'s "base" is now
 # 256 and "mma_k 64" the old path), `kdense kgroup` (fa54bdd; both cut by their 270 s limits,
 # rows in the logs), `mcheck b128 nomat` (81f981d: the barrier helped RAC, cost plain nvfp4 a
-# kernel per GEMM: RAC-only since) and `fin`. Next: `bits` (the signs_high layout, built after
-# the last call), then `b256`, `gcheck`, `kdense` / `kgroup` for their remaining rows (each
-# alone: both run into 270 s).
+# kernel per GEMM: RAC-only since) and `fin`. Next: `bits` and `kv8` (the signs_high layout and
+# the FP8 KV cache, both built after the last call), then `b256`, `gcheck`, `kdense` / `kgroup`
+# for their remaining rows (each alone: both run into 270 s).
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
@@ -192,8 +195,13 @@ for step in "$@"; do
       rollout sh128 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \
       --w4a4-bits signs_high --budget-s 110
       rollout nb128 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 --budget-s 110 ;;
+    kv8) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 150 python3 scripts/kernel_probe.py \
+      --attention --out "$OUT/attn" > "$OUT/attn.log" 2>&1
+      echo "attn rc $?"; grep -E "attention|FAIL|PASS|Error" "$OUT/attn.log" | cut -c1-140
+      rollout kv8 250 --quick --profile-steps 4 --precisions $ALL --kv-cache-dtype float8_e4m3fn \
+      --budget-s 200 ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
-    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win kdense kgroup mmak nomat fin bits hlo)"; exit 2 ;;
+    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win kdense kgroup mmak nomat fin bits kv8 hlo)"; exit 2 ;;
   esac
 done

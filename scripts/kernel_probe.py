@@ -333,6 +333,27 @@ def run_attention():
                           bytes_=nbytes)
             except Exception as err:  # noqa: BLE001
                 bk.log(f"  kernel {cfg} FAILED: {type(err).__name__}: {str(err)[:300]}")
+    # An FP8 E4M3 cache (SamplerConfig.kv_cache_dtype): checked against the reference on the
+    # same FP8 cache, then timed at the default config (half the bytes).
+    from quads_jax.models.kv_cache import to_cache_dtype
+
+    k8, v8 = (to_cache_dtype(a, jnp.float8_e4m3fn) for a in (k_all, v_all))
+    kv_len = 768 * s // 1279
+    valid = (slot >= first) & (slot < kv_len)
+    bk.check(f"decode attention FP8 cache kv_len={kv_len} (tol 2e-2)",
+             jax.jit(lambda q=q, valid=valid: decode_attention(
+                 q, k8, v8, jnp.int32(2), valid, jnp.int32(kv_len))),
+             lambda q=q, valid=valid: decode_attention_reference(q, k8, v8, 2, valid),
+             (b, kvh, g, d), tol=2e-2)
+    ws8 = [(k8, v8, jnp.int32(i)) for i in range(layers_n)]
+    try:
+        t, calls = bk.time_chain(
+            lambda x, w, valid=valid: decode_attention(x, w[0], w[1], w[2], valid,
+                                                       jnp.int32(kv_len)), q, ws8, reps=4)
+        bk.record(f"decode attention kernel FP8 cache kv_len={kv_len}", t, calls,
+                  bytes_=2 * b * kvh * kv_len * d)
+    except Exception as err:  # noqa: BLE001
+        bk.log(f"  FP8 cache kernel FAILED: {type(err).__name__}: {str(err)[:300]}")
     allowed = (slot >= first)[:, None, :]
 
     def jnp_path(x, w):

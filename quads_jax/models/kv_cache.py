@@ -16,11 +16,23 @@ import jax.numpy as jnp
 from quads_jax.models.config import ModelConfig
 
 
+def to_cache_dtype(x: jax.Array, dtype) -> jax.Array:
+    """``x`` as stored in a cache of ``dtype``. FP8 E4M3 (no infinities: a cast past its largest
+    finite value, 448, gives NaN) saturates first, as vLLM's FP8 KV cache does with a scale of
+    1; RMS-normed keys and the values of these models stay far below it."""
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.float8_e4m3fn:
+        big = float(jnp.finfo(dtype).max)
+        x = jnp.clip(x.astype(jnp.float32), -big, big)
+    return x.astype(dtype)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
     """Attributes:
-    k, v: ``[L, B, KVH, S_max, D]`` cache dtype (default bf16).
+    k, v: ``[L, B, KVH, S_max, D]`` cache dtype (default bf16; float32, or float8_e4m3fn:
+      half the bytes a decode step reads, values saturated at +-448, ``to_cache_dtype``).
     mask: bool ``[B, S_max]``, slot holds a real token.
     length: int32 ``[]``, slots ``[0, length)`` are written (same for every row).
     """

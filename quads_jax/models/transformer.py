@@ -32,7 +32,7 @@ import numpy as np
 
 from quads_jax.models import layers as L
 from quads_jax.models.config import ModelConfig
-from quads_jax.models.kv_cache import KVCache
+from quads_jax.models.kv_cache import KVCache, to_cache_dtype
 from quads_jax.models.moe import RouterStats, dense_mlp, moe_block, router_stats
 from quads_jax.quant import ops
 from quads_jax.quant.recipe import QuantRecipe
@@ -339,8 +339,8 @@ def _attention(config, p, x, rope, masks: _Masks, kv, layer, site, recipe):
     else:
         k_all, v_all, length = kv
         start = (layer, jnp.int32(0), jnp.int32(0), length, jnp.int32(0))
-        k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), start)
-        v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), start)
+        k_all = jax.lax.dynamic_update_slice(k_all, to_cache_dtype(k[None], k_all.dtype), start)
+        v_all = jax.lax.dynamic_update_slice(v_all, to_cache_dtype(v[None], v_all.dtype), start)
         kv = (k_all, v_all, length)
         out = None
         if masks.decode_valid is not None:

@@ -39,7 +39,7 @@ from quads_jax.sampler.sampling import SamplingParams, sample_tokens, validate_s
 
 FINISH_STOP = 1  # a stop / EOS token was sampled (it is part of the response)
 FINISH_LENGTH = 2  # max_new_tokens reached
-KV_CACHE_DTYPES = ("model", "bfloat16", "float32")
+KV_CACHE_DTYPES = ("model", "bfloat16", "float32", "float8_e4m3fn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +54,10 @@ class SamplerConfig:
       stop_token_ids: ids that end a sequence (EOS and any other stop token); may be empty.
       pad_token_id: written after a sequence ends and in the prompt padding.
       return_expert_ids: also return the routed expert ids of every token (router replay).
-      kv_cache_dtype: "model" (the model's compute dtype), "bfloat16" or "float32".
+      kv_cache_dtype: "model" (the model's compute dtype), "bfloat16", "float32" or
+        "float8_e4m3fn" (FP8 keys and values, saturated at +-448 with a scale of 1: half the
+        cache bytes, so half the decode attention's reads and twice the batch in memory; the
+        rollout's attention then differs from the trainer's by that rounding).
       unroll_decode_layers: the decode step runs its layers as a Python loop instead of a
         ``lax.scan`` (``models.forward(unroll_layers=True)``): every weight slice is static,
         so no dynamic-slice offsets per layer, at the price of a program ~L times larger to

@@ -84,6 +84,34 @@ def test_int32_valid_and_kv_len_past_the_cache_give_the_same_result():
                                atol=2e-2, rtol=2e-2)
 
 
+def test_fp8_cache_matches_the_reference():
+    """An FP8 E4M3 cache: the kernel converts each block to bf16 (exact) and agrees with the
+    reference on the same FP8 cache; the output stays within FP8's rounding of the bf16 one."""
+    from quads_jax.models.kv_cache import to_cache_dtype
+
+    q, k, v = _inputs(2, 2, 2, 48, 32, 4, seed=3)
+    k8, v8 = (to_cache_dtype(a, jnp.float8_e4m3fn) for a in (k, v))
+    valid = jnp.ones((2, 48), bool).at[0, :5].set(False)
+    got = decode_attention(q, k8, v8, jnp.int32(1), valid, jnp.int32(48),
+                           config=DecodeAttentionConfig(block_s=16), interpret=True)
+    want = decode_attention_reference(q, k8, v8, 1, valid)
+    assert got.dtype == q.dtype
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               atol=2e-2, rtol=2e-2)
+    bf16 = decode_attention_reference(q, k, v, 1, valid)
+    err = np.abs(np.asarray(got, np.float32) - np.asarray(bf16, np.float32)).max()
+    assert 1e-3 < err < 0.25  # FP8 rounds (3 mantissa bits), and only that much
+
+
+def test_fp8_cache_saturates_instead_of_nan():
+    from quads_jax.models.kv_cache import to_cache_dtype
+
+    x = jnp.asarray([1.0, -3.3, 1000.0, -1e6, 448.0], jnp.bfloat16)
+    got = np.asarray(to_cache_dtype(x, jnp.float8_e4m3fn).astype(jnp.float32))
+    np.testing.assert_array_equal(got, [1.0, -3.25, 448.0, -448.0, 448.0])
+    assert to_cache_dtype(x, jnp.bfloat16).dtype == jnp.bfloat16
+
+
 def test_model_decode_step_through_the_kernel_matches_the_jnp_path():
     c = tiny_config(dtype="bfloat16")
     params = init_params(c, jax.random.key(0))
@@ -104,9 +132,10 @@ def test_model_decode_step_through_the_kernel_matches_the_jnp_path():
                                   np.asarray(outs["reference"].cache.k[0]))
 
 
-def test_lowers_for_cuda():
+@pytest.mark.parametrize("cache_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_lowers_for_cuda(cache_dtype):
     q = jax.ShapeDtypeStruct((4, 2, 8, 128), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((2, 4, 2, 1279, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 4, 2, 1279, 128), cache_dtype)
     valid = jax.ShapeDtypeStruct((4, 1279), jnp.bool_)
     i = jax.ShapeDtypeStruct((), jnp.int32)
     with jax.sharding.use_abstract_mesh(H200):

@@ -239,3 +239,22 @@ def test_left_pad_rejects_empty_prompts():
     np.testing.assert_array_equal(tokens, [[3, 4], [9, 5]])
     np.testing.assert_array_equal(mask, [[True, True], [False, True]])
     assert jnp.asarray(tokens).dtype == jnp.int32
+
+
+def test_fp8_kv_cache_generates_close_to_the_float32_cache(model, greedy):
+    """An FP8 E4M3 cache holds FP8 keys and values (saturated), and the rollout stays close to
+    the full-precision one: the greedy log-probs of the first tokens within FP8's rounding."""
+    cfg, params = model
+    tokens, mask = engine.left_pad(PROMPTS)
+    sc = SamplerConfig(max_new_tokens=NEW, greedy=True, kv_cache_dtype="float8_e4m3fn")
+    assert engine._cache_dtype(sc, cfg) == jnp.float8_e4m3fn
+    r8 = engine.generate(params, tokens, jax.random.key(1), sc, model_config=cfg,
+                         prompt_mask=mask)
+    resp, resp8 = np.asarray(greedy.response_mask), np.asarray(r8.response_mask)
+    lp, lp8 = np.asarray(greedy.logprobs), np.asarray(r8.logprobs)
+    first = np.argmax(resp, axis=1)  # each row's first response token (same prompt, same slot)
+    assert (np.argmax(resp8, axis=1) == first).all()
+    rows = np.arange(len(PROMPTS))
+    assert np.isfinite(lp8[resp8.astype(bool)]).all()
+    diff = np.abs(lp8[rows, first] - lp[rows, first])
+    assert diff.max() < 0.1 and diff.max() > 0  # FP8 changes the numbers, a little
