@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="compute dtype")
+    p.add_argument("--kv-cache-dtype", choices=("model", "bfloat16", "float32", "float8_e4m3fn"),
+                   default="model", help="the KV cache (SamplerConfig.kv_cache_dtype; FP8 halves "
+                   "its bytes)")
     return p
 
 
@@ -121,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         sc = SamplerConfig(max_new_tokens=args.max_new_tokens, n_samples=args.n,
                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                            greedy=args.greedy, stop_token_ids=stops,
-                           pad_token_id=int(tokenizer.pad_id))
+                           pad_token_id=int(tokenizer.pad_id),
+                           kv_cache_dtype=args.kv_cache_dtype)
         prompts, mask = left_pad([ids], sc.pad_token_id)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
