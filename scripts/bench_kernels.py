@@ -657,11 +657,37 @@ def write_outputs(out: str):
         f.write("\n".join(lines) + "\n")
 
 
+def parse_ints(text: str, flag: str) -> tuple[int, ...]:
+    """``"1,16"`` -> ``(1, 16)``; a clear error for anything else."""
+    try:
+        vals = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise SystemExit(f"{flag}={text!r}: need comma-separated integers, e.g. 1,16") from None
+    if not vals or min(vals) < 1:
+        raise SystemExit(f"{flag}={text!r}: need integers >= 1")
+    return vals
+
+
+def parse_shapes(text: str) -> tuple[tuple[int, int], ...]:
+    """``"4096x14336,2048x768"`` -> ``((4096, 14336), (2048, 768))`` (K x N)."""
+    shapes = []
+    for item in text.split(","):
+        kn = item.lower().split("x")
+        if len(kn) != 2:
+            raise SystemExit(f"--dense-shapes={text!r}: {item!r} is not KxN, e.g. 4096x14336")
+        shapes.append(parse_ints(",".join(kn), "--dense-shapes"))
+    return tuple(shapes)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="/tmp/bench_out")
     p.add_argument("--part", default="all")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, jnp kernel stand-in (CPU)")
+    p.add_argument("--dense-shapes", default=None,
+                   help="--part decode: comma-separated KxN shapes (default: all four)")
+    p.add_argument("--tokens", default=None,
+                   help="--part grouped: comma-separated token counts (default 1,16,64,256)")
     p.add_argument("--trace", action="store_true",
                    help="also record each timed row's device time (all kernels, and its "
                    "largest kernel) from one profiled run of its chain")
@@ -695,13 +721,19 @@ def main(argv=None):
             return 0
         measure_floors()
         if "all" in parts or "decode" in parts:
-            bench_dense()
+            if args.dense_shapes:
+                bench_dense(shapes=parse_shapes(args.dense_shapes))
+            else:
+                bench_dense()
             write_outputs(args.out)
         if "all" in parts or "decode1" in parts:
             bench_dense(ms=(1, 64), shapes=((4096, 14336),), extra=False)
             write_outputs(args.out)
         if "all" in parts or "grouped" in parts:
-            bench_grouped()
+            if args.tokens:
+                bench_grouped(tokens_list=parse_ints(args.tokens, "--tokens"))
+            else:
+                bench_grouped()
             write_outputs(args.out)
         if "all" in parts or "prefill" in parts:
             bench_prefill()

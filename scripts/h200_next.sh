@@ -23,10 +23,12 @@
 #          grouped decode against their floors and XLA BF16 / FP8), not complete since session 12;
 #          over 9 minutes (session 18: the dense table alone took the whole 540 s): use
 #          kdense and kgroup, one call each
-#   kdense the dense decode table of `kern` alone (--part decode --trace: each row also with
-#          its traced device time and its largest kernel's; 270 s)
-#   kgroup the grouped table of `kern` alone (bench_kernels --part grouped; 270 s: the rows
-#          finished by then are in the log)
+#   kdense the dense decode table of `kern` at K x N = 2048 x 768 and 2048 x 3072 (--part
+#          decode --trace: each row also with its traced device time and its largest kernel's;
+#          270 s; session 19's full table ran out of its 270 s after its first shape, 4096 x
+#          14336 with its 10 rows: that one alone is kdense0); kdense2: 4096 x 57344
+#   kgroup the grouped table of `kern` at 1 and 16 tokens (--part grouped --trace; 270 s);
+#          kgroup2 at 64 and 256 tokens
 #   cmdbuf nvfp4 and nvfp4_rac at batch 128 with XLA's command buffers (CUDA graphs) asked for
 #          explicitly (the session-13 HLO had none; compare with b128 of the same call)
 #   gabl   the grouped tile kernel alone at the decode step's shapes, traced: variants
@@ -86,8 +88,8 @@
 # 256 and "mma_k 64" the old path), `kdense kgroup` (fa54bdd; both cut by their 270 s limits,
 # rows in the logs), `mcheck b128 nomat` (81f981d: the barrier helped RAC, cost plain nvfp4 a
 # kernel per GEMM: RAC-only since) and `fin`. Next: `bits` and `kv8` (the signs_high layout and
-# the FP8 KV cache, both built after the last call), then `b256`, `gcheck`, `kdense` / `kgroup`
-# for their remaining rows (each alone: both run into 270 s).
+# the FP8 KV cache, both built after the last call), then `b256`, `gcheck`, and `kdense`,
+# `kdense2`, `kgroup2` for the tables' missing rows (at most two per call).
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
@@ -132,12 +134,15 @@ for step in "$@"; do
     kern) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 540 python3 scripts/bench_kernels.py \
       --part decode,grouped --out "$OUT/kern" > "$OUT/kern.log" 2>&1
       echo "kern rc $?"; tail -40 "$OUT/kern/bench_kernels.md" ;;
-    kdense) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 270 python3 scripts/bench_kernels.py \
-      --part decode --trace --out "$OUT/kdense" > "$OUT/kdense.log" 2>&1
-      echo "kdense rc $?"; grep -E "M=|floor|bw" "$OUT/kdense.log" | cut -c1-240 ;;
-    kgroup) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 270 python3 scripts/bench_kernels.py \
-      --part grouped --trace --out "$OUT/kgroup" > "$OUT/kgroup.log" 2>&1
-      echo "kgroup rc $?"; grep -E "grouped|floor|bw" "$OUT/kgroup.log" | cut -c1-240 ;;
+    kdense|kdense2|kdense0) shapes=2048x768,2048x3072
+      [ $step = kdense2 ] && shapes=4096x57344; [ $step = kdense0 ] && shapes=4096x14336
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 270 python3 scripts/bench_kernels.py \
+      --part decode --dense-shapes $shapes --trace --out "$OUT/$step" > "$OUT/$step.log" 2>&1
+      echo "$step rc $?"; grep -E "M=|floor|bw" "$OUT/$step.log" | cut -c1-240 ;;
+    kgroup|kgroup2) tokens=1,16; [ $step = kgroup2 ] && tokens=64,256
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 270 python3 scripts/bench_kernels.py \
+      --part grouped --tokens $tokens --trace --out "$OUT/$step" > "$OUT/$step.log" 2>&1
+      echo "$step rc $?"; grep -E "grouped|floor|bw" "$OUT/$step.log" | cut -c1-240 ;;
     cmdbuf) XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL --xla_gpu_graph_min_graph_size=2" \
       rollout cmdbuf 220 --quick --precisions nvfp4,nvfp4_rac --budget-s 170 ;;
     gabl) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 280 python3 scripts/kernel_probe.py \
@@ -202,6 +207,6 @@ for step in "$@"; do
       --budget-s 200 ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
-    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win kdense kgroup mmak nomat fin bits kv8 hlo)"; exit 2 ;;
+    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 hlo)"; exit 2 ;;
   esac
 done
