@@ -133,14 +133,15 @@ def _check_mma_dtype(mma_dtype: str) -> None:
         raise ValueError(f"mma_dtype={mma_dtype!r} is not one of {MMA_DTYPES}")
 
 
-def _check_bits(bits: str) -> None:
+def check_bits(bits: str) -> None:
+    """A ``ValueError`` naming the accepted layouts unless ``bits`` is one of ``BITS``."""
     if bits not in BITS:
         raise ValueError(f"bits={bits!r} is not one of {BITS}")
 
 
 def code_bits(i: int, bits: str) -> tuple[int, int]:
     """(magnitude shift, sign bit) of code ``i`` (0..3) in a word of the ``bits`` layout."""
-    _check_bits(bits)
+    check_bits(bits)
     return (4 * i, 4 * i + 3) if bits == "nibbles" else (3 * i, SIGNS_HIGH_SIGN_BIT[i])
 
 
@@ -203,7 +204,7 @@ def prepare_w4a4_weights(
     decode applies), "normal" for bfloat16. ``bits``: the words' bit layout (module docstring).
     """
     _check_mma_dtype(mma_dtype)
-    _check_bits(bits)
+    check_bits(bits)
     if decode is None:
         decode = "subnormal" if mma_dtype == "float16" else "normal"
     if decode not in DECODES:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import nvfp4_quantize as aq
 from pallas_kernels.fp8_tiles_mgpu import FP8Weights
-from pallas_kernels.layout import BITS, W4A4Weights, prepare_w4a4_weights
+from pallas_kernels.layout import W4A4Weights, check_bits, prepare_w4a4_weights
 from pallas_kernels.w4a4_grouped import w4a4_grouped_matmul
 from pallas_kernels.w4a4_matmul import W4A4MatmulConfig, w4a4_matmul
 from pallas_kernels.w4a16_matmul import w4a16_grouped_matmul, w4a16_matmul
@@ -49,8 +49,7 @@ def set_w4a4_bits(bits: str = "nibbles") -> None:
     sync): "nibbles" or "signs_high" (``pallas_kernels.layout``). bfloat16 layouts (W4A16,
     RAC with a bf16 residual) keep "nibbles": their decode runs the jnp path on the device,
     which would only get slower. A bad value raises ``ValueError`` and changes nothing."""
-    if bits not in BITS:
-        raise ValueError(f"set_w4a4_bits: bits={bits!r} is not one of {BITS}")
+    check_bits(bits)
     _W4A4_BITS[0] = bits
 
 

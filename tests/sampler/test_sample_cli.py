@@ -30,6 +30,8 @@ def test_cli_errors_name_the_argument(hf_dir, tmp_path, capsys):
     assert "--hf" in capsys.readouterr().err
     assert sample.main(["--hf", hf_dir, "--prompt", "1", "--temperature", "0"]) == 2
     assert "temperature=0.0" in capsys.readouterr().err
+    assert sample.main(["--hf", hf_dir, "--prompt", "1", "--kv-cache-dtype", "int8"]) == 2
+    assert "kv_cache_dtype='int8'" in capsys.readouterr().err
     assert sample.main(["--checkpoint", hf_dir, "--prompt", "1"]) == 2
     assert "no 'params'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
