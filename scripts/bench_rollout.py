@@ -474,7 +474,7 @@ def parse_args(argv):
     p.add_argument("--kv-cache-dtype", choices=("bfloat16", "float8_e4m3fn"), default="bfloat16",
                    help="the rollout's KV cache (SamplerConfig.kv_cache_dtype); FP8 halves the "
                    "decode attention's reads, in every arm")
-    p.add_argument("--w4a4-bits", choices=("nibbles", "signs_high"), default="nibbles",
+    p.add_argument("--w4a4-bits", choices=("nibbles", "signs_high"), default="signs_high",
                    help="the float16 NVFP4 weights' code-word bit layout made at weight sync "
                    "(kernel_backend.set_w4a4_bits)")
     p.add_argument("--materialize-operands", action=argparse.BooleanOptionalAction,
@@ -544,9 +544,8 @@ def main(argv=None) -> int:
                                           windowed_operands=args.windowed_operands)
         kernel_backend.set_fp8_overrides(windowed_operands=args.windowed_operands)
         kernel_backend.set_grouped_barrier(args.grouped_barrier)
-    if args.w4a4_bits != "nibbles":
-        from quads_jax.quant import kernel_backend
-        kernel_backend.set_w4a4_bits(args.w4a4_bits)
+    from quads_jax.quant import kernel_backend
+    kernel_backend.set_w4a4_bits(args.w4a4_bits)
     clock = Clock(args.budget_s)
     os.makedirs(args.out, exist_ok=True)
     open(os.path.join(args.out, "rollout.jsonl"), "w").close()

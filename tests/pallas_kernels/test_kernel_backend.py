@@ -79,7 +79,10 @@ def test_w4a4_bits_switch():
     layouts keep "nibbles"); a bad value raises and changes nothing."""
     w = jax.random.normal(jax.random.key(3), (2, 128, 256))
     recipe = QuantRecipe(rac_residual_format="bf16")
+    assert kernel_backend.prepare_weights(w, "w4a4_nvfp4").bits == "signs_high"  # the default
     try:
+        kernel_backend.set_w4a4_bits("nibbles")
+        assert kernel_backend.prepare_weights(w, "w4a4_nvfp4").bits == "nibbles"
         kernel_backend.set_w4a4_bits("signs_high")
         assert kernel_backend.prepare_weights(w, "w4a4_nvfp4").bits == "signs_high"
         assert kernel_backend.prepare_weights(w, "w4a16_nvfp4", QuantRecipe()).bits == "nibbles"
@@ -89,5 +92,5 @@ def test_w4a4_bits_switch():
         assert kernel_backend.prepare_weights(w, "w4a4_nvfp4").bits == "signs_high"
     finally:
         kernel_backend.set_w4a4_bits()
-    assert kernel_backend.prepare_weights(w, "w4a4_nvfp4").bits == "nibbles"
+    assert kernel_backend.prepare_weights(w, "w4a4_nvfp4").bits == "signs_high"
 
