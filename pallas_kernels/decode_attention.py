@@ -46,6 +46,13 @@ from jax.experimental.pallas import triton as pltriton
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 MIN_DOT_ROWS = 16  # tensor-core dots in Triton need >= 16 rows
 CACHE_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn)
+_FP8_WORDS = {4: jnp.int32, 2: jnp.int16}  # FP8 codes per word -> the word dtype
+
+
+def fp8_parts(head_dim: int) -> int:
+    """FP8 codes per word the kernel reads an FP8 cache in: 4 (int32) when each of the 4
+    column sets still gives a tensor-core dot >= 16 deep (head_dim >= 64), else 2 (int16)."""
+    return 4 if head_dim >= 4 * MIN_DOT_ROWS else 2
 
 
 def compute_dtype(cache_dtype) -> jnp.dtype:
@@ -86,6 +93,8 @@ def _cache_problem(k_all: jax.Array, min_slots: int) -> str | None:
         return f"head_dim {d} must be a power of two >= 16"
     if k_all.dtype not in CACHE_DTYPES:
         return f"cache dtype {k_all.dtype}; bf16, f16 or float8_e4m3fn expected"
+    if k_all.dtype == jnp.float8_e4m3fn and d < 2 * MIN_DOT_ROWS:
+        return f"head_dim {d} with an FP8 cache must be >= {2 * MIN_DOT_ROWS}"
     if s < min_slots:
         return (f"{s} cache slots; the kernel needs >= {min_slots} (use the jnp path for "
                 "smaller caches)")
@@ -116,39 +125,63 @@ def _check(q, k_all, v_all, valid, min_slots: int = 1):
         raise ValueError(f"decode_attention: {problem}")
 
 
+def _fp8_block(ref, layer, b, h, window, j: int) -> jax.Array:
+    """Byte ``j`` of each int32 word of an FP8 block ``[BS, D/4]``, as bf16 (exact): cache
+    column ``4 i + j`` of word column ``i``."""
+    words = ref[layer, b, h, window, :]
+    byte = ((words >> (8 * j)) & 0xFF).astype(jnp.int8)
+    return jax.lax.bitcast_convert_type(byte, jnp.float8_e4m3fn).astype(jnp.bfloat16)
+
+
 def _kernel(layer_ref, kv_len_ref, q_ref, valid_ref, k_ref, v_ref, o_ref, *, block_s: int,
-            slots: int, scale: float):
+            slots: int, scale: float, parts: int):
+    """``parts`` = 1: bf16 / f16 cache, q ``[Gp, D]``, one K / V block per step. ``parts`` = 4:
+    FP8 cache read as int32 words ``[.., D/4]``; q and the output are ``[4, Gp, D/4]`` (part j
+    holds columns ``4 i + j``), so each byte position j is one dot of K = D/4: no in-kernel
+    interleave (which Triton does not lower) is needed."""
     b, h = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
     kv_len = jnp.minimum(jnp.maximum(kv_len_ref[0], 0), slots)  # here: no XLA kernel of its own
-    q = q_ref[...]  # [Gp, D]
-    gp, d = q.shape
+    qs = [q_ref[...]] if parts == 1 else [q_ref[j] for j in range(parts)]  # [Gp, D / parts]
+    gp, dp = qs[0].shape
     offs = jnp.arange(block_s)
 
     def body(i, carry):
-        acc, m, l = carry
+        accs, m, l = carry
         # The last window is moved back inside the slot axis (no out-of-bounds reads, which
         # interpret mode would clamp anyway); its slots already seen are masked out.
         start = jnp.minimum(i * block_s, slots - block_s)
         window = pl.ds(start, block_s)
-        k = k_ref[layer, b, h, window, :].astype(q.dtype)  # FP8 -> bf16 (exact); else no-op
-        v = v_ref[layer, b, h, window, :].astype(q.dtype)
+        if parts == 1:
+            ks = [k_ref[layer, b, h, window, :]]
+            vs = [v_ref[layer, b, h, window, :]]
+        else:
+            ks = [_fp8_block(k_ref, layer, b, h, window, j) for j in range(parts)]
+            vs = [_fp8_block(v_ref, layer, b, h, window, j) for j in range(parts)]
         ok = (valid_ref[window] != 0) & (start + offs >= i * block_s)
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.float32) * scale  # [Gp, BS]
+        s = sum(jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                    preferred_element_type=jnp.float32)
+                for q, k in zip(qs, ks, strict=True)) * scale  # [Gp, BS]
         s = jnp.where(ok[None, :], s, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.where(ok[None, :], jnp.exp(s - m_new[:, None]), 0.0)
         alpha = jnp.exp(m - m_new)
-        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                                 preferred_element_type=jnp.float32)  # [Gp, D]
-        return acc * alpha[:, None] + pv, m_new, l * alpha + jnp.sum(p, axis=1)
+        pc = p.astype(vs[0].dtype)
+        accs = tuple(acc * alpha[:, None] + jax.lax.dot_general(
+            pc, v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)  # [Gp, D/parts]
+            for acc, v in zip(accs, vs, strict=True))
+        return accs, m_new, l * alpha + jnp.sum(p, axis=1)
 
-    init = (jnp.zeros((gp, d), jnp.float32), jnp.full((gp,), MASK_VALUE, jnp.float32),
-            jnp.zeros((gp,), jnp.float32))
-    acc, _, l = jax.lax.fori_loop(0, (kv_len + block_s - 1) // block_s, body, init)
+    init = (tuple(jnp.zeros((gp, dp), jnp.float32) for _ in range(parts)),
+            jnp.full((gp,), MASK_VALUE, jnp.float32), jnp.zeros((gp,), jnp.float32))
+    accs, _, l = jax.lax.fori_loop(0, (kv_len + block_s - 1) // block_s, body, init)
     # A row with no visible slot (l = 0) gives 0, not NaN.
-    o_ref[...] = (acc / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)
+    denom = jnp.maximum(l, 1e-30)[:, None]
+    if parts == 1:
+        o_ref[...] = (accs[0] / denom).astype(o_ref.dtype)
+    else:
+        for j in range(parts):
+            o_ref[j] = (accs[j] / denom).astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
@@ -174,30 +207,48 @@ def decode_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: ja
     gp = max(MIN_DOT_ROWS, 1 << (g - 1).bit_length())
     dot_dtype = compute_dtype(k_all.dtype)
     qp = jnp.pad(q.astype(dot_dtype), ((0, 0), (0, 0), (0, gp - g), (0, 0)))
+    parts = fp8_parts(d) if k_all.dtype == jnp.float8_e4m3fn else 1
+    if parts > 1:
+        # jax 0.11.2's Triton lowering picks 32-bit element offsets while the array's *bytes*
+        # fit 2**32, so a 1-byte array past 2**31 elements overflows them (the 30B decode
+        # cache at 1280 slots is 4.0e9 FP8 elements: CUDA_ERROR_ILLEGAL_ADDRESS on the H200,
+        # 2026-12-04). Read as int32 (int16) words, an FP8 cache has a quarter (half) as many
+        # elements. Byte j of word i is column 4 i + j (2 i + j), so q and the output go in
+        # as ``parts`` column sets, one dot each.
+        word = _FP8_WORDS[parts]
+        k_all, v_all = (jax.lax.bitcast_convert_type(a.reshape(*a.shape[:-1], d // parts, parts),
+                                                     word) for a in (k_all, v_all))
+        qp = qp.reshape(b, kvh, gp, d // parts, parts).transpose(0, 1, 4, 2, 3)
+        q_block = (None, None, parts, gp, d // parts)
+    else:
+        q_block = (None, None, gp, d)
     kv_len = jnp.asarray(kv_len, jnp.int32).reshape(1)
     valid = valid.astype(jnp.int32)  # no operation for an int32 mask
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     block_s = min(config.block_s, 1 << (s.bit_length() - 1))  # a power of two <= S
-    kernel = functools.partial(_kernel, block_s=block_s, slots=s, scale=d**-0.5)
+    kernel = functools.partial(_kernel, block_s=block_s, slots=s, scale=d**-0.5, parts=parts)
+    q_index = (lambda i, j: (i, j, 0, 0, 0)) if parts > 1 else (lambda i, j: (i, j, 0, 0))
     out = pl.pallas_call(
         kernel,
         grid=(b, kvh),
         in_specs=[
             pl.BlockSpec((1,), lambda i, j: (0,)),
             pl.BlockSpec((1,), lambda i, j: (0,)),
-            pl.BlockSpec((None, None, gp, d), lambda i, j: (i, j, 0, 0)),
+            pl.BlockSpec(q_block, q_index),
             pl.BlockSpec((None, s), lambda i, j: (i, 0)),
             # The stacked cache is indexed in the kernel (layer and row are runtime values).
-            pl.BlockSpec(k_all.shape, lambda i, j: (0, 0, 0, 0, 0)),
-            pl.BlockSpec(v_all.shape, lambda i, j: (0, 0, 0, 0, 0)),
+            pl.BlockSpec(k_all.shape, lambda i, j: (0,) * k_all.ndim),
+            pl.BlockSpec(v_all.shape, lambda i, j: (0,) * v_all.ndim),
         ],
-        out_specs=pl.BlockSpec((None, None, gp, d), lambda i, j: (i, j, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((b, kvh, gp, d), dot_dtype),
+        out_specs=pl.BlockSpec(q_block, q_index),
+        out_shape=jax.ShapeDtypeStruct(qp.shape, dot_dtype),
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps,
                                                 num_stages=config.num_stages),
         interpret=interpret,
         name="decode_attention",
     )(layer, kv_len, qp, valid, k_all, v_all)
+    if parts > 1:
+        out = out.transpose(0, 1, 3, 4, 2).reshape(b, kvh, gp, d)
     return out[:, :, :g].astype(q.dtype)
 
 

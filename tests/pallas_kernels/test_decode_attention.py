@@ -4,6 +4,7 @@ reference and through the model's cached decode, cuda lowering, bad input."""
 import dataclasses
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -84,12 +85,13 @@ def test_int32_valid_and_kv_len_past_the_cache_give_the_same_result():
                                atol=2e-2, rtol=2e-2)
 
 
-def test_fp8_cache_matches_the_reference():
+@pytest.mark.parametrize("d", [32, 128])  # int16 words (2 codes) / int32 words (4 codes)
+def test_fp8_cache_matches_the_reference(d):
     """An FP8 E4M3 cache: the kernel converts each block to bf16 (exact) and agrees with the
     reference on the same FP8 cache; the output stays within FP8's rounding of the bf16 one."""
     from quads_jax.models.kv_cache import to_cache_dtype
 
-    q, k, v = _inputs(2, 2, 2, 48, 32, 4, seed=3)
+    q, k, v = _inputs(2, 2, 2, 48, d, 4, seed=3)
     k8, v8 = (to_cache_dtype(a, jnp.float8_e4m3fn) for a in (k, v))
     valid = jnp.ones((2, 48), bool).at[0, :5].set(False)
     got = decode_attention(q, k8, v8, jnp.int32(1), valid, jnp.int32(48),
@@ -101,6 +103,28 @@ def test_fp8_cache_matches_the_reference():
     bf16 = decode_attention_reference(q, k, v, 1, valid)
     err = np.abs(np.asarray(got, np.float32) - np.asarray(bf16, np.float32)).max()
     assert 1e-3 < err < 0.25  # FP8 rounds (3 mantissa bits), and only that much
+
+
+def test_fp8_cache_goes_to_the_kernel_as_words():
+    """jax 0.11.2's Triton lowering overflows 32-bit offsets on 1-byte arrays past 2**31
+    elements (the 30B decode cache: an illegal address on the H200): the kernel must get the
+    FP8 cache as int32 words, a quarter of the elements, never as float8."""
+    q = jax.ShapeDtypeStruct((128, 4, 8, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((48, 128, 4, 1280, 128), jnp.float8_e4m3fn)  # 4.0e9 elements
+    valid = jax.ShapeDtypeStruct((128, 1280), jnp.bool_)
+    i = jax.ShapeDtypeStruct((), jnp.int32)
+    jaxpr = jax.make_jaxpr(decode_attention)(q, kv, kv, i, valid, i)
+    def eqns(jx):  # every equation, nested jaxprs (the jit) included
+        for e in jx.eqns:
+            yield e
+            for sub in jax.extend.core.jaxprs_in_params(e.params):
+                yield from eqns(sub)
+
+    calls = [e for e in eqns(jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
+    assert len(calls) == 1
+    caches = [v.aval for v in calls[0].invars[-2:]]  # (.., q, valid, k_all, v_all)
+    assert [(a.shape, a.dtype) for a in caches] == [((48, 128, 4, 1280, 32), jnp.int32)] * 2
+    assert all(a.size < 2**31 for a in caches)
 
 
 def test_fp8_cache_saturates_instead_of_nan():
@@ -145,6 +169,11 @@ def test_lowers_for_cuda(cache_dtype):
 
 
 def test_bad_input_is_refused():
+    q, k, v = _inputs(2, 2, 2, 32, 16, 4, seed=5)
+    with pytest.raises(ValueError, match="head_dim 16 with an FP8 cache must be >= 32"):
+        decode_attention(q, k.astype(jnp.float8_e4m3fn), v.astype(jnp.float8_e4m3fn),
+                         jnp.int32(0), jnp.ones((2, 32), bool), jnp.int32(32), interpret=True)
+
     q, k, v = _inputs(1, 2, 2, 32, 16, 4)
     valid = jnp.ones((2, 32), bool)
     with pytest.raises(ValueError, match=r"q \(2, 2, 4, 8\) does not fit"):
