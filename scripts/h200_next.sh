@@ -65,6 +65,7 @@
 #   kv8    the decode attention kernel on an FP8 E4M3 cache (session 19, CPU-tested only):
 #          GPU-checked against the reference and timed (kernel_probe --attention), then the four
 #          arms at batch 128 with --kv-cache-dtype float8_e4m3fn (compare with b128)
+#   attn   kv8's decode attention probe alone (checks, then bf16 / FP8 timings and FP8 configs)
 #   hlo    nvfp4 at batch 128 with the decode program's optimized HLO dumped to $OUT/hlo (what
 #          the 386 small `memcpy32_post` copies per step and the MoE block's fusions are)
 #
@@ -90,6 +91,10 @@
 # kernel per GEMM: RAC-only since) and `fin`. Next: `bits` and `kv8` (the signs_high layout and
 # the FP8 KV cache, both built after the last call), then `b256`, `gcheck`, and `kdense`,
 # `kdense2`, `kgroup2` for the tables' missing rows (at most two per call).
+# Session 20 ran `bits` (6cd428a: signs_high faster, the default since), `kv8` (fc97b91: the
+# FP8 cache crashed the decode program with an illegal address: jax's Triton 32-bit offsets on
+# a 4.0e9-element 1-byte array; fixed in 74ebca8 by int32 words) and `kv8` at 74ebca8 (the
+# four arms ran; the probe's FP8 check ran out of time capturing the 8 GB cache as a constant).
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
@@ -200,6 +205,9 @@ for step in "$@"; do
       rollout sh128 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \
       --w4a4-bits signs_high --budget-s 110
       rollout nb128 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 --budget-s 110 ;;
+    attn) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 150 python3 scripts/kernel_probe.py \
+      --attention --out "$OUT/attn" > "$OUT/attn.log" 2>&1
+      echo "attn rc $?"; grep -E "attention|FAIL|PASS|Error" "$OUT/attn.log" | cut -c1-140 ;;
     kv8) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 150 python3 scripts/kernel_probe.py \
       --attention --out "$OUT/attn" > "$OUT/attn.log" 2>&1
       echo "attn rc $?"; grep -E "attention|FAIL|PASS|Error" "$OUT/attn.log" | cut -c1-140
@@ -207,6 +215,6 @@ for step in "$@"; do
       --budget-s 200 ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
-    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 hlo)"; exit 2 ;;
+    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn hlo)"; exit 2 ;;
   esac
 done

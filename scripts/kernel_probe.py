@@ -295,6 +295,7 @@ def run_attention():
     dim 128, a 1279-slot cache): the kernel (mid-generation and full cache) against the jnp path
     the model used before (one layer sliced out, two XLA matmuls, a softmax between)."""
     from pallas_kernels.decode_attention import (
+        DecodeAttentionConfig,
         decode_attention,
         decode_attention_reference,
     )
@@ -326,8 +327,8 @@ def run_attention():
         valid = (slot >= first) & (slot < kv_len)
         bk.check(f"decode attention FP8 cache L={full_layers} layer {full_layers - 1} "
                  f"kv_len={kv_len} (tol 2e-2)",
-                 jax.jit(lambda q=q, valid=valid, n=kv_len: decode_attention(
-                     q, k8, v8, jnp.int32(full_layers - 1), valid, jnp.int32(n))),
+                 lambda q=q, valid=valid, k=k8, v=v8, n=kv_len: decode_attention(
+                     q, k, v, jnp.int32(full_layers - 1), valid, jnp.int32(n)),
                  lambda q=q, valid=valid: decode_attention_reference(q, k8, v8,
                                                                      full_layers - 1, valid),
                  (b, kvh, g, d), tol=2e-2)
@@ -336,11 +337,16 @@ def run_attention():
     ws8 = [(k8, v8, jnp.int32(i)) for i in range(layers_n)]
     for kv_len in (768 * s // 1279, s):
         valid = (slot >= first) & (slot < kv_len)
-        for name, w, item in (("", ws, 2), ("FP8 cache ", ws8, 1)):
+        for name, w, item, cfg in (("", ws, 2, DecodeAttentionConfig()),
+                                   ("FP8 cache ", ws8, 1, DecodeAttentionConfig()),
+                                   ("FP8 cache block_s=64 ", ws8, 1,
+                                    DecodeAttentionConfig(block_s=64)),
+                                   ("FP8 cache num_warps=2 ", ws8, 1,
+                                    DecodeAttentionConfig(num_warps=2))):
             try:
                 t, calls = bk.time_chain(
-                    lambda x, w, valid=valid, n=kv_len: decode_attention(
-                        x, w[0], w[1], w[2], valid, jnp.int32(n)), q, w, reps=4)
+                    lambda x, w, valid=valid, n=kv_len, cfg=cfg: decode_attention(
+                        x, w[0], w[1], w[2], valid, jnp.int32(n), config=cfg), q, w, reps=4)
                 bk.record(f"decode attention kernel {name}kv_len={kv_len}", t, calls,
                           bytes_=2 * b * kvh * kv_len * d * item)
             except Exception as err:  # noqa: BLE001
