@@ -48,6 +48,7 @@ from quads_jax.models import ModelConfig
 from quads_jax.quant import ops
 from quads_jax.quant.recipe import get_recipe
 from quads_jax.sampler import engine
+from quads_jax.sampler.calibration import needs_calibration
 from quads_jax.sampler.sync import SyncMismatchError, check_sync, sync, weight_bytes
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -58,8 +59,37 @@ PRECISIONS = {
     "fp8": "rollout_fp8",
     "nvfp4": "rollout_nvfp4",
     "nvfp4_rac": "rollout_quads",
+    "nvfp4_rac_static": "rollout_quads",  # with RECIPE_OVERRIDES' static RAC selection
     "bf16_mgpu": "bf16",
 }
+RECIPE_OVERRIDES = {"nvfp4_rac_static": dict(rac_selection="static")}
+
+
+def timing_calibration(params: dict, recipe, cfg: ModelConfig) -> dict:
+    """A static RAC block set for every W4A4 site, for *timing* the static arm: each weight (each
+    expert) gets ``rac.select_blocks`` of seeded random scores (``rac_ratio`` of its K/16
+    blocks), not ``calibration.calibrate`` on model activations (a 48-layer calibration forward
+    at the 30B shape costs its own compile). The work of a decode step does not depend on which
+    blocks are chosen: the residual operand spans K with the unselected blocks zero."""
+    from quads_jax.quant import rac
+    from quads_jax.sampler.calibration import calibrated_sites
+
+    wanted = set(calibrated_sites(recipe, cfg))
+    sites = jax.tree.leaves(models.param_sites(cfg, params),
+                            is_leaf=lambda x: isinstance(x, str | tuple))
+    out = {}
+    for leaf, names in zip(jax.tree.leaves(params), sites, strict=True):
+        for site in (names,) if isinstance(names, str) else names:
+            if site not in wanted:
+                continue
+            nb = leaf.shape[-1] // 16
+            lead = (leaf.shape[-3],) if ".experts." in site else ()
+            scores = jax.random.uniform(jax.random.fold_in(jax.random.key(7), len(out)),
+                                        lead + (nb,))
+            out[site] = (rac.select_blocks(scores, recipe.rac_ratio), None)
+    if missing := wanted - set(out):
+        raise ValueError(f"timing_calibration: no weight found for {sorted(missing)[:3]}")
+    return out
 QWEN3_30B_A3B = dict(
     vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
     num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
@@ -356,15 +386,17 @@ def bench_precision(name, make_params, cfg, cases, args, bandwidth, clock, out_d
     check unless the arm shares it (bf16), so a quantized arm's rollout runs without 61 GB of
     master weights beside it (the FP8 arm ran out of memory with them)."""
     params = make_params()
-    recipe = get_recipe(PRECISIONS[name])
+    recipe = get_recipe(PRECISIONS[name], **RECIPE_OVERRIDES.get(name, {}))
     if jax.default_backend() == "gpu":
         register_arm(name)
+    calib = timing_calibration(params, recipe, cfg) if needs_calibration(recipe) else None
     t = time.perf_counter()
-    rollout = jax.block_until_ready(sync(params, recipe, model_config=cfg))
+    rollout = jax.block_until_ready(sync(params, recipe, model_config=cfg, calibration=calib))
     first = time.perf_counter() - t
     del rollout
-    t_sync = statistics.median(timed(lambda: sync(params, recipe, model_config=cfg), 2))
-    rollout = sync(params, recipe, model_config=cfg)
+    t_sync = statistics.median(timed(
+        lambda: sync(params, recipe, model_config=cfg, calibration=calib), 2))
+    rollout = sync(params, recipe, model_config=cfg, calibration=calib)
     t = time.perf_counter()
     check_error = ""
     try:

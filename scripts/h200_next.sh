@@ -66,6 +66,8 @@
 #          GPU-checked against the reference and timed (kernel_probe --attention), then the four
 #          arms at batch 128 with --kv-cache-dtype float8_e4m3fn (compare with b128)
 #   attn   kv8's decode attention probe alone (checks, then bf16 / FP8 timings and FP8 configs)
+#   static nvfp4_rac with a static RAC block set (no per-step selection; bench_rollout's
+#          timing_calibration) and the online default at batch 128, traced; then static at 256
 #   hlo    nvfp4 at batch 128 with the decode program's optimized HLO dumped to $OUT/hlo (what
 #          the 386 small `memcpy32_post` copies per step and the MoE block's fusions are)
 #
@@ -213,8 +215,12 @@ for step in "$@"; do
       echo "attn rc $?"; grep -E "attention|FAIL|PASS|Error" "$OUT/attn.log" | cut -c1-140
       rollout kv8 250 --quick --profile-steps 4 --precisions $ALL --kv-cache-dtype float8_e4m3fn \
       --budget-s 200 ;;
+    static) rollout static128 150 --quick --profile-steps 4 --precisions nvfp4_rac_static,nvfp4_rac \
+      --budget-s 110
+      rollout static256 130 --batches 256 --prompts 256 $short --precisions nvfp4_rac_static \
+      --budget-s 90 ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
-    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn hlo)"; exit 2 ;;
+    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn static hlo)"; exit 2 ;;
   esac
 done

@@ -42,7 +42,7 @@ from quads_jax import models
 from quads_jax.quant import fp8, nvfp4, ops
 from quads_jax.quant.rac import CalibratedWeight
 from quads_jax.quant.recipe import FP8_WEIGHT_MODES, NVFP4_WEIGHT_MODES, QuantRecipe
-from quads_jax.sampler.calibration import calibrate, needs_calibration
+from quads_jax.sampler.calibration import calibrate, calibrated_sites, needs_calibration
 
 KEEP, CAST = "keep", "cast"
 # Sites that run in float32 whatever the compute dtype (the forward casts their input to f32).
@@ -150,7 +150,7 @@ def _plan(params, recipe, model_config, kernel_layout):
 
 def sync(params: dict, recipe: QuantRecipe, *, model_config,
          kernel_layout: bool | None = None, calibration_tokens=None,
-         fuse_qkv: bool = True) -> dict:
+         calibration: dict | None = None, fuse_qkv: bool = True) -> dict:
     """The rollout tree for ``recipe`` from master ``params`` (see the module docstring).
 
     Args:
@@ -162,6 +162,9 @@ def sync(params: dict, recipe: QuantRecipe, *, model_config,
       calibration_tokens: int ``[B, T]`` unpadded token ids; required when the recipe has a
         static RAC selection or activation scale (``calibration.calibrate``): the W4A4 leaves
         are then ``CalibratedWeight`` wrappers holding the calibrated blocks / scales.
+      calibration: instead of ``calibration_tokens``, a calibration already made, as
+        ``calibration.calibrate`` returns it (``{site: (rac_blocks, act_global_scale)}``, every
+        W4A4 site of the recipe): e.g. one calibration reused over several syncs.
       fuse_qkv: store each layer group's bf16 q/k/v projections as one ``qkv_proj`` weight
         (``models.fuse_qkv``: one decode GEMM instead of three, the same dot products).
 
@@ -172,8 +175,14 @@ def sync(params: dict, recipe: QuantRecipe, *, model_config,
     """
     if not isinstance(recipe, QuantRecipe):
         raise ValueError(f"recipe: expected a QuantRecipe, got {type(recipe).__name__}")
-    calibration = None
-    if needs_calibration(recipe):
+    if calibration is not None:
+        if not needs_calibration(recipe):
+            raise ValueError(f"calibration: given, but recipe {recipe.name!r} has no static "
+                             "RAC selection or activation scale to use it")
+        if missing := [s for s in calibrated_sites(recipe, model_config) if s not in calibration]:
+            raise ValueError(f"calibration: no entry for {len(missing)} W4A4 site(s) of recipe "
+                             f"{recipe.name!r}, e.g. {missing[:3]}")
+    elif needs_calibration(recipe):
         if calibration_tokens is None:
             raise ValueError(
                 f"calibration_tokens: None, but recipe {recipe.name!r} has rac_selection="

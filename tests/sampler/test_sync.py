@@ -13,6 +13,7 @@ from quads_jax.quant import fp8, nvfp4, ops, rac
 from quads_jax.quant.rac import CalibratedWeight
 from quads_jax.quant.recipe import get_recipe
 from quads_jax.sampler import engine
+from quads_jax.sampler.calibration import calibrate
 from quads_jax.sampler.sync import (
     SyncMismatchError,
     check_sync,
@@ -222,6 +223,17 @@ def test_static_calibration_wraps_w4a4_leaves_with_calibrated_blocks_and_scales(
                                rtol=1e-5)
 
     check_sync(params, rollout, recipe, model_config=cfg, full=True)
+
+    # A calibration made once serves another sync: the same leaves as from the tokens.
+    calib = calibrate(params, recipe, model_config=cfg, tokens=tokens)
+    again = sync(params, recipe, model_config=cfg, calibration=calib)
+    for a, b in zip(jax.tree.leaves(rollout), jax.tree.leaves(again), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match=r"calibration: no entry for 1 W4A4 site\(s\)"):
+        sync(params, recipe, model_config=cfg,
+             calibration={k: v for k, v in calib.items() if k != "layers.1.mlp.experts.down"})
+    with pytest.raises(ValueError, match="has no static RAC selection"):
+        sync(params, get_recipe("rollout_quads"), model_config=cfg, calibration=calib)
 
 
 def test_sync_input_errors(model):
