@@ -48,6 +48,7 @@ from pallas_kernels.w8a8_matmul import (
     w8a8_reference,
 )
 from quads_jax.quant import fp8, nvfp4
+from quads_jax.quant.kernel_backend import DEFAULT_W4A4_BITS
 
 L2_FLUSH_BYTES = 160e6
 SMOKE = False  # --smoke: tiny shapes, jnp instead of the kernel, to test this script on a CPU
@@ -186,10 +187,13 @@ def rand(key, shape, dtype=jnp.bfloat16, scale=1.0):
 
 
 def nvfp4_weight(key, shape, mma=None, decode=None):
+    """The weight and its kernel layout; float16 layouts get the rollout's default code-word
+    bits (``kernel_backend.DEFAULT_W4A4_BITS``), so the checks test what the rollout runs."""
     q = nvfp4.quantize(rand(key, shape, jnp.float32), scale_mode="expert" if len(shape) == 3
                        else "tensor")
-    return q, prepare_w4a4_weights(q, mma_dtype=mma or BEST["layout"]["mma_dtype"],
-                                   decode=decode or BEST["layout"]["decode"])
+    mma = mma or BEST["layout"]["mma_dtype"]
+    return q, prepare_w4a4_weights(q, mma_dtype=mma, decode=decode or BEST["layout"]["decode"],
+                                   bits=DEFAULT_W4A4_BITS if mma == "float16" else "nibbles")
 
 
 def routing(key, tokens, e, top_k, skew=False):
