@@ -71,6 +71,12 @@ class RolloutSection:
       prompts_per_step: prompts per RL step (batch = prompts_per_step * G responses).
       max_new_tokens: response length limit.
       temperature, top_k, top_p: sampling.
+      calibration_prompts: with a static RAC selection or activation scale in the rollout
+        recipe, the calibration batch of each weight sync: BOS + prompt + demonstration of
+        the first this-many training examples, each cut to the shortest one's length (the
+        calibration scores every token, so there is no padding).
+      calibration_every: calibrate at every this-many-th weight sync and reuse the last
+        calibration in between (1: at every sync).
     """
 
     prompts_per_step: int = 8
@@ -78,6 +84,8 @@ class RolloutSection:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    calibration_prompts: int = 8
+    calibration_every: int = 1
 
     def __post_init__(self) -> None:
         own = "RolloutSection"
@@ -86,6 +94,10 @@ class RolloutSection:
         check(own, "max_new_tokens", self.max_new_tokens, self.max_new_tokens >= 1,
               "an integer >= 1")
         check(own, "temperature", self.temperature, self.temperature > 0, "a number > 0")
+        check(own, "calibration_prompts", self.calibration_prompts,
+              self.calibration_prompts >= 1, "an integer >= 1")
+        check(own, "calibration_every", self.calibration_every, self.calibration_every >= 1,
+              "an integer >= 1")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,10 +31,16 @@ from quads_jax.rl import diagnostics
 from quads_jax.rl.grpo import group_advantages
 from quads_jax.rl.tasks import make_task, prompt_batches
 from quads_jax.sampler import SamplerConfig, check_sync, sync
+from quads_jax.sampler.calibration import calibrate, needs_calibration
 from quads_jax.train import mesh as mesh_lib
 from quads_jax.train.checkpoint import Checkpointer
 from quads_jax.train.config import TrainConfig
-from quads_jax.train.rollout import evaluate_pass_at_1, prompt_width, rollout_and_score
+from quads_jax.train.rollout import (
+    calibration_batch,
+    evaluate_pass_at_1,
+    prompt_width,
+    rollout_and_score,
+)
 from quads_jax.train.sft import run_sft
 from quads_jax.train.state import (
     create_train_state,
@@ -130,6 +136,10 @@ class Trainer:
                                     tensorboard=c.tensorboard)
         self.ckpt = Checkpointer(os.path.join(c.run_dir, "checkpoints"), c.checkpoint)
         self.initial_params = params
+        self._syncs, self._calibration = 0, None
+        self.calibration_tokens = (
+            calibration_batch(self.tokenizer, self.splits.train, c.rollout.calibration_prompts)
+            if needs_calibration(self.rollout_recipe) else None)
 
     # ------------------------------------------------------------------ placement helpers
     def _state_and_update(self, params, opt_config, loss_fn, total_updates):
@@ -166,8 +176,21 @@ class Trainer:
                                   **self._score_kwargs())
 
     def sync(self, params):
-        """Rollout params from the master params + the identity check (cheap checksum)."""
-        rp = sync(params, self.rollout_recipe, model_config=self.model_config)
+        """Rollout params from the master params + the identity check (cheap checksum).
+
+        A rollout recipe with a static RAC selection or activation scale is calibrated here on
+        ``rollout.calibration_prompts`` training examples, at every ``calibration_every``-th
+        sync (the last calibration serves the syncs between)."""
+        calibration = None
+        if needs_calibration(self.rollout_recipe):
+            if self._syncs % self.config.rollout.calibration_every == 0:
+                self._calibration = calibrate(params, self.rollout_recipe,
+                                              model_config=self.model_config,
+                                              tokens=self.calibration_tokens)
+            calibration = self._calibration
+        self._syncs += 1
+        rp = sync(params, self.rollout_recipe, model_config=self.model_config,
+                  calibration=calibration)
         check_sync(params, rp, self.rollout_recipe, model_config=self.model_config)
         return rp
 

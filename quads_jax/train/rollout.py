@@ -42,6 +42,18 @@ def encode_prompts(
     return tokens, mask
 
 
+def calibration_batch(tokenizer: Any, examples: Sequence[Example], n: int) -> np.ndarray:
+    """The static calibration batch (``sampler.calibration.calibrate``): BOS + prompt +
+    demonstration of the first ``n`` examples, each cut to the shortest row's length, so every
+    token is real (no padding): int32 ``[min(n, len(examples)), T]``."""
+    if not examples or n < 1:
+        raise ValueError(f"calibration_batch: need n >= 1 and examples, got n={n} and "
+                         f"{len(examples)} examples")
+    rows = [tokenizer.encode(ex.prompt + ex.demonstration, add_bos=True) for ex in examples[:n]]
+    width = min(len(r) for r in rows)
+    return np.asarray([r[:width] for r in rows], np.int32)
+
+
 def decode_responses(tokenizer: Any, rollout: Rollout) -> list[str]:
     """The response text of every row (special tokens such as EOS dropped)."""
     tokens = np.asarray(rollout.tokens)[:, rollout.prompt_length:]

@@ -76,6 +76,62 @@ def test_short_rl_run_raises_reward(tmp_path):
     assert len(pngs) == 4 and all(pathlib.Path(p).stat().st_size > 1000 for p in pngs)
 
 
+def test_static_rac_run_calibrates_at_sync(tmp_path, monkeypatch):
+    """A rollout recipe with a static RAC selection trains: each weight sync calibrates on the
+    training prompts (every ``calibration_every``-th sync; the syncs between reuse it), and the
+    rollout leaves carry the calibrated block sets."""
+    from quads_jax.quant.rac import CalibratedWeight
+    from quads_jax.train import loop
+
+    batches = []
+    real = loop.calibrate
+
+    def counting(params, recipe, *, model_config, tokens):
+        batches.append(np.asarray(tokens))
+        return real(params, recipe, model_config=model_config, tokens=tokens)
+
+    monkeypatch.setattr(loop, "calibrate", counting)
+    trainer = _trainer(tmp_path, ["arm=quads", "recipe_overrides.rac_selection=static",
+                                  "sft.steps=2", "rl.steps=3", "rl.analysis_every=0",
+                                  "rl.eval_prompts=4", "rl.eval_samples=2",
+                                  "rollout.prompts_per_step=4", "grpo.num_generations=2",
+                                  "rollout.calibration_prompts=5",
+                                  "rollout.calibration_every=2", "checkpoint.every_steps=0"])
+    try:
+        trainer.run()
+        rp = trainer.sync(trainer.final_state.params)  # sync 4 (0-3 ran): calibrates again
+    finally:
+        trainer.close()
+    assert len(batches) == 3  # syncs 0 and 2 of the run, then 4
+    tokens = batches[0]
+    assert tokens.shape[0] == 5 and tokens.dtype == np.int32
+    assert np.all(tokens[:, 0] == trainer.tokenizer.bos_id)
+    assert np.all(tokens != trainer.tokenizer.pad_id)
+    leaves = jax.tree.leaves(rp, is_leaf=lambda x: isinstance(x, CalibratedWeight))
+    calibrated = [x for x in leaves if isinstance(x, CalibratedWeight)]
+    assert calibrated and all(x.rac_blocks is not None for x in calibrated)
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert len([r for r in rows if r["phase"] == "rl"]) == 3
+
+
+def test_calibration_batch_cuts_rows_to_the_shortest_and_refuses_bad_input():
+    from quads_jax.rl.tasks import Example
+    from quads_jax.train.config import RolloutSection
+    from quads_jax.train.rollout import calibration_batch
+    from quads_jax.train.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("char")
+    exs = [Example("1+2=", "3", "3"), Example("10+20=", "30", "30"), Example("4+4=", "8")]
+    got = calibration_batch(tok, exs, 2)
+    want = [tok.encode("1+2=3", add_bos=True)] * 1 + [tok.encode("10+20=30", add_bos=True)[:6]]
+    np.testing.assert_array_equal(got, np.asarray(want, np.int32))
+    assert calibration_batch(tok, exs, 9).shape == (3, 5)  # "4+4=" + BOS is the shortest
+    with pytest.raises(ValueError, match="need n >= 1 and examples, got n=0"):
+        calibration_batch(tok, exs, 0)
+    with pytest.raises(ValueError, match="calibration_every"):
+        RolloutSection(calibration_every=0)
+
+
 def test_stop_after_n_nonfinite_saves_checkpoint(tmp_path):
     opt = make_optimizer(OptimizerConfig(), 10)
     state = create_train_state({"w": jax.numpy.ones((2, 2))}, opt, 0)
