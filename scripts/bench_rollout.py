@@ -506,6 +506,9 @@ def parse_args(argv):
     p.add_argument("--kv-cache-dtype", choices=("bfloat16", "float8_e4m3fn"), default="bfloat16",
                    help="the rollout's KV cache (SamplerConfig.kv_cache_dtype); FP8 halves the "
                    "decode attention's reads, in every arm")
+    p.add_argument("--attention-slot-splits", type=int, default=1,
+                   help="decode attention programs per (row, KV head) over slot ranges "
+                   "(DecodeAttentionConfig.slot_splits; flash-decoding)")
     p.add_argument("--w4a4-bits", choices=("nibbles", "signs_high"), default="signs_high",
                    help="the float16 NVFP4 weights' code-word bit layout made at weight sync "
                    "(kernel_backend.set_w4a4_bits)")
@@ -558,7 +561,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.bf16_path:
         BF16_PATH["path"] = args.bf16_path
-    models.layers.set_decode_attention(args.decode_attention)
+    from pallas_kernels.decode_attention import DecodeAttentionConfig
+
+    models.layers.set_decode_attention(
+        args.decode_attention, DecodeAttentionConfig(slot_splits=args.attention_slot_splits))
     if (args.w4a4_n_group != 1 or not args.w4a4_stack_operands or args.w4a4_mma_overlap
             or args.w4a4_mma_k != 256 or not args.materialize_operands
             or args.rac_select_kernel or args.rac_select_block_rows != 16
@@ -594,6 +600,7 @@ def main(argv=None) -> int:
                           materialize_operands=args.materialize_operands,
                           w4a4_bits=args.w4a4_bits,
                           kv_cache_dtype=args.kv_cache_dtype,
+                          attention_slot_splits=args.attention_slot_splits,
                           rac_select_kernel=args.rac_select_kernel,
                           rac_select_block_rows=args.rac_select_block_rows,
                           grouped_barrier=args.grouped_barrier,

@@ -66,6 +66,9 @@
 #          GPU-checked against the reference and timed (kernel_probe --attention), then the four
 #          arms at batch 128 with --kv-cache-dtype float8_e4m3fn (compare with b128)
 #   attn   kv8's decode attention probe alone (checks, then bf16 / FP8 timings and FP8 configs)
+#   kv8s   nvfp4_rac and nvfp4 on the FP8 cache with the decode attention split over 2 slot
+#          ranges per (row, KV head) (slot_splits, flash-decoding) and without, same call
+#          (run `attn` first: its timings include the slot_splits variants)
 #   static nvfp4_rac with a static RAC block set (no per-step selection; bench_rollout's
 #          timing_calibration) and the online default at batch 128, traced; then static at 256
 #   hlo    nvfp4 at batch 128 with the decode program's optimized HLO dumped to $OUT/hlo (what
@@ -96,7 +99,10 @@
 # Session 20 ran `bits` (6cd428a: signs_high faster, the default since), `kv8` (fc97b91: the
 # FP8 cache crashed the decode program with an illegal address: jax's Triton 32-bit offsets on
 # a 4.0e9-element 1-byte array; fixed in 74ebca8 by int32 words) and `kv8` at 74ebca8 (the
-# four arms ran; the probe's FP8 check ran out of time capturing the 8 GB cache as a constant).
+# four arms ran; the probe's FP8 check ran out of time capturing the 8 GB cache as a constant),
+# then `attn b256` (cbdfb9a), `static` and `mcheck` (9e4733e). Next: `attn kv8s` (the decode
+# attention's slot_splits, built after the last call), `check` / `mcheck` with the signs_high
+# check weights (dd535a9), `gcheck`, `b32`, the kdense / kgroup tables.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
@@ -215,12 +221,16 @@ for step in "$@"; do
       echo "attn rc $?"; grep -E "attention|FAIL|PASS|Error" "$OUT/attn.log" | cut -c1-140
       rollout kv8 250 --quick --profile-steps 4 --precisions $ALL --kv-cache-dtype float8_e4m3fn \
       --budget-s 200 ;;
+    kv8s) rollout kv8s2 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \
+      --kv-cache-dtype float8_e4m3fn --attention-slot-splits 2 --budget-s 110
+      rollout kv8s1 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \
+      --kv-cache-dtype float8_e4m3fn --budget-s 110 ;;
     static) rollout static128 150 --quick --profile-steps 4 --precisions nvfp4_rac_static,nvfp4_rac \
       --budget-s 110
       rollout static256 130 --batches 256 --prompts 256 $short --precisions nvfp4_rac_static \
       --budget-s 90 ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
-    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn static hlo)"; exit 2 ;;
+    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static hlo)"; exit 2 ;;
   esac
 done

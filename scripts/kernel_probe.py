@@ -342,7 +342,12 @@ def run_attention():
                                    ("FP8 cache block_s=64 ", ws8, 1,
                                     DecodeAttentionConfig(block_s=64)),
                                    ("FP8 cache num_warps=2 ", ws8, 1,
-                                    DecodeAttentionConfig(num_warps=2))):
+                                    DecodeAttentionConfig(num_warps=2)),
+                                   ("slot_splits=2 ", ws, 2, DecodeAttentionConfig(slot_splits=2)),
+                                   ("FP8 cache slot_splits=2 ", ws8, 1,
+                                    DecodeAttentionConfig(slot_splits=2)),
+                                   ("FP8 cache slot_splits=4 ", ws8, 1,
+                                    DecodeAttentionConfig(slot_splits=4))):
             try:
                 t, calls = bk.time_chain(
                     lambda x, w, valid=valid, n=kv_len, cfg=cfg: decode_attention(

@@ -72,16 +72,23 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.
 
 
 DECODE_ATTENTION_IMPLS = ("kernel", "jnp")
-_decode_attention = {"impl": "kernel"}
+_decode_attention = {"impl": "kernel", "config": None}
 
 
-def set_decode_attention(impl: str) -> None:
+def set_decode_attention(impl: str, config=None) -> None:
     """``kernel``: decode steps use the decode attention kernel where the backend allows it
-    (the default); ``jnp``: always the jnp path (an ablation, or a GPU without Triton)."""
+    (the default); ``jnp``: always the jnp path (an ablation, or a GPU without Triton).
+    ``config``: the kernel's ``DecodeAttentionConfig`` (None: its defaults). Takes effect at
+    the next trace; a bad value raises ``ValueError`` and changes nothing."""
     if impl not in DECODE_ATTENTION_IMPLS:
         raise ValueError(f"set_decode_attention: impl={impl!r} must be one of "
                          f"{DECODE_ATTENTION_IMPLS}")
-    _decode_attention["impl"] = impl
+    from pallas_kernels.decode_attention import DecodeAttentionConfig
+
+    if config is not None and not isinstance(config, DecodeAttentionConfig):
+        raise ValueError(f"set_decode_attention: config={config!r} must be a "
+                         "DecodeAttentionConfig or None")
+    _decode_attention.update(impl=impl, config=config)
 
 
 def decode_attend(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.Array,
@@ -105,7 +112,8 @@ def decode_attend(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.A
     b, _, h, d = q.shape
     kvh = k_all.shape[2]
     qg = q.reshape(b, kvh, h // kvh, d)
-    out = da.decode_attention(qg, k_all, v_all, layer, valid, kv_len,
+    config = _decode_attention["config"] or da.DecodeAttentionConfig()
+    out = da.decode_attention(qg, k_all, v_all, layer, valid, kv_len, config=config,
                               interpret=backend == "interpret")
     return out.reshape(b, 1, h * d)
 

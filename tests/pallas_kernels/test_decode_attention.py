@@ -2,6 +2,7 @@
 reference and through the model's cached decode, cuda lowering, bad input."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.extend
@@ -57,6 +58,38 @@ def test_kernel_matches_reference(b, kvh, s, d, g, block_s, kv_len):
     # The kernel reads the layer it is told to: another layer gives other numbers.
     other = decode_attention_reference(q, k, v, 2, valid)
     assert not np.allclose(np.asarray(got, np.float32), np.asarray(other, np.float32), atol=0.1)
+
+
+@pytest.mark.parametrize("splits,kv_len,d,fp8", [
+    (2, 50, 32, False),  # 4 blocks of 16: two each, the last window moved back
+    (3, 37, 32, False),  # 3 blocks: one each
+    (5, 20, 32, False),  # 2 blocks over 5 splits: three splits read nothing (weight 0)
+    (2, 45, 128, True),  # FP8 cache read as int32 words: the splits' column sets combined
+])
+def test_slot_splits_match_the_reference(splits, kv_len, d, fp8):
+    """Flash-decoding splits: each (row, KV head) runs as ``splits`` programs over consecutive
+    slot blocks; their unnormalized sums combine to the reference; a row with no visible slot
+    still gives 0."""
+    from quads_jax.models.kv_cache import to_cache_dtype
+
+    q, k, v = _inputs(2, 3, 2, 50, d, 4, seed=11)
+    if fp8:
+        k, v = (to_cache_dtype(a, jnp.float8_e4m3fn) for a in (k, v))
+    slot = jnp.arange(50)[None, :]
+    valid = (slot < kv_len) & (slot >= jnp.asarray([[0], [7], [0]]))
+    valid = valid.at[2].set(False)
+    cfg = DecodeAttentionConfig(block_s=16, slot_splits=splits)
+    got = decode_attention(q, k, v, jnp.int32(1), valid, jnp.int32(kv_len), config=cfg,
+                           interpret=True)
+    want = decode_attention_reference(q, k, v, 1, valid)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               atol=2e-2, rtol=2e-2)
+    assert np.all(np.asarray(got[2]) == 0)
+    one = decode_attention(q, k, v, jnp.int32(1), valid, jnp.int32(kv_len),
+                           config=DecodeAttentionConfig(block_s=16), interpret=True)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(one, np.float32),
+                               atol=1e-2, rtol=1e-2)
 
 
 def test_rows_without_visible_slots_give_zero_and_kv_len_bounds_the_read():
@@ -156,14 +189,16 @@ def test_model_decode_step_through_the_kernel_matches_the_jnp_path():
                                   np.asarray(outs["reference"].cache.k[0]))
 
 
-@pytest.mark.parametrize("cache_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
-def test_lowers_for_cuda(cache_dtype):
+@pytest.mark.parametrize("cache_dtype,splits", [(jnp.bfloat16, 1), (jnp.float8_e4m3fn, 1),
+                                                (jnp.bfloat16, 4), (jnp.float8_e4m3fn, 2)])
+def test_lowers_for_cuda(cache_dtype, splits):
     q = jax.ShapeDtypeStruct((4, 2, 8, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((2, 4, 2, 1279, 128), cache_dtype)
     valid = jax.ShapeDtypeStruct((4, 1279), jnp.bool_)
     i = jax.ShapeDtypeStruct((), jnp.int32)
+    fn = functools.partial(decode_attention, config=DecodeAttentionConfig(slot_splits=splits))
     with jax.sharding.use_abstract_mesh(H200):
-        exp = export.export(jax.jit(decode_attention), platforms=["cuda"], disabled_checks=[
+        exp = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
             export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(q, kv, kv, i, valid, i)
     assert "xla.gpu.triton" in exp.mlir_module()
 
@@ -212,3 +247,16 @@ def test_jnp_switch_bypasses_the_kernel_and_bad_impl_is_refused():
                                 "interpret") is None
     with pytest.raises(ValueError, match="impl='triton'"):
         layers.set_decode_attention("triton")
+    # The kernel's config goes through the switch too (slot splits: the same numbers).
+    plain = layers.decode_attend(q4, k, v, 0, valid, 32, "interpret")
+    layers.set_decode_attention("kernel", DecodeAttentionConfig(block_s=16, slot_splits=2))
+    try:
+        split = layers.decode_attend(q4, k, v, 0, valid, 32, "interpret")
+        with pytest.raises(ValueError, match="must be a DecodeAttentionConfig"):
+            layers.set_decode_attention("kernel", {"slot_splits": 2})
+    finally:
+        layers.set_decode_attention("kernel")
+    np.testing.assert_allclose(np.asarray(split, np.float32), np.asarray(plain, np.float32),
+                               atol=1e-2, rtol=1e-2)
+    with pytest.raises(ValueError, match="slot_splits=0"):
+        DecodeAttentionConfig(slot_splits=0)
