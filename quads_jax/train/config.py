@@ -25,6 +25,7 @@ from quads_jax.models.config import ModelConfig
 from quads_jax.rl.grpo import GRPOConfig
 from quads_jax.rl.rewards import RewardConfig
 from quads_jax.rl.tasks import TaskConfig
+from quads_jax.sampler.engine import KV_CACHE_DTYPES
 from quads_jax.train.checkpoint import CheckpointConfig
 from quads_jax.train.mesh import MeshConfig
 from quads_jax.train.state import OptimizerConfig
@@ -77,6 +78,9 @@ class RolloutSection:
         calibration scores every token, so there is no padding).
       calibration_every: calibrate at every this-many-th weight sync and reuse the last
         calibration in between (1: at every sync).
+      kv_cache_dtype: the rollout's KV cache (``SamplerConfig.kv_cache_dtype``): "model" or
+        e.g. "float8_e4m3fn" (half the cache bytes; a rollout-trainer mismatch QUADS does not
+        align, visible in the ``mismatch/*`` metrics).
     """
 
     prompts_per_step: int = 8
@@ -86,6 +90,7 @@ class RolloutSection:
     top_p: float = 1.0
     calibration_prompts: int = 8
     calibration_every: int = 1
+    kv_cache_dtype: str = "model"
 
     def __post_init__(self) -> None:
         own = "RolloutSection"
@@ -98,6 +103,8 @@ class RolloutSection:
               self.calibration_prompts >= 1, "an integer >= 1")
         check(own, "calibration_every", self.calibration_every, self.calibration_every >= 1,
               "an integer >= 1")
+        check(own, "kv_cache_dtype", self.kv_cache_dtype, self.kv_cache_dtype in KV_CACHE_DTYPES,
+              f"one of {list(KV_CACHE_DTYPES)}")
 
 
 @dataclasses.dataclass(frozen=True)

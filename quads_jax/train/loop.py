@@ -124,6 +124,7 @@ class Trainer:
             max_new_tokens=c.rollout.max_new_tokens, n_samples=c.grpo.num_generations,
             temperature=c.rollout.temperature, top_k=c.rollout.top_k, top_p=c.rollout.top_p,
             stop_token_ids=(self.tokenizer.eos_id,), pad_token_id=self.tokenizer.pad_id,
+            kv_cache_dtype=c.rollout.kv_cache_dtype,
         )
         self.apply_fn = make_apply_fn(self.model_config, self.trainer_recipe)
         self.logprob_fn = jax.jit(make_logprob_fn(self.apply_fn))

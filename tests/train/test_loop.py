@@ -79,7 +79,7 @@ def test_short_rl_run_raises_reward(tmp_path):
 def test_static_rac_run_calibrates_at_sync(tmp_path, monkeypatch):
     """A rollout recipe with a static RAC selection trains: each weight sync calibrates on the
     training prompts (every ``calibration_every``-th sync; the syncs between reuse it), and the
-    rollout leaves carry the calibrated block sets."""
+    rollout leaves carry the calibrated block sets. The rollout runs on an FP8 KV cache."""
     from quads_jax.quant.rac import CalibratedWeight
     from quads_jax.train import loop
 
@@ -96,7 +96,9 @@ def test_static_rac_run_calibrates_at_sync(tmp_path, monkeypatch):
                                   "rl.eval_prompts=4", "rl.eval_samples=2",
                                   "rollout.prompts_per_step=4", "grpo.num_generations=2",
                                   "rollout.calibration_prompts=5",
-                                  "rollout.calibration_every=2", "checkpoint.every_steps=0"])
+                                  "rollout.calibration_every=2", "checkpoint.every_steps=0",
+                                  "rollout.kv_cache_dtype=float8_e4m3fn"])
+    assert trainer.sampler_config.kv_cache_dtype == "float8_e4m3fn"  # the config reaches it
     try:
         trainer.run()
         rp = trainer.sync(trainer.final_state.params)  # sync 4 (0-3 ran): calibrates again
@@ -130,6 +132,8 @@ def test_calibration_batch_cuts_rows_to_the_shortest_and_refuses_bad_input():
         calibration_batch(tok, exs, 0)
     with pytest.raises(ValueError, match="calibration_every"):
         RolloutSection(calibration_every=0)
+    with pytest.raises(ValueError, match="kv_cache_dtype.*float8_e4m3fn"):
+        RolloutSection(kv_cache_dtype="int8")
 
 
 def test_stop_after_n_nonfinite_saves_checkpoint(tmp_path):
