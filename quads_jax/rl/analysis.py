@@ -94,7 +94,14 @@ def layer_error_analysis(
 
     Args:
       params: master params; probe: ``(tokens int32 [B, P], mask bool [B, P])``.
+
+    A rollout recipe with a static RAC selection or activation scale is analyzed as its
+    online counterpart (``calibration.online_counterpart``: each GEMM's own batch, what the
+    calibration scores): the master params carry no calibration.
     """
+    from quads_jax.sampler.calibration import online_counterpart
+
+    rollout_recipe = online_counterpart(rollout_recipe)
     tokens, mask = (jnp.asarray(a) for a in probe)
     real = np.asarray(mask).reshape(-1)
     collect = jax.jit(models.collect_site_inputs, static_argnums=0, static_argnames="recipe")

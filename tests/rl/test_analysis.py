@@ -30,3 +30,8 @@ def test_layer_error_analysis():
     # bf16 on both sides: identical inputs, no flips
     same = layer_error_analysis(params, mc, get_recipe("bf16"), get_recipe("bf16"), probe)
     assert same["analysis/act_bin_flip_rate"] == 0.0
+    # a static RAC rollout recipe is analyzed as its online counterpart (the master params
+    # carry no calibration): the same numbers as the online recipe
+    static = layer_error_analysis(params, mc, get_recipe("trainer_qat"),
+                                  get_recipe("rollout_quads", rac_selection="static"), probe)
+    assert static == out

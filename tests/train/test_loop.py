@@ -92,7 +92,7 @@ def test_static_rac_run_calibrates_at_sync(tmp_path, monkeypatch):
 
     monkeypatch.setattr(loop, "calibrate", counting)
     trainer = _trainer(tmp_path, ["arm=quads", "recipe_overrides.rac_selection=static",
-                                  "sft.steps=2", "rl.steps=3", "rl.analysis_every=0",
+                                  "sft.steps=2", "rl.steps=3", "rl.analysis_every=3",
                                   "rl.eval_prompts=4", "rl.eval_samples=2",
                                   "rollout.prompts_per_step=4", "grpo.num_generations=2",
                                   "rollout.calibration_prompts=5",
@@ -113,7 +113,8 @@ def test_static_rac_run_calibrates_at_sync(tmp_path, monkeypatch):
     calibrated = [x for x in leaves if isinstance(x, CalibratedWeight)]
     assert calibrated and all(x.rac_blocks is not None for x in calibrated)
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
-    assert len([r for r in rows if r["phase"] == "rl"]) == 3
+    rl = [r for r in rows if r["phase"] == "rl"]
+    assert len(rl) == 3 and "analysis/w4a4_rac_err" in rl[2]  # the analysis ran on step 3
 
 
 def test_calibration_batch_cuts_rows_to_the_shortest_and_refuses_bad_input():
