@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from quads_jax.models.config import ModelConfig
+from quads_jax.quant.arith import straight_through
 
 
 def to_cache_dtype(x: jax.Array, dtype) -> jax.Array:
@@ -25,6 +26,14 @@ def to_cache_dtype(x: jax.Array, dtype) -> jax.Array:
         big = float(jnp.finfo(dtype).max)
         x = jnp.clip(x.astype(jnp.float32), -big, big)
     return x.astype(dtype)
+
+
+def fake_quant(x: jax.Array, dtype) -> jax.Array:
+    """``to_cache_dtype(x, dtype)`` back in ``x.dtype`` (exact: E4M3 values are bf16 / f32
+    values), with a straight-through gradient: what a forward without a cache attends to when
+    the rollout's cache is ``dtype`` (``QuantRecipe.kv_quant``)."""
+    y = to_cache_dtype(jax.lax.stop_gradient(x), dtype).astype(x.dtype)
+    return straight_through(x, y)
 
 
 @jax.tree_util.register_dataclass

@@ -33,6 +33,7 @@ import numpy as np
 from quads_jax.models import layers as L
 from quads_jax.models.config import ModelConfig
 from quads_jax.models.kv_cache import KVCache, to_cache_dtype
+from quads_jax.models.kv_cache import fake_quant as kv_fake_quant
 from quads_jax.models.moe import RouterStats, dense_mlp, moe_block, router_stats
 from quads_jax.quant import ops
 from quads_jax.quant.recipe import QuantRecipe
@@ -335,6 +336,8 @@ def _attention(config, p, x, rope, masks: _Masks, kv, layer, site, recipe):
     k = k.transpose(0, 2, 1, 3)  # [B, KVH, T, D]: the cache layout
     v = v.transpose(0, 2, 1, 3)
     if kv is None:
+        if recipe.kv_quant != "none":  # the trainer attends to what an FP8 cache holds
+            k, v = (kv_fake_quant(a, recipe.kv_quant) for a in (k, v))
         out = L.attend(q, k, v, masks.allowed)
     else:
         k_all, v_all, length = kv

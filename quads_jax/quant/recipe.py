@@ -38,6 +38,7 @@ RAC_SELECTIONS = ("online_batch", "static", "online_token")
 RAC_SCORES = ("residual_l2", "residual_l1", "act_amax")
 RAC_RESIDUAL_SCALES = ("separate", "shared")
 RAC_RESIDUAL_FORMATS = ("nvfp4", "bf16")
+KV_QUANTS = ("none", "float8_e4m3fn")
 ACT_SCALE_MODES = ("per_token", "per_batch", "static")
 BACKENDS = ("auto", "reference", "interpret")
 # Sites that are never quantized whatever the rules say: their "matmul" is a table lookup.
@@ -71,6 +72,10 @@ class QuantRecipe:
       act_scale_mode: activation global scale, per_token | per_batch | static (section 5).
       fp8_weight_granularity / fp8_act_granularity: FP8 scale granularity.
       backend: auto (Pallas kernels on GPU when registered) | reference (jnp) | interpret.
+      kv_quant: "none" | "float8_e4m3fn": a forward without a KV cache (the trainer's) rounds
+        keys (after RoPE) and values as an FP8 KV cache stores them (``kv_cache.to_cache_dtype``,
+        straight-through gradient), so the trainer attends to what a rollout on an FP8 cache
+        attends to (with a cache, attention always reads the cache's values).
     """
 
     rules: tuple[tuple[str, str], ...] = ()
@@ -90,6 +95,7 @@ class QuantRecipe:
     fp8_weight_granularity: str = "channel"
     fp8_act_granularity: str = "token"
     backend: str = "auto"
+    kv_quant: str = "none"
     name: str = "custom"
 
     def __post_init__(self) -> None:
@@ -116,6 +122,7 @@ class QuantRecipe:
             raise ValueError(
                 f"QuantRecipe.rac_energy_target={self.rac_energy_target}: must be in (0, 1] or None"
             )
+        _choice("kv_quant", self.kv_quant, KV_QUANTS)
         _choice("rac_selection", self.rac_selection, RAC_SELECTIONS)
         _choice("rac_score", self.rac_score, RAC_SCORES)
         _choice("rac_residual_scale", self.rac_residual_scale, RAC_RESIDUAL_SCALES)

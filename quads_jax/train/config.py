@@ -79,8 +79,9 @@ class RolloutSection:
       calibration_every: calibrate at every this-many-th weight sync and reuse the last
         calibration in between (1: at every sync).
       kv_cache_dtype: the rollout's KV cache (``SamplerConfig.kv_cache_dtype``): "model" or
-        e.g. "float8_e4m3fn" (half the cache bytes; a rollout-trainer mismatch QUADS does not
-        align, visible in the ``mismatch/*`` metrics).
+        e.g. "float8_e4m3fn" (half the cache bytes). With FP8 the trainer's attention rounds
+        its keys and values the same way (``QuantRecipe.kv_quant``, straight-through), so the
+        two sides stay aligned; ``recipe_overrides.kv_quant=none`` is the unaligned ablation.
     """
 
     prompts_per_step: int = 8

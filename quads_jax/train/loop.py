@@ -80,6 +80,8 @@ def stop_if_nonfinite(state, limit: int, checkpointer: Checkpointer, rl_step: in
 
 def _recipes(config: TrainConfig, model_config) -> tuple[Any, Any]:
     overrides = dict(config.recipe_overrides)
+    if config.rollout.kv_cache_dtype == "float8_e4m3fn":  # align the trainer's attention
+        overrides.setdefault("kv_quant", "float8_e4m3fn")
     if overrides.get("keep_last_n_bf16") and "num_layers" not in overrides:
         overrides["num_layers"] = model_config.num_hidden_layers
     trainer, rollout = config.recipe_names

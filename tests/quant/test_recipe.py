@@ -66,6 +66,7 @@ def test_registry():
     (dict(rac_residual_format="fp8"), "rac_residual_format"),
     (dict(act_scale_mode="per_channel"), "act_scale_mode"),
     (dict(backend="tpu"), "backend"),
+    (dict(kv_quant="int8"), "kv_quant"),
     (dict(keep_first_n_bf16=-1), "keep_first_n_bf16"),
     (dict(keep_last_n_bf16=2), "keep_last_n_bf16"),
 ])

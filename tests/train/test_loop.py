@@ -99,6 +99,7 @@ def test_static_rac_run_calibrates_at_sync(tmp_path, monkeypatch):
                                   "rollout.calibration_every=2", "checkpoint.every_steps=0",
                                   "rollout.kv_cache_dtype=float8_e4m3fn"])
     assert trainer.sampler_config.kv_cache_dtype == "float8_e4m3fn"  # the config reaches it
+    assert trainer.trainer_recipe.kv_quant == "float8_e4m3fn"  # and aligns the trainer
     try:
         trainer.run()
         rp = trainer.sync(trainer.final_state.params)  # sync 4 (0-3 ran): calibrates again
