@@ -57,7 +57,8 @@ class SamplerConfig:
       kv_cache_dtype: "model" (the model's compute dtype), "bfloat16", "float32" or
         "float8_e4m3fn" (FP8 keys and values, saturated at +-448 with a scale of 1: half the
         cache bytes, so half the decode attention's reads and twice the batch in memory; the
-        rollout's attention then differs from the trainer's by that rounding).
+        rollout's attention then differs from the trainer's by that rounding unless the
+        trainer recipe's ``kv_quant`` rounds the same way).
       unroll_decode_layers: the decode step runs its layers as a Python loop instead of a
         ``lax.scan`` (``models.forward(unroll_layers=True)``): every weight slice is static,
         so no dynamic-slice offsets per layer, at the price of a program ~L times larger to
