@@ -183,9 +183,9 @@ def operand_rows(acts: aq.QuantizedActivations, index: jax.Array, dtype, k_pad: 
     residual operand is coded straight from the distinct rows' residual
     (``rac.SelectedResidual.unscaled``): one elementwise pass, no separate ``[M, K]`` residual
     and no uint8 codes between. ``materialize`` (with RAC's coded residual): the distinct
-    rows' operand values and residual are computed once, behind an optimization barrier,
-    before the row gathers replicate them (a decode step's windowed gate_up operand holds each
-    of its 128 tokens' rows ~15 times); without it XLA fused the residual's producers into the
+    rows' operand values, residual and float32 block scales are computed once, behind an
+    optimization barrier, before the row gathers replicate them (a decode step's windowed
+    gate_up operand holds each of its 128 tokens' rows ~15 times); without it XLA fused the residual's producers into the
     gather and redid them for every windowed row. On the H200 (2026-12-04, 81f981d, batch-128
     decode step): RAC's two operand fusions 20.6 + 8.6 us per layer instead of 22.7 + 9.6, the
     step 17.72 against 18.00 ms; without RAC the barrier only added a kernel per GEMM (16.22
@@ -194,8 +194,10 @@ def operand_rows(acts: aq.QuantizedActivations, index: jax.Array, dtype, k_pad: 
     b0, g0 = aq.mma_operand(acts.q, dtype)
     res = acts.residual
     if materialize and isinstance(res, rac.SelectedResidual):
-        b0, r = lax.optimization_barrier((b0, res.r))
-        res = dataclasses.replace(res, r=r)
+        # The block scales too, as float32 (exact): inside the gather fusion XLA would convert
+        # each E4M3 scale once per element it scales (16 times per block, every windowed row).
+        b0, r, s32 = lax.optimization_barrier((b0, res.r, res.scales.astype(jnp.float32)))
+        res = dataclasses.replace(res, r=r, scales=s32)
     q_index = index if acts.q_rows is None else source_tile_rows(
         acts.q_rows, b0.shape[0], index)
     t0, s0 = plain_operand(b0, q_index, dtype, k_pad, g0)

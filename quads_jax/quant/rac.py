@@ -218,7 +218,8 @@ class SelectedResidual:
 
     Attributes:
       r: float32 ``[R, K]``: ``x - dq(Q(x))`` of the distinct activation rows.
-      scales: float8_e4m3fn ``[M, K/16]``: block scales (0 outside the selection).
+      scales: float8_e4m3fn ``[M, K/16]``: block scales (0 outside the selection); float32
+        holding the same E4M3 values in the W4A4 operand path's materialized copy.
       reciprocals: float32 ``[M, K/16]``: ``1 / (s_b * g)`` (0 outside the selection and for
         zero or non-finite blocks), as ``nvfp4.block_scales_from_amax``.
       mask: bool ``[M, K/16]``: the selected blocks of each GEMM row.
