@@ -133,12 +133,23 @@ def _check(q, k_all, v_all, valid, min_slots: int = 1):
         raise ValueError(f"decode_attention: {problem}")
 
 
-def _fp8_block(ref, layer, b, h, window, j: int) -> jax.Array:
-    """Byte ``j`` of each int32 word of an FP8 block ``[BS, D/4]``, as bf16 (exact): cache
-    column ``4 i + j`` of word column ``i``."""
-    words = ref[layer, b, h, window, :]
-    byte = ((words >> (8 * j)) & 0xFF).astype(jnp.int8)
-    return jax.lax.bitcast_convert_type(byte, jnp.float8_e4m3fn).astype(jnp.bfloat16)
+def _fp8_columns(words: jax.Array, parts: int) -> list[jax.Array]:
+    """An FP8 block read as words ``[BS, D/parts]`` -> its ``parts`` column sets as bf16
+    (exact): set ``j`` is byte ``j`` of every word, cache column ``parts * i + j``."""
+    def byte(j):
+        b = ((words >> (8 * j)) & 0xFF).astype(jnp.int8)
+        return jax.lax.bitcast_convert_type(b, jnp.float8_e4m3fn).astype(jnp.bfloat16)
+
+    return [byte(j) for j in range(parts)]
+
+
+def _store(o_ref, blocks: list[jax.Array]) -> None:
+    """One output block ``[Gp, D]``, or ``parts`` column sets ``[parts, Gp, D/parts]``."""
+    if len(blocks) == 1:
+        o_ref[...] = blocks[0].astype(o_ref.dtype)
+    else:
+        for j, blk in enumerate(blocks):
+            o_ref[j] = blk.astype(o_ref.dtype)
 
 
 def _kernel(layer_ref, kv_len_ref, q_ref, valid_ref, k_ref, v_ref, o_ref, *stats_refs,
@@ -164,12 +175,8 @@ def _kernel(layer_ref, kv_len_ref, q_ref, valid_ref, k_ref, v_ref, o_ref, *stats
         # interpret mode would clamp anyway); its slots already seen are masked out.
         start = jnp.minimum(i * block_s, slots - block_s)
         window = pl.ds(start, block_s)
-        if parts == 1:
-            ks = [k_ref[layer, b, h, window, :]]
-            vs = [v_ref[layer, b, h, window, :]]
-        else:
-            ks = [_fp8_block(k_ref, layer, b, h, window, j) for j in range(parts)]
-            vs = [_fp8_block(v_ref, layer, b, h, window, j) for j in range(parts)]
+        k, v = k_ref[layer, b, h, window, :], v_ref[layer, b, h, window, :]  # one load each
+        ks, vs = ([k], [v]) if parts == 1 else (_fp8_columns(k, parts), _fp8_columns(v, parts))
         ok = (valid_ref[window] != 0) & (start + offs >= i * block_s)
         s = sum(jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                                     preferred_element_type=jnp.float32)
@@ -198,19 +205,11 @@ def _kernel(layer_ref, kv_len_ref, q_ref, valid_ref, k_ref, v_ref, o_ref, *stats
         m_ref, l_ref = stats_refs
         m_ref[...] = m
         l_ref[...] = l
-        if parts == 1:
-            o_ref[...] = accs[0]
-        else:
-            for j in range(parts):
-                o_ref[j] = accs[j]
+        _store(o_ref, list(accs))
         return
     # A row with no visible slot (l = 0) gives 0, not NaN.
     denom = jnp.maximum(l, 1e-30)[:, None]
-    if parts == 1:
-        o_ref[...] = (accs[0] / denom).astype(o_ref.dtype)
-    else:
-        for j in range(parts):
-            o_ref[j] = (accs[j] / denom).astype(o_ref.dtype)
+    _store(o_ref, [acc / denom for acc in accs])
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
@@ -258,15 +257,14 @@ def decode_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: ja
     splits = config.slot_splits
     kernel = functools.partial(_kernel, block_s=block_s, slots=s, scale=d**-0.5, parts=parts,
                                splits=splits)
+    nq = len(q_block) - 2
+    q_index = lambda i, j, *_: (i, j) + (0,) * nq  # noqa: E731  (a split shares its q)
     if splits == 1:
         grid = (b, kvh)
-        q_index = (lambda i, j: (i, j, 0, 0, 0)) if parts > 1 else (lambda i, j: (i, j, 0, 0))
         out_specs = pl.BlockSpec(q_block, q_index)
         out_shape = jax.ShapeDtypeStruct(qp.shape, dot_dtype)
     else:
         grid = (b, kvh, splits)
-        nq = len(q_block) - 2
-        q_index = lambda i, j, c: (i, j) + (0,) * nq  # noqa: E731
         # Per split: the f32 sums laid out like q, and m, l [Gp].
         out_specs = (pl.BlockSpec((None, None, None, *q_block[2:]),
                                   lambda i, j, c: (i, j, c) + (0,) * nq),
