@@ -562,6 +562,7 @@ def main(argv=None) -> int:
     if args.bf16_path:
         BF16_PATH["path"] = args.bf16_path
     from pallas_kernels.decode_attention import DecodeAttentionConfig
+    from quads_jax.quant import kernel_backend
 
     models.layers.set_decode_attention(
         args.decode_attention, DecodeAttentionConfig(slot_splits=args.attention_slot_splits))
@@ -569,20 +570,16 @@ def main(argv=None) -> int:
             or args.w4a4_mma_k != 256 or not args.materialize_operands
             or args.rac_select_kernel or args.rac_select_block_rows != 16
             or not args.grouped_barrier or not args.windowed_operands):
-        from quads_jax.quant import kernel_backend
         kernel_backend.set_w4a4_overrides(n_group=args.w4a4_n_group,
                                           stack_operands=args.w4a4_stack_operands,
                                           mma_overlap=args.w4a4_mma_overlap,
                                           mma_k=args.w4a4_mma_k,
                                           materialize_operands=args.materialize_operands,
-                          w4a4_bits=args.w4a4_bits,
-                          kv_cache_dtype=args.kv_cache_dtype,
                                           rac_select_kernel=args.rac_select_kernel,
                                           rac_select_block_rows=args.rac_select_block_rows,
                                           windowed_operands=args.windowed_operands)
         kernel_backend.set_fp8_overrides(windowed_operands=args.windowed_operands)
         kernel_backend.set_grouped_barrier(args.grouped_barrier)
-    from quads_jax.quant import kernel_backend
     kernel_backend.set_w4a4_bits(args.w4a4_bits)
     clock = Clock(args.budget_s)
     os.makedirs(args.out, exist_ok=True)

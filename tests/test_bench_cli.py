@@ -20,3 +20,34 @@ def test_numerics_report_runs_and_ranks_formats(capsys):
     # FP8 has 3 mantissa bits against E2M1's 1: a real report shows it ~4x more accurate.
     assert rows["fp8 e4m3 (row)"] * 2 < rows["nvfp4 (tensor)"] < 20.0, rows
     assert "W4A4+RAC(all)" in out
+
+
+def test_bench_rollout_runs_with_kernel_overrides(tmp_path):
+    """``scripts/bench_rollout.py`` on the tiny model with an ablation flag that goes through
+    ``kernel_backend.set_w4a4_overrides`` (session 19 passed it fields the config does not
+    have, so every such flag raised): a row comes out, the flag is recorded."""
+    import json
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
+    import bench_rollout
+
+    from quads_jax.models import layers
+    from quads_jax.quant import kernel_backend
+
+    argv = ["--tiny", "--batches", "2", "--prompts", "8", "--new-tokens", "8",
+            "--decode-steps", "2", "--reps", "1", "--prefill-reps", "1", "--precisions",
+            "nvfp4_rac", "--no-split", "--no-ragged", "--no-materialize-operands",
+            "--out", str(tmp_path)]
+    try:
+        assert bench_rollout.main(argv) == 0
+    finally:
+        kernel_backend.set_w4a4_overrides()
+        kernel_backend.set_fp8_overrides()
+        kernel_backend.set_grouped_barrier(True)
+        kernel_backend.set_w4a4_bits()
+        layers.set_decode_attention("kernel")
+    rows = [json.loads(line) for line in open(tmp_path / "rollout.jsonl")]
+    assert [r["materialize_operands"] for r in rows if r["kind"] == "device"] == [False]
+    assert [r["precision"] for r in rows if r["kind"] == "rollout"] == ["nvfp4_rac"]
