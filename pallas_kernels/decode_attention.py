@@ -75,8 +75,9 @@ class DecodeAttentionConfig:
     num_stages: int = 3
     # slot_splits > 1 (flash-decoding): each (row, KV head) runs as that many programs over
     # consecutive slot ranges, and XLA combines their unnormalized outputs. More programs with
-    # shorter loops for a kernel bound by its loop's latency (the FP8 cache: half the bytes
-    # bought 0-12 % on the H200, 2026-12-04); more bytes written and one combine kernel.
+    # shorter loops where the loop's latency rather than HBM limits the kernel (the FP8 cache:
+    # half the bytes bought 0-12 % on the H200, 2026-12-04); more bytes written and one
+    # combine kernel.
     slot_splits: int = 1
 
     def __post_init__(self):

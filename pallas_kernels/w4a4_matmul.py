@@ -185,8 +185,8 @@ def operand_rows(acts: aq.QuantizedActivations, index: jax.Array, dtype, k_pad: 
     and no uint8 codes between. ``materialize`` (with RAC's coded residual): the distinct
     rows' operand values, residual and float32 block scales are computed once, behind an
     optimization barrier, before the row gathers replicate them (a decode step's windowed
-    gate_up operand holds each of its 128 tokens' rows ~15 times); without it XLA fused the residual's producers into the
-    gather and redid them for every windowed row. On the H200 (2026-12-04, 81f981d, batch-128
+    gate_up operand holds each of its 128 tokens' rows ~15 times); without it XLA fused the
+    residual's producers into the gather and redid them for every windowed row. On the H200 (2026-12-04, 81f981d, batch-128
     decode step): RAC's two operand fusions 20.6 + 8.6 us per layer instead of 22.7 + 9.6, the
     step 17.72 against 18.00 ms; without RAC the barrier only added a kernel per GEMM (16.22
     against 15.98 ms), so plain operands never get it.

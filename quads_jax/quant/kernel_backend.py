@@ -48,9 +48,10 @@ _W4A4_BITS = [DEFAULT_W4A4_BITS]
 
 def set_w4a4_bits(bits: str = DEFAULT_W4A4_BITS) -> None:
     """The word bit layout of the float16 NVFP4 weights made from now on (at the next weight
-    sync): "signs_high" (the default) or "nibbles" (``pallas_kernels.layout``). bfloat16 layouts (W4A16,
-    RAC with a bf16 residual) keep "nibbles": their decode runs the jnp path on the device,
-    which would only get slower. A bad value raises ``ValueError`` and changes nothing."""
+    sync): "signs_high" (the default) or "nibbles" (``pallas_kernels.layout``). bfloat16
+    layouts (W4A16, RAC with a bf16 residual) keep "nibbles": their decode runs the jnp path on
+    the device, which would only get slower. A bad value raises ``ValueError`` and changes
+    nothing."""
     check_bits(bits)
     _W4A4_BITS[0] = bits
 
