@@ -177,9 +177,9 @@ def fp8_tile_gemm(
     n_pad, k_pad = w.n_pad, w.k_pad
     tiles = TokenTiles.of(b_tiles)
     tiles.check(k_pad, (jnp.float8_e4m3fn,))
-    if len(tiles.rows) != 1:
-        raise ValueError(f"b_tiles: {len(tiles.rows)} operands; the FP8 kernel takes one")
-    (b,) = tiles.rows
+    if tiles.num_operands != 1:
+        raise ValueError(f"b_tiles: {tiles.num_operands} operands; the FP8 kernel takes one")
+    (b,) = tiles.operands()
     t_max, block_m = tiles.num_tiles, tiles.block_m
     if tile_expert.shape != (t_max,):
         raise ValueError(f"tile_expert: shape {tuple(tile_expert.shape)}; need [{t_max}] (one "

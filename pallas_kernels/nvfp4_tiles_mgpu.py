@@ -406,7 +406,7 @@ def nvfp4_tile_gemm(
     n_group = config.n_group
     check_n_group(n_group, n_pad)
     n_items = n_tiles // n_group
-    num_ops = len(tiles.rows)
+    num_ops = tiles.num_operands
     if col_scales is None:
         out_dtype, num_out = jnp.dtype(jnp.float32), num_ops
     else:
@@ -418,11 +418,11 @@ def nvfp4_tile_gemm(
     # as the [2 * block_m, 256] tile (leading dims fold: same tiled layout).
     halves = 2 if config.stack_operands and num_ops == 2 else 1
     if halves == 2:
-        b_arrays = (jnp.stack(tiles.rows),)
+        b_arrays = (tiles.stack(),)
         if col_scales is not None:
             col_scales = col_scales.reshape(t_max, 1, 2 * block_m)
     else:
-        b_arrays = tiles.rows
+        b_arrays = tiles.operands()
     num_acc = len(b_arrays)
     bn = halves * block_m
     if bn > 256:

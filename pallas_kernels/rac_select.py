@@ -55,6 +55,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.vma import varying_operands
 from quads_jax.quant import arith, nvfp4, ops, rac
 
 # GEMM rows above which the grouped matmuls keep the jnp selection (prefill): an expert's rows
@@ -188,13 +189,8 @@ def grouped_rac_selection(scores: jax.Array, amax: jax.Array, finite: jax.Array,
     gs_p = jnp.pad(group_sizes.astype(jnp.int32), (0, ep - e))
     whole = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))  # noqa: E731
     rows_p = jnp.pad(rows.astype(jnp.int32), (0, br))
-    vary = _varying_like(scores, amax, finite, rows, group_sizes)
-    if vary:  # every operand as varying as the outputs (check_vma)
-        axes = tuple(sorted(vary["manual_axis_type"].varying))
-        gs_p, rows_p, scores_p, amax_p, finite_p = (
-            jax.lax.pcast(a, tuple(ax for ax in axes if ax not in jax.typeof(a).mat.varying),
-                          to="varying")
-            for a in (gs_p, rows_p, scores_p, amax_p, finite_p))
+    vary, (gs_p, rows_p, scores_p, amax_p, finite_p) = varying_operands(
+        gs_p, rows_p, scores_p, amax_p, finite_p)
     kernel = functools.partial(_kernel, num_experts=e, nb=nb, n_keep=n_keep, m=m,
                                block_rows=br,
                                exact_division=config.exact_division and not interpret)
@@ -213,18 +209,6 @@ def grouped_rac_selection(scores: jax.Array, amax: jax.Array, finite: jax.Array,
         name="rac_select",
     )(gs_p, rows_p, scores_p, amax_p, finite_p)
     return s[:m, :nb], rcp[:m, :nb], mask[:m, :nb] != 0, g[:m, 0]
-
-
-def _varying_like(*xs) -> dict:
-    """``ShapeDtypeStruct`` keywords for outputs that vary over the mesh axes any of ``xs``
-    varies over (inside ``shard_map`` with ``check_vma``, e.g. the expert-parallel MoE block;
-    empty elsewhere)."""
-    varying = frozenset().union(*(jax.typeof(x).mat.varying for x in xs))
-    if not varying:
-        return {}
-    from jax._src import core  # ManualAxisType has no public constructor in jax 0.11.2
-
-    return dict(manual_axis_type=core.ManualAxisType(varying=varying))
 
 
 def grouped_rac_selection_reference(scores, amax, finite, rows, group_sizes, *, ratio: float):

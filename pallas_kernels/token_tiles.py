@@ -37,7 +37,9 @@ class TokenTiles:
 
     Attributes:
       rows: the operands, each ``[R, Kp]`` (one, or two with RAC: activations and residual),
-        same shape and dtype. Every window must lie inside: ``row0[t] + block_m <= R``.
+        same shape and dtype. Every window must lie inside: ``row0[t] + block_m <= R``. Or,
+        with ``stacked``, one array ``[A, R, Kp]`` holding the A operands (what the tile
+        kernels with ``stack_operands`` read; ``pallas_kernels.rac_operands`` writes it).
       row0: int32 ``[T]``, the first row of each tile, a multiple of ``ROW_ALIGN`` (tiles past
         the live count: any valid start, e.g. 0).
       block_m: rows per tile (static).
@@ -46,10 +48,26 @@ class TokenTiles:
     rows: tuple[jax.Array, ...]
     row0: jax.Array
     block_m: int = dataclasses.field(metadata={"static": True})
+    stacked: bool = dataclasses.field(default=False, metadata={"static": True})
 
     @property
     def num_tiles(self) -> int:
         return self.row0.shape[0]
+
+    @property
+    def num_operands(self) -> int:
+        return self.rows[0].shape[0] if self.stacked else len(self.rows)
+
+    def operands(self) -> tuple[jax.Array, ...]:
+        """The operands as arrays ``[R, Kp]``."""
+        if not self.stacked:
+            return tuple(self.rows)
+        (s,) = self.rows
+        return tuple(s[a] for a in range(s.shape[0]))
+
+    def stack(self) -> jax.Array:
+        """The operands as one array ``[A, R, Kp]`` (a copy unless ``stacked``)."""
+        return self.rows[0] if self.stacked else jnp.stack(self.rows)
 
     @classmethod
     def of(cls, b_tiles) -> TokenTiles:
@@ -70,8 +88,11 @@ class TokenTiles:
         bm = self.block_m
         if not isinstance(bm, int) or bm % 8 or not 8 <= bm <= 256:
             raise ValueError(f"block_m={bm!r}: the wgmma N side needs a multiple of 8 in [8, 256]")
-        shapes = {(tuple(r.shape), jnp.dtype(r.dtype)) for r in self.rows}
-        if len(shapes) != 1 or not 1 <= len(self.rows) <= 2:
+        if self.stacked and (len(self.rows) != 1 or self.rows[0].ndim != 3):
+            raise ValueError(f"rows: {[tuple(r.shape) for r in self.rows]}; stacked operands "
+                             "are one array [A, R, Kp]")
+        shapes = {(tuple(r.shape[self.stacked:]), jnp.dtype(r.dtype)) for r in self.rows}
+        if len(shapes) != 1 or not 1 <= self.num_operands <= 2:
             raise ValueError(f"rows: {[(tuple(r.shape), str(r.dtype)) for r in self.rows]}; need "
                              "1 or 2 arrays [R, Kp] of one shape and dtype")
         (shape, dtype), = shapes
@@ -91,4 +112,4 @@ class TokenTiles:
     def gathered(self) -> tuple[jax.Array, ...]:
         """The tiles as arrays ``[T, block_m, Kp]`` (for references and tests)."""
         idx = self.row0[:, None] + jnp.arange(self.block_m, dtype=jnp.int32)[None, :]
-        return tuple(r[idx] for r in self.rows)
+        return tuple(r[idx] for r in self.operands())

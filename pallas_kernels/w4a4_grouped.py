@@ -208,7 +208,9 @@ def w4a4_grouped_matmul(
     block_m = config.block_m or grouped_block_m(m, e)
     row_index, tile_expert, num_tiles, row_slot, row0, window_rows = tile_plan(gs, m, block_m)
     tiles, slot_g = token_tiles(lambda idx: operand_rows(acts, idx, w.mma_dtype, w.k_pad,
-                                                         config.materialize_operands),
+                                                         config.materialize_operands,
+                                                         config.rac_operands_config(),
+                                                         interpret),
                                 row_index, row0, window_rows, config.windowed_operands)
     return run_tiles(tiles, slot_g, row_slot, w, tile_expert, num_tiles, config, interpret,
                      x_sorted.dtype, live_tiles=expected_tiles(m, e, block_m))

@@ -54,6 +54,10 @@ class W4A4MatmulConfig:
       rac_select_kernel: grouped GEMMs with RAC select blocks and code the residual's scales
         in ``pallas_kernels.rac_select`` (where its ``supports`` holds), not in jnp;
         rac_select_block_rows: its ``RACSelectConfig.block_rows``.
+      rac_operand_kernel: with RAC (coded residual, ``materialize_operands``, row windows and
+        ``stack_operands``), the stacked B operands are written by
+        ``pallas_kernels.rac_operands`` instead of an XLA gather fusion;
+        rac_operand_block_rows: its ``RACOperandsConfig.block_rows``.
       decode_impl, mma_overlap, mma_k, chain_items, stack_operands: see
         ``nvfp4_tiles_mgpu.TileGemmConfig``.
       n_group: weight-row tiles per work item (``TileGemmConfig.n_group``). 1 by default: on
@@ -86,6 +90,8 @@ class W4A4MatmulConfig:
     rac_select_kernel: bool = False
     rac_select_block_rows: int = 16
     windowed_operands: bool = True
+    rac_operand_kernel: bool = False
+    rac_operand_block_rows: int = 8
 
     def __post_init__(self):
         bm = self.block_m
@@ -98,10 +104,20 @@ class W4A4MatmulConfig:
                 f"W4A4MatmulConfig.mma_dtype={self.mma_dtype!r}: one of ('float16', 'bfloat16')"
             )
         self.tile_config(1, self.num_sms, self.n_group)
+        self.rac_operands_config()
         p = self.prefill_min_rows
         if p is not None and (not isinstance(p, int) or p < 1):
             raise ValueError(f"W4A4MatmulConfig.prefill_min_rows={p!r}: None or an int >= 1")
 
+
+    def rac_operands_config(self):
+        """The ``rac_operands`` kernel's config, or None when it is off (``operand_rows``)."""
+        from pallas_kernels.rac_operands import RACOperandsConfig
+
+        if not (self.rac_operand_kernel and self.materialize_operands and self.windowed_operands
+                and self.stack_operands):
+            return None
+        return RACOperandsConfig(block_rows=self.rac_operand_block_rows)
 
     def tile_config(self, k_splits: int, num_sms: int | None, n_group: int) -> TileGemmConfig:
         """The tile kernel's config for a call with ``k_splits`` on ``num_sms`` SMs."""
@@ -174,7 +190,8 @@ def source_tile_rows(source_rows: jax.Array, num_rows: int, row_index: jax.Array
 
 
 def operand_rows(acts: aq.QuantizedActivations, index: jax.Array, dtype, k_pad: int,
-                 materialize: bool = True) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+                 materialize: bool = True, kernel=None, interpret: bool = False,
+                 ) -> tuple[tuple[jax.Array, ...] | jax.Array, tuple[jax.Array, ...]]:
     """The W4A4 kernel's B operands for GEMM rows ``index`` (int32, any shape ``I``; ``>= M``
     = a zero row): ``I + [Kp]`` in ``dtype`` (1, or 2 with RAC) and each row's activation
     decode scale ``I`` (0 for zero rows).
@@ -190,6 +207,11 @@ def operand_rows(acts: aq.QuantizedActivations, index: jax.Array, dtype, k_pad: 
     decode step): RAC's two operand fusions 20.6 + 8.6 us per layer instead of 22.7 + 9.6, the
     step 17.72 against 18.00 ms; without RAC the barrier only added a kernel per GEMM (16.22
     against 15.98 ms), so plain operands never get it.
+
+    ``kernel``: a ``rac_operands.RACOperandsConfig`` (``W4A4MatmulConfig.rac_operands_config``)
+    or None. With it, a 1-D ``index``, RAC's coded residual and ``materialize``, both operands
+    come back as one stacked array ``[2, I, Kp]`` written by ``rac_operands`` (bit-identical;
+    ``interpret`` runs it in the Triton interpreter).
     """
     b0, g0 = aq.mma_operand(acts.q, dtype)
     res = acts.residual
@@ -200,6 +222,15 @@ def operand_rows(acts: aq.QuantizedActivations, index: jax.Array, dtype, k_pad: 
         res = dataclasses.replace(res, r=r, scales=s32)
     q_index = index if acts.q_rows is None else source_tile_rows(
         acts.q_rows, b0.shape[0], index)
+    if (kernel is not None and materialize and index.ndim == 1
+            and isinstance(res, rac.SelectedResidual)):
+        from pallas_kernels.rac_operands import rac_stacked_operands
+
+        stacked = rac_stacked_operands(b0, res.r, res.scales, res.reciprocals, index,
+                                       acts.q_rows, res.rows, k_pad=k_pad, config=kernel,
+                                       interpret=interpret)
+        return stacked, (rac.rows_or_fill(g0, q_index, 0.0),
+                         rac.rows_or_fill(res.global_scale, index, 0.0))
     t0, s0 = plain_operand(b0, q_index, dtype, k_pad, g0)
     if res is None:
         return (t0,), (s0,)
@@ -227,12 +258,14 @@ def token_tiles(operand_of, row_index: jax.Array, row0: jax.Array, window_rows: 
         operands, scales = operand_of(row_index)
         return TokenTiles.of(operands), tuple(scales)
     operands, row_scales = operand_of(window_rows)
+    stacked = isinstance(operands, jax.Array)  # one [A, P, Kp] array (rac_operands)
     # Slot r of tile t is window row row0[t] + r: its scale where that row is the slot's GEMM
     # row, else 0 (an empty slot reading padding, scale 0 anyway, or the next group's row).
     at = row0[:, None] + jnp.arange(row_index.shape[1], dtype=jnp.int32)[None, :]
     filled = window_rows[at] == row_index
     scales = tuple(jnp.where(filled, g[at], 0.0) for g in row_scales)
-    return TokenTiles(tuple(operands), row0, row_index.shape[1]), scales
+    rows = (operands,) if stacked else tuple(operands)
+    return TokenTiles(rows, row0, row_index.shape[1], stacked=stacked), scales
 
 
 def stored_dtype(out_dtype, k_splits: int):
@@ -391,7 +424,8 @@ def w4a4_matmul(
     m = x.shape[0]
     if config.prefill_min_rows is None or m < config.prefill_min_rows:
         return run_dense(lambda idx: operand_rows(acts, idx, w.mma_dtype, w.k_pad,
-                                                  config.materialize_operands),
+                                                  config.materialize_operands,
+                                                  config.rac_operands_config(), interpret),
                          m, w, config, interpret, x.dtype)
     b_rows, row_scales = aq.kernel_operands(acts, w.mma_dtype)
     parts = dense_prefill_parts(b_rows, w)

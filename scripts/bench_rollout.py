@@ -525,6 +525,10 @@ def parse_args(argv):
                    "default; W4A4MatmulConfig.rac_select_kernel)")
     p.add_argument("--rac-select-block-rows", type=int, default=16,
                    help="rows per loop step of the RAC selection kernel")
+    p.add_argument("--rac-operand-kernel", action=argparse.BooleanOptionalAction, default=None,
+                   help="RAC's stacked B operands written by the Triton kernel "
+                   "(pallas_kernels.rac_operands) or by an XLA fusion (default: "
+                   "W4A4MatmulConfig.rac_operand_kernel)")
     p.add_argument("--unroll-decode", action="store_true",
                    help="decode steps with the layers unrolled (SamplerConfig."
                    "unroll_decode_layers; an ablation: longer compile)")
@@ -562,6 +566,7 @@ def main(argv=None) -> int:
     if args.bf16_path:
         BF16_PATH["path"] = args.bf16_path
     from pallas_kernels.decode_attention import DecodeAttentionConfig
+    from pallas_kernels.w4a4_matmul import W4A4MatmulConfig
     from quads_jax.quant import kernel_backend
 
     models.layers.set_decode_attention(
@@ -569,7 +574,10 @@ def main(argv=None) -> int:
     if (args.w4a4_n_group != 1 or not args.w4a4_stack_operands or args.w4a4_mma_overlap
             or args.w4a4_mma_k != 256 or not args.materialize_operands
             or args.rac_select_kernel or args.rac_select_block_rows != 16
-            or not args.grouped_barrier or not args.windowed_operands):
+            or not args.grouped_barrier or not args.windowed_operands
+            or args.rac_operand_kernel is not None):
+        operand_kernel = ({} if args.rac_operand_kernel is None
+                          else dict(rac_operand_kernel=args.rac_operand_kernel))
         kernel_backend.set_w4a4_overrides(n_group=args.w4a4_n_group,
                                           stack_operands=args.w4a4_stack_operands,
                                           mma_overlap=args.w4a4_mma_overlap,
@@ -577,7 +585,8 @@ def main(argv=None) -> int:
                                           materialize_operands=args.materialize_operands,
                                           rac_select_kernel=args.rac_select_kernel,
                                           rac_select_block_rows=args.rac_select_block_rows,
-                                          windowed_operands=args.windowed_operands)
+                                          windowed_operands=args.windowed_operands,
+                                          **operand_kernel)
         kernel_backend.set_fp8_overrides(windowed_operands=args.windowed_operands)
         kernel_backend.set_grouped_barrier(args.grouped_barrier)
     kernel_backend.set_w4a4_bits(args.w4a4_bits)
@@ -600,6 +609,9 @@ def main(argv=None) -> int:
                           attention_slot_splits=args.attention_slot_splits,
                           rac_select_kernel=args.rac_select_kernel,
                           rac_select_block_rows=args.rac_select_block_rows,
+                          rac_operand_kernel=(W4A4MatmulConfig().rac_operand_kernel
+                                              if args.rac_operand_kernel is None
+                                              else args.rac_operand_kernel),
                           grouped_barrier=args.grouped_barrier,
                           windowed_operands=args.windowed_operands,
                           unroll_decode=args.unroll_decode,

@@ -71,6 +71,10 @@
 #          (run `attn` first: its timings include the slot_splits variants)
 #   static nvfp4_rac with a static RAC block set (no per-step selection; bench_rollout's
 #          timing_calibration) and the online default at batch 128, traced; then static at 256
+#   rop    RAC's stacked-operand kernel (pallas_kernels.rac_operands; session 21, CPU-tested
+#          only): GPU bit-identity with the jnp path and traced times at the decode shapes
+#          (kernel_probe --rac-operands), then nvfp4_rac at batch 128 with the kernel, and
+#          nvfp4_rac and nvfp4 without it, in the same call
 #   hlo    nvfp4 at batch 128 with the decode program's optimized HLO dumped to $OUT/hlo (what
 #          the 386 small `memcpy32_post` copies per step and the MoE block's fusions are)
 #
@@ -229,8 +233,15 @@ for step in "$@"; do
       --budget-s 110
       rollout static256 130 --batches 256 --prompts 256 $short --precisions nvfp4_rac_static \
       --budget-s 90 ;;
+    rop) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 150 python3 scripts/kernel_probe.py \
+      --rac-operands --out "$OUT/ropk" > "$OUT/ropk.log" 2>&1
+      echo "ropk rc $?"; grep -E "rac_operands|FAIL|Error" "$OUT/ropk.log" | cut -c1-150
+      rollout rop128 130 --quick --profile-steps 4 --precisions nvfp4_rac --rac-operand-kernel \
+      --budget-s 100
+      rollout nrop128 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \
+      --no-rac-operand-kernel --budget-s 110 ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
-    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static hlo)"; exit 2 ;;
+    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop hlo)"; exit 2 ;;
   esac
 done

@@ -603,6 +603,61 @@ def run_rac_select():
                        f"masks equal {same.mean():.4f}; differing rcp/scales/g {diffs}")
 
 
+RAC_OPERAND_VARIANTS = ((8, 4), (16, 4), (4, 4), (8, 2))  # (block_rows, num_warps)
+
+
+def run_rac_operands(tokens: int = 128, variants=RAC_OPERAND_VARIANTS):
+    """RAC's stacked operands at the decode step's shapes (128 tokens top-8 over 128 experts:
+    gate_up's 1 024 GEMM rows from 128 distinct rows, K = 2048; down's 1 024 distinct rows,
+    K = 768), uniform routing: the ``rac_operands`` kernel against the jnp path
+    (``operand_rows`` without it) -- bit-identity on the GPU, then traced device time of the
+    quantizer + operands program each way, and of the kernel alone per
+    ``RAC_OPERAND_VARIANTS``."""
+    from pallas_kernels import rac_operands as ro
+    from pallas_kernels.w4a4_grouped import tile_plan
+    from pallas_kernels.w4a4_matmul import operand_rows
+
+    bk.log("== RAC stacked operands (pallas_kernels.rac_operands) vs the jnp path")
+    interpret = jax.devices()[0].platform != "gpu"  # a CPU smoke run (tests)
+    rows = tokens * 8
+    for name, k, distinct in (("gate_up", 2048, True), ("down", 768, False)):
+        ks = jax.random.split(jax.random.key(k), 2)
+        ids = jax.random.randint(ks[0], (rows,), 0, GE)
+        order = jnp.argsort(ids, stable=True)
+        gs = jnp.bincount(ids, length=GE).astype(jnp.int32)
+        src = (order // 8).astype(jnp.int32) if distinct else None
+        x = jax.random.normal(ks[1], (tokens if distinct else rows, k), jnp.bfloat16)
+        rexp = jnp.sort(ids).astype(jnp.int32)
+        *_, window = tile_plan(gs, rows, 16)
+
+        def program(x, window, kernel, rexp=rexp, src=src, k=k):
+            acts = aq.nvfp4_quantize(x, rac_config=aq.RACConfig(), row_expert=rexp,
+                                     num_experts=GE, source_rows=src)
+            ops_, _ = operand_rows(acts, window, jnp.float16, k, True, kernel, interpret)
+            return ops_ if kernel is not None else jnp.stack(ops_)
+
+        ref = jax.jit(lambda x, w: program(x, w, None))
+        want = np.asarray(ref(x, window))
+        us, count, _ = traced_kernels(ref, x, window, match="", tag=f"rop_{name}_jnp")
+        bk.log(f"  rac_operands {name} [2, {window.shape[0]}, {k}]: jnp quantizer + operands "
+               f"{us * count:7.1f} us in {count} kernels")
+        for br, nw in variants:
+            cfg = ro.RACOperandsConfig(block_rows=br, num_warps=nw)
+            kern = jax.jit(lambda x, w, cfg=cfg: program(x, w, cfg))
+            got = np.asarray(kern(x, window))
+            diff = int(np.sum(got.view(np.uint16) != want.view(np.uint16)))
+            bk.log(f"  {'PASS' if diff == 0 else 'FAIL'} rac_operands {name} br {br} warps "
+                   f"{nw}: {diff} of {got.size} values differ from the jnp path")
+            us_all, count_all, _ = traced_kernels(kern, x, window, match="",
+                                                  tag=f"rop_{name}_{br}_{nw}")
+            us_k, _, _ = traced_kernels(kern, x, window, match="rac_operands",
+                                        tag=f"ropk_{name}_{br}_{nw}")
+            mb = got.nbytes / 1e6
+            bk.log(f"  rac_operands {name} br {br} warps {nw}: kernel {us_k:6.1f} us "
+                   f"({mb / us_k:.2f} TB/s written); quantizer + operands "
+                   f"{us_all * count_all:7.1f} us in {count_all} kernels")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="/tmp/probe_out")
@@ -618,6 +673,8 @@ def main(argv=None):
                    help="floors + the grouped tile kernel's variants and ablations, traced")
     p.add_argument("--rac-select", action="store_true",
                    help="the RAC selection kernel: GPU bit-identity with jnp, traced times")
+    p.add_argument("--rac-operands", action="store_true",
+                   help="RAC's stacked-operand kernel: GPU bit-identity with jnp, traced times")
     p.add_argument("--variants", default=None,
                    help="--grouped-ablations: comma-separated GROUPED_VARIANTS names (all)")
     p.add_argument("--check-variants", default="",
@@ -645,6 +702,9 @@ def main(argv=None):
             return 0
         if args.rac_select:
             run_rac_select()
+            return 0
+        if args.rac_operands:
+            run_rac_operands()
             return 0
         if args.n_group:
             bk.measure_floors()

@@ -1,0 +1,156 @@
+"""RAC's two W4A4 B operands, stacked, in one kernel (Pallas, Triton backend).
+
+With RAC the tile kernels (``nvfp4_tiles_mgpu``, ``stack_operands``) read one stacked array
+``[2, P, Kp]`` as row windows (``token_tiles``): at each of its ``P`` rows the GEMM row
+``window_rows[p]`` (``>= M``: a zero row), operand 0 that row's quantized activation values
+``e2m1 * s_b`` (rows of the distinct rows' ``b0``), operand 1 its RAC residual coded on the
+fly, ``round_to_e2m1(r[src] * rcp[row]) * s[row]`` per 16-element block
+(``quads_jax.quant.rac.SelectedResidual.unscaled``). Written in jnp this is a row gather of
+``b0``, the residual's per-element coding with gathered per-block scales and a concatenate: on
+the H200 (2026-12-04, c1e04e4, decode step at batch 128) one XLA fusion of 20.5 us for
+gate_up's 1 936 x 2048 window rows and 8.2 us for down's, per layer, where the plain path's
+single operand takes 6.1 and 5.1 us. Here one program writes ``block_rows`` window rows by
+``block_k`` columns of both operands: the index composition (window row -> GEMM row ->
+distinct row) happens in registers, the distinct rows stay in L2, and the output is written
+once.
+
+The arithmetic is ``SelectedResidual.unscaled``'s own (``nvfp4.round_to_e2m1_value`` traced
+into the kernel: float32 products, compares and adds of exact steps), so the result is
+bit-identical to the jnp path (tests, and ``kernel_probe --rac-operands`` on the GPU).
+
+Shapes and dtypes: ``b0`` ``[R0, K]`` in the MMA dtype, ``r`` float32 ``[R, K]``, ``scales`` /
+``reciprocals`` float32 ``[M, K/16]``, ``window_rows`` int32 ``[P]``, ``q_rows`` / ``r_rows``
+None (GEMM row = distinct row) or int32 ``[M]``. Output ``[2, P, Kp]`` in ``b0``'s dtype, K
+zero-padded to ``Kp`` (a multiple of ``block_k``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.vma import varying_operands
+from quads_jax.quant import nvfp4
+
+BLOCK = nvfp4.BLOCK_SIZE
+
+
+@dataclasses.dataclass(frozen=True)
+class RACOperandsConfig:
+    """block_rows: window rows per program (a power of two); block_k: columns per program (a
+    power of two, a multiple of 16, dividing ``Kp``); num_warps: Triton warps per program."""
+
+    block_rows: int = 8
+    block_k: int = 256
+    num_warps: int = 4
+
+    def __post_init__(self):
+        for name in ("block_rows", "block_k"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1 or v & (v - 1):
+                raise ValueError(f"RACOperandsConfig.{name}={v!r}: a power of two >= 1")
+        if self.block_k < BLOCK:
+            raise ValueError(f"RACOperandsConfig.block_k={self.block_k}: at least {BLOCK}")
+        if self.num_warps not in (1, 2, 4, 8):
+            raise ValueError(f"RACOperandsConfig.num_warps={self.num_warps}: one of 1, 2, 4, 8")
+
+
+def _kernel(wr_ref, *refs, m: int, has_q: bool, has_r: bool, block_rows: int,
+            blocks_k: int):
+    refs = list(refs)
+    q_ref = refs.pop(0) if has_q else None
+    rr_ref = refs.pop(0) if has_r else None
+    b0_ref, r_ref, s_ref, rcp_ref, out_ref = refs
+    rows = pl.ds(pl.program_id(0) * block_rows, block_rows)
+    cols = pl.ds(pl.program_id(1) * blocks_k, blocks_k)  # in 16-element blocks
+    gemm_row = wr_ref[rows]  # [BP]
+    valid = gemm_row < m
+    g = jnp.where(valid, gemm_row, 0)  # empty rows read row 0 and are zeroed below
+    q_src = q_ref[g] if has_q else g
+    r_src = rr_ref[g] if has_r else g
+    act = b0_ref[q_src, cols, :]  # [BP, blocks_k, 16]
+    y = r_ref[r_src, cols, :] * rcp_ref[g, cols][..., None]
+    res = nvfp4.round_to_e2m1_value(y) * s_ref[g, cols][..., None]
+    keep = valid[:, None, None]
+    out_ref[0, rows, cols, :] = jnp.where(keep, act, 0).astype(out_ref.dtype)
+    out_ref[1, rows, cols, :] = jnp.where(keep, res, 0.0).astype(out_ref.dtype)
+
+
+def _pad_cols(a: jax.Array, cols: int) -> jax.Array:
+    return a if a.shape[1] == cols else jnp.pad(a, ((0, 0), (0, cols - a.shape[1])))
+
+
+@functools.partial(jax.jit, static_argnames=("k_pad", "config", "interpret"))
+def rac_stacked_operands(b0: jax.Array, r: jax.Array, scales: jax.Array,
+                         reciprocals: jax.Array, window_rows: jax.Array,
+                         q_rows: jax.Array | None = None, r_rows: jax.Array | None = None, *,
+                         k_pad: int, config: RACOperandsConfig = RACOperandsConfig(),
+                         interpret: bool = False) -> jax.Array:
+    """The stacked operands ``[2, P, Kp]`` (module docstring)."""
+    m, nb = scales.shape
+    k = r.shape[1]
+    if b0.shape[1] != k or nb * BLOCK != k or reciprocals.shape != (m, nb):
+        raise ValueError(f"rac_stacked_operands: b0 {b0.shape}, r {r.shape}, scales "
+                         f"{scales.shape} and reciprocals {reciprocals.shape} must be [R0, K], "
+                         f"[R, K], [M, K/16], [M, K/16]")
+    if k_pad < k or k_pad % config.block_k:
+        raise ValueError(f"rac_stacked_operands: k_pad={k_pad} must be >= K={k} and a "
+                         f"multiple of block_k={config.block_k}")
+    for name, idx in (("window_rows", window_rows), ("q_rows", q_rows), ("r_rows", r_rows)):
+        if idx is not None and (idx.ndim != 1 or idx.dtype != jnp.int32):
+            raise ValueError(f"rac_stacked_operands: {name} {idx.dtype}{list(idx.shape)}; need "
+                             "int32 [n]")
+    for name, idx in (("q_rows", q_rows), ("r_rows", r_rows)):
+        if idx is not None and idx.shape[0] != m:
+            raise ValueError(f"rac_stacked_operands: {name} has {idx.shape[0]} rows; need M={m}")
+    p = window_rows.shape[0]
+    bp = config.block_rows
+    p_pad = -(-p // bp) * bp
+    wr = window_rows if p_pad == p else jnp.pad(window_rows, (0, p_pad - p), constant_values=m)
+    nbp = k_pad // BLOCK
+    b0_blocks = _pad_cols(b0, k_pad).reshape(b0.shape[0], nbp, BLOCK)
+    r_blocks = _pad_cols(r.astype(jnp.float32), k_pad).reshape(r.shape[0], nbp, BLOCK)
+    s = _pad_cols(scales.astype(jnp.float32), nbp)
+    rcp = _pad_cols(reciprocals.astype(jnp.float32), nbp)
+    index_args = [a for a in (q_rows, r_rows) if a is not None]
+    args = (wr, *index_args, b0_blocks, r_blocks, s, rcp)
+    vary, args = varying_operands(*args)
+    whole = lambda a: pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)  # noqa: E731
+    kernel = functools.partial(_kernel, m=m, has_q=q_rows is not None,
+                               has_r=r_rows is not None, block_rows=bp,
+                               blocks_k=config.block_k // BLOCK)
+    out_shape = (2, p_pad, nbp, BLOCK)
+    out = pl.pallas_call(
+        kernel,
+        grid=(p_pad // bp, k_pad // config.block_k),
+        in_specs=[whole(a) for a in args],
+        out_specs=pl.BlockSpec(out_shape, lambda i, j: (0, 0, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct(out_shape, b0.dtype, **vary),
+        compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=1),
+        interpret=interpret,
+        name="rac_operands",
+    )(*args)
+    out = out.reshape(2, p_pad, k_pad)
+    return out if p_pad == p else out[:, :p]
+
+
+def rac_stacked_operands_reference(b0, r, scales, reciprocals, window_rows, q_rows=None,
+                                   r_rows=None, *, k_pad: int) -> jax.Array:
+    """The jnp path (``w4a4_matmul.operand_rows`` without the kernel) on the same inputs."""
+    from quads_jax.quant import rac
+
+    m = scales.shape[0]
+    q_src = window_rows if q_rows is None else rac.rows_or_fill(q_rows, window_rows,
+                                                                  b0.shape[0])
+    act = rac.rows_or_fill(b0, q_src, 0)
+    sel = rac.SelectedResidual(r=r.astype(jnp.float32), scales=scales,
+                               reciprocals=reciprocals, mask=scales != 0,
+                               global_scale=jnp.ones((m,), jnp.float32), rows=r_rows)
+    res = sel.unscaled(window_rows).astype(b0.dtype)
+    pad = ((0, 0), (0, k_pad - b0.shape[1]))
+    return jnp.stack([jnp.pad(act, pad), jnp.pad(res, pad)])

@@ -1,0 +1,32 @@
+"""Pallas calls inside ``shard_map`` with ``check_vma``: operands and outputs that vary alike.
+
+A ``pl.pallas_call`` traced inside ``shard_map`` (the expert-parallel MoE block) must declare
+outputs as varying over the mesh axes its inputs vary over, and every input must vary over all
+of them (``jax.lax.pcast``). Outside ``shard_map`` both are no-ops.
+"""
+
+from __future__ import annotations
+
+import jax
+
+
+def varying_like(*xs) -> dict:
+    """``ShapeDtypeStruct`` keywords for outputs that vary over the mesh axes any of ``xs``
+    varies over (empty outside ``shard_map``)."""
+    varying = frozenset().union(*(jax.typeof(x).mat.varying for x in xs))
+    if not varying:
+        return {}
+    from jax._src import core  # ManualAxisType has no public constructor in jax 0.11.2
+
+    return dict(manual_axis_type=core.ManualAxisType(varying=varying))
+
+
+def varying_operands(*xs) -> tuple[dict, tuple[jax.Array, ...]]:
+    """``(varying_like(*xs), xs)`` with every ``x`` cast to vary over all those axes."""
+    vary = varying_like(*xs)
+    if not vary:
+        return vary, xs
+    axes = tuple(sorted(vary["manual_axis_type"].varying))
+    return vary, tuple(
+        jax.lax.pcast(a, tuple(ax for ax in axes if ax not in jax.typeof(a).mat.varying),
+                      to="varying") for a in xs)

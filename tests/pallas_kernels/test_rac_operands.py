@@ -1,0 +1,154 @@
+"""RAC's stacked-operand kernel (pallas_kernels.rac_operands): interpret mode equals the jnp
+operand path bit for bit, alone and through the grouped and dense W4A4 matmuls; the tiles carry
+one stacked array; cuda lowering; bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+from jax.sharding import AbstractDevice, AbstractMesh
+
+from pallas_kernels import nvfp4_quantize as aq
+from pallas_kernels import rac_operands as ro
+from pallas_kernels.layout import prepare_w4a4_weights
+from pallas_kernels.w4a4_grouped import w4a4_grouped_matmul
+from pallas_kernels.w4a4_matmul import W4A4MatmulConfig, dense_plan, operand_rows, token_tiles
+from quads_jax.quant import nvfp4
+
+
+def _selected(r_rows, m, k, seed, with_rows):
+    """A real RAC quantization of ``r_rows`` distinct rows, ``m`` GEMM rows (their distinct
+    rows drawn at random when ``with_rows``), per-expert online_batch selection over 3 experts;
+    a NaN and an inf in the input (their blocks are coded as the quantizer codes them)."""
+    kx, kr, ke = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(kx, (r_rows, k), jnp.float32) * 3
+    x = x.at[0, 5].set(jnp.nan).at[1, 20].set(jnp.inf).astype(jnp.bfloat16)
+    rows = jax.random.randint(kr, (m,), 0, r_rows) if with_rows else None
+    expert = jnp.sort(jax.random.randint(ke, (m,), 0, 3)).astype(jnp.int32)
+    acts = aq.nvfp4_quantize(x, act_scale_mode="per_token", rac_config=aq.RACConfig(),
+                             row_expert=expert, num_experts=3, source_rows=rows)
+    return acts
+
+
+@pytest.mark.parametrize(
+    "r_rows,m,k,k_pad,with_rows,block_rows",
+    [
+        (16, 16, 768, 768, False, 8),
+        (10, 24, 160, 256, True, 4),  # K padded to the kernels' 256
+        (9, 40, 512, 512, True, 16),  # window rows not a multiple of block_rows
+    ],
+)
+def test_interpret_equals_the_jnp_path(r_rows, m, k, k_pad, with_rows, block_rows):
+    acts = _selected(r_rows, m, k, seed=m + k, with_rows=with_rows)
+    res = acts.residual
+    b0, _ = aq.mma_operand(acts.q, jnp.float16)
+    # Window rows: every GEMM row, some twice, and empty rows (>= M) between.
+    window = jnp.asarray(list(range(m)) + [m, m + 3] + list(range(0, m, 3)) + [m] * 5,
+                         jnp.int32)
+    window = window[: len(window) - len(window) % 2]
+    cfg = ro.RACOperandsConfig(block_rows=block_rows)
+    got = ro.rac_stacked_operands(b0, res.r, res.scales.astype(jnp.float32), res.reciprocals,
+                                  window, acts.q_rows, res.rows, k_pad=k_pad, config=cfg,
+                                  interpret=True)
+    want = ro.rac_stacked_operands_reference(b0, res.r, res.scales, res.reciprocals, window,
+                                             acts.q_rows, res.rows, k_pad=k_pad)
+    assert got.shape == (2, window.shape[0], k_pad) and got.dtype == jnp.float16
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert np.count_nonzero(np.asarray(got[1])) > 0  # the residual operand is not all zero
+    # And what operand_rows returns with and without the kernel (the tile kernels' input).
+    with_kernel, s_k = operand_rows(acts, window, jnp.float16, k_pad, kernel=cfg,
+                                    interpret=True)
+    without, s_j = operand_rows(acts, window, jnp.float16, k_pad)
+    np.testing.assert_array_equal(np.asarray(with_kernel), np.asarray(jnp.stack(without)))
+    for a, b in zip(s_k, s_j, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _config(flag):
+    return W4A4MatmulConfig(a_via_smem=True, num_sms=2, rac_operand_kernel=flag)
+
+
+def test_grouped_matmul_with_and_without_the_kernel_agree():
+    k = jax.random.split(jax.random.key(3), 2)
+    x = jax.random.normal(k[0], (12, 256), jnp.bfloat16)
+    src = jnp.asarray([0, 3, 5, 1, 2, 7, 4, 9, 11, 6, 8, 10, 3, 1, 0, 2], jnp.int32)
+    w = prepare_w4a4_weights(nvfp4.quantize(jax.random.normal(k[1], (4, 128, 256)),
+                                            scale_mode="expert"))
+    gs = jnp.asarray([5, 0, 8, 3], jnp.int32)
+
+    def run(flag):
+        return w4a4_grouped_matmul(x, w, gs, rac=aq.RACConfig(), config=_config(flag),
+                                   interpret=True, source_rows=src)
+
+    np.testing.assert_array_equal(np.asarray(run(True), np.float32),
+                                  np.asarray(run(False), np.float32))
+
+
+def test_dense_tiles_carry_the_stacked_operand():
+    """The dense path's token tiles (``run_dense``'s ``token_tiles``): one stacked array with
+    the kernel, equal to the jnp path's two operands stacked, and the same slot scales."""
+    x = jax.random.normal(jax.random.key(4), (10, 256), jnp.bfloat16)
+    acts = aq.nvfp4_quantize(x, rac_config=aq.RACConfig())
+    row_index, _, _, row0 = dense_plan(10, None)
+
+    def tiles(kernel):
+        return token_tiles(lambda idx: operand_rows(acts, idx, jnp.float16, 256, kernel=kernel,
+                                                    interpret=True),
+                           row_index, row0, row_index.reshape(-1))
+
+    (got, g_got), (want, g_want) = tiles(ro.RACOperandsConfig()), tiles(None)
+    assert got.stacked and not want.stacked and got.num_operands == want.num_operands == 2
+    got.check(256, (jnp.float16,))
+    np.testing.assert_array_equal(np.asarray(got.stack()), np.asarray(want.stack()))
+    for a, b in zip(got.gathered() + g_got, want.gathered() + g_want, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_the_kernel_only_where_it_applies():
+    assert _config(True).rac_operands_config() == ro.RACOperandsConfig()
+    assert _config(False).rac_operands_config() is None
+    for off in (dict(materialize_operands=False), dict(windowed_operands=False),
+                dict(stack_operands=False)):
+        assert W4A4MatmulConfig(rac_operand_kernel=True, **off).rac_operands_config() is None
+    # A bf16 residual is not coded: the jnp path's plain operands.
+    x = jax.random.normal(jax.random.key(5), (8, 64), jnp.bfloat16)
+    acts = aq.nvfp4_quantize(x, rac_config=aq.RACConfig(rac_residual_format="bf16"))
+    ops_, _ = operand_rows(acts, jnp.arange(8, dtype=jnp.int32), jnp.float16, 256,
+                           kernel=ro.RACOperandsConfig(), interpret=True)
+    assert isinstance(ops_, tuple) and len(ops_) == 2
+
+
+def test_lowers_for_cuda():
+    h200 = AbstractMesh((), (), abstract_device=AbstractDevice(
+        device_kind="NVIDIA H200", platform="gpu", num_cores=132))
+    m, r, k, p = 1024, 128, 2048, 1936
+    args = (jnp.ones((r, k), jnp.float16), jnp.ones((r, k)), jnp.ones((m, k // 16)),
+            jnp.ones((m, k // 16)), jnp.zeros((p,), jnp.int32), jnp.zeros((m,), jnp.int32),
+            jnp.zeros((m,), jnp.int32))
+    with jax.sharding.use_abstract_mesh(h200):
+        exp = export.export(
+            jax.jit(lambda *a: ro.rac_stacked_operands(*a, k_pad=k)),
+            platforms=["cuda"],
+            disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+        )(*args)
+    text = exp.mlir_module()
+    assert "rac_operands" in text
+    assert "ctlz" not in text  # Triton's NVIDIA backend cannot legalize it (rac_select's test)
+
+
+def test_bad_input():
+    b0, r = jnp.ones((4, 64), jnp.float16), jnp.ones((4, 64))
+    s = jnp.ones((6, 4))
+    wr = jnp.zeros((8,), jnp.int32)
+    with pytest.raises(ValueError, match="must be"):
+        ro.rac_stacked_operands(b0, r, jnp.ones((6, 3)), s, wr, k_pad=256, interpret=True)
+    with pytest.raises(ValueError, match="k_pad"):
+        ro.rac_stacked_operands(b0, r, s, s, wr, k_pad=100, interpret=True)
+    with pytest.raises(ValueError, match="int32"):
+        ro.rac_stacked_operands(b0, r, s, s, wr.astype(jnp.int16), k_pad=256, interpret=True)
+    with pytest.raises(ValueError, match="M=6"):
+        ro.rac_stacked_operands(b0, r, s, s, wr, jnp.zeros((5,), jnp.int32), k_pad=256,
+                                interpret=True)
+    with pytest.raises(ValueError, match="block_rows"):
+        ro.RACOperandsConfig(block_rows=6)
