@@ -14,6 +14,11 @@ single operand takes 6.1 and 5.1 us. Here one program writes ``block_rows`` wind
 distinct row) happens in registers, the distinct rows stay in L2, and the output is written
 once.
 
+Measured on the H200 (2026-12-04, 22273a2, ``kernel_probe --rac-operands``, traced): 8.3 us
+for gate_up's ``[2, 1936, 2048]`` (1.9 TB/s written) and 4.4 us for down's ``[2, 1936, 768]``,
+bit-identical to the jnp path; block_rows 4 / 16 and 2 warps within 0.6 us. In the decode step
+at batch 128: 8.2 + 4.4 us per layer against 20.5 + 8.2, the step 16.17 against 17.08 ms.
+
 The arithmetic is ``SelectedResidual.unscaled``'s own (``nvfp4.round_to_e2m1_value`` traced
 into the kernel: float32 products, compares and adds of exact steps), so the result is
 bit-identical to the jnp path (tests, and ``kernel_probe --rac-operands`` on the GPU).
