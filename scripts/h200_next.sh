@@ -107,6 +107,10 @@
 # then `attn b256` (cbdfb9a), `static` and `mcheck` (9e4733e). Next: `attn kv8s` (the decode
 # attention's slot_splits, built after the last call), `check` / `mcheck` with the signs_high
 # check weights (dd535a9), `gcheck`, `b32`, the kdense / kgroup tables.
+# Session 21 ran `attn mcheck kv8s` (c1e04e4: slot_splits no gain), `rop` (22273a2: the
+# rac_operands kernel, -0.9 ms per RAC step; the default since), `b128 b256` and `mcheck b32`
+# plus the FP8-KV arms (9425e29), and `check` (9425e29, all PASS). Next: `kdense`, `kdense2`,
+# `kgroup2` (one or two per call), `p1024` at the newest commit, `gcheck`.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
