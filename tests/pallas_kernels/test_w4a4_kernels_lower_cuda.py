@@ -95,3 +95,4 @@ def test_expert_parallel_moe_block_lowers_for_cuda(monkeypatch):
     assert "tensor<2x1x128x64xui16>" in text  # the local experts' codes inside the shard_map
     assert "reduce_scatter" in text
     assert "rac_select" in text  # the RAC selection kernel runs inside the shard_map too
+    assert "rac_operands" in text  # and RAC's operand kernel (the default)
