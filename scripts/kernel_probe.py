@@ -652,9 +652,13 @@ def run_rac_operands(tokens: int = 128, variants=RAC_OPERAND_VARIANTS):
                                                   tag=f"rop_{name}_{br}_{nw}")
             us_k, _, _ = traced_kernels(kern, x, window, match="rac_operands",
                                         tag=f"ropk_{name}_{br}_{nw}")
-            mb = got.nbytes / 1e6
+            # Floor: the write (the distinct rows it reads are small and stay in L2) at the
+            # GEMV probe's read bandwidth (bk.measure_floors, same run).
+            bw = bk.RESULTS["floors"].get("read_bw", float("nan"))
+            floor_us = got.nbytes / bw * 1e6
             bk.log(f"  rac_operands {name} br {br} warps {nw}: kernel {us_k:6.1f} us "
-                   f"({mb / us_k:.2f} TB/s written); quantizer + operands "
+                   f"({got.nbytes / 1e6 / us_k:.2f} TB/s written; floor {floor_us:.1f} us, "
+                   f"ratio {floor_us / us_k:.2f}); quantizer + operands "
                    f"{us_all * count_all:7.1f} us in {count_all} kernels")
 
 
@@ -704,6 +708,7 @@ def main(argv=None):
             run_rac_select()
             return 0
         if args.rac_operands:
+            bk.measure_floors()
             run_rac_operands()
             return 0
         if args.n_group:
