@@ -37,7 +37,7 @@ report: venv
 	$(PY) scripts/nvfp4_report.py
 
 test: venv oracle
-	QUADS_ORACLE_PYTHON=$(abspath $(ORACLE_PY)) $(PY) -m pytest -q -n 2 $(PYTEST_ARGS) tests
+	QUADS_ORACLE_PYTHON=$(abspath $(ORACLE_PY)) $(PY) -m pytest -q -n 2 --durations=15 $(PYTEST_ARGS) tests
 
 lint: venv
 	$(PY) -m ruff check quads_jax pallas_kernels scripts tests

@@ -31,10 +31,10 @@ def _selected(r_rows, m, k, seed, with_rows):
     return acts
 
 
+# GEMM rows = distinct rows (with_rows False) is the dense path: test_dense_tiles_* below.
 @pytest.mark.parametrize(
     "r_rows,m,k,k_pad,with_rows,block_rows",
     [
-        (16, 16, 768, 768, False, 8),
         (10, 24, 160, 256, True, 4),  # K padded to the kernels' 256
         (9, 40, 512, 512, True, 16),  # window rows not a multiple of block_rows
     ],
