@@ -113,7 +113,6 @@ class W4A4MatmulConfig:
         if p is not None and (not isinstance(p, int) or p < 1):
             raise ValueError(f"W4A4MatmulConfig.prefill_min_rows={p!r}: None or an int >= 1")
 
-
     def rac_operands_config(self):
         """The ``rac_operands`` kernel's config, or None when it is off (``operand_rows``)."""
         from pallas_kernels.rac_operands import RACOperandsConfig
