@@ -45,14 +45,29 @@ from quads_jax.quant import nvfp4
 BLOCK = nvfp4.BLOCK_SIZE
 
 
+PADDING_ROWS = ("zeros", "skip", "nan")
+
+
 @dataclasses.dataclass(frozen=True)
 class RACOperandsConfig:
     """block_rows: window rows per program (a power of two); block_k: columns per program (a
-    power of two, a multiple of 16, dividing ``Kp``); num_warps: Triton warps per program."""
+    power of two, a multiple of 16, dividing ``Kp``); num_warps: Triton warps per program.
+
+    padding_rows: what the window rows without a GEMM row (``window_rows[p] >= M``: a group's
+    alignment padding, the layout's tail) hold. "zeros": written as zeros, as the jnp path
+    does (the default). "skip": not written (about half the kernel's bytes at the decode step:
+    1 936 window rows for 1 024 GEMM rows); they keep whatever the buffer held, which only
+    token slots that no GEMM row reads back multiply (a wgmma column per slot, a scale of 0,
+    a slot ``rows_from_tiles`` never gathers), so the GEMM result is the same unless that
+    garbage is read elsewhere. "nan": "skip" into a buffer first filled with NaN (a full extra
+    write): the tests' proof that the result does not depend on those rows.
+    Not yet measured on the GPU: "skip" is opt-in (``W4A4MatmulConfig.rac_operand_padding``).
+    """
 
     block_rows: int = 8
     block_k: int = 256
     num_warps: int = 4
+    padding_rows: str = "zeros"
 
     def __post_init__(self):
         for name in ("block_rows", "block_k"):
@@ -63,13 +78,18 @@ class RACOperandsConfig:
             raise ValueError(f"RACOperandsConfig.block_k={self.block_k}: at least {BLOCK}")
         if self.num_warps not in (1, 2, 4, 8):
             raise ValueError(f"RACOperandsConfig.num_warps={self.num_warps}: one of 1, 2, 4, 8")
+        if self.padding_rows not in PADDING_ROWS:
+            raise ValueError(f"RACOperandsConfig.padding_rows={self.padding_rows!r}: one of "
+                             f"{PADDING_ROWS}")
 
 
 def _kernel(wr_ref, *refs, m: int, has_q: bool, has_r: bool, block_rows: int,
-            blocks_k: int):
+            blocks_k: int, write_empty: bool, aliased: bool):
     refs = list(refs)
     q_ref = refs.pop(0) if has_q else None
     rr_ref = refs.pop(0) if has_r else None
+    if aliased:  # the NaN-filled buffer the output aliases: never read here
+        del refs[4]
     b0_ref, r_ref, s_ref, rcp_ref, out_ref = refs
     rows = pl.ds(pl.program_id(0) * block_rows, block_rows)
     cols = pl.ds(pl.program_id(1) * blocks_k, blocks_k)  # in 16-element blocks
@@ -82,8 +102,16 @@ def _kernel(wr_ref, *refs, m: int, has_q: bool, has_r: bool, block_rows: int,
     y = r_ref[r_src, cols, :] * rcp_ref[g, cols][..., None]
     res = nvfp4.round_to_e2m1_value(y) * s_ref[g, cols][..., None]
     keep = valid[:, None, None]
-    out_ref[0, rows, cols, :] = jnp.where(keep, act, 0).astype(out_ref.dtype)
-    out_ref[1, rows, cols, :] = jnp.where(keep, res, 0.0).astype(out_ref.dtype)
+    act = jnp.where(keep, act, 0).astype(out_ref.dtype)
+    res = jnp.where(keep, res, 0.0).astype(out_ref.dtype)
+    if write_empty:
+        out_ref[0, rows, cols, :] = act
+        out_ref[1, rows, cols, :] = res
+    else:  # rows without a GEMM row are left as they are (RACOperandsConfig.padding_rows)
+        mask = jnp.broadcast_to(keep, act.shape)[None]
+        for a, val in enumerate((act, res)):  # operand a as a 1-long slice (not an int index:
+            # the interpreter's masked store takes slices and arrays only)
+            pltriton.store(out_ref.at[pl.ds(a, 1), rows, cols, :], val[None], mask=mask)
 
 
 def _pad_cols(a: jax.Array, cols: int) -> jax.Array:
@@ -123,13 +151,16 @@ def rac_stacked_operands(b0: jax.Array, r: jax.Array, scales: jax.Array,
     s = _pad_cols(scales.astype(jnp.float32), nbp)
     rcp = _pad_cols(reciprocals.astype(jnp.float32), nbp)
     index_args = [a for a in (q_rows, r_rows) if a is not None]
-    args = (wr, *index_args, b0_blocks, r_blocks, s, rcp)
+    out_shape = (2, p_pad, nbp, BLOCK)
+    aliased = config.padding_rows == "nan"
+    poison = (jnp.full(out_shape, jnp.nan, b0.dtype),) if aliased else ()
+    args = (wr, *index_args, b0_blocks, r_blocks, s, rcp, *poison)
     vary, args = varying_operands(*args)
     whole = lambda a: pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)  # noqa: E731
     kernel = functools.partial(_kernel, m=m, has_q=q_rows is not None,
                                has_r=r_rows is not None, block_rows=bp,
-                               blocks_k=config.block_k // BLOCK)
-    out_shape = (2, p_pad, nbp, BLOCK)
+                               blocks_k=config.block_k // BLOCK,
+                               write_empty=config.padding_rows == "zeros", aliased=aliased)
     out = pl.pallas_call(
         kernel,
         grid=(p_pad // bp, k_pad // config.block_k),
@@ -138,6 +169,7 @@ def rac_stacked_operands(b0: jax.Array, r: jax.Array, scales: jax.Array,
         out_shape=jax.ShapeDtypeStruct(out_shape, b0.dtype, **vary),
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=1),
         interpret=interpret,
+        input_output_aliases={len(args) - 1: 0} if aliased else {},
         name="rac_operands",
     )(*args)
     out = out.reshape(2, p_pad, k_pad)

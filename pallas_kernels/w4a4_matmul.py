@@ -57,7 +57,8 @@ class W4A4MatmulConfig:
       rac_operand_kernel: with RAC (coded residual, ``materialize_operands``, row windows and
         ``stack_operands``), the stacked B operands are written by
         ``pallas_kernels.rac_operands`` instead of an XLA gather fusion;
-        rac_operand_block_rows: its ``RACOperandsConfig.block_rows``.
+        rac_operand_block_rows / rac_operand_padding: its ``RACOperandsConfig.block_rows`` /
+        ``padding_rows``.
       decode_impl, mma_overlap, mma_k, chain_items, stack_operands: see
         ``nvfp4_tiles_mgpu.TileGemmConfig``.
       n_group: weight-row tiles per work item (``TileGemmConfig.n_group``). 1 by default: on
@@ -96,6 +97,7 @@ class W4A4MatmulConfig:
     # (kernel_probe --rac-operands).
     rac_operand_kernel: bool = True
     rac_operand_block_rows: int = 8
+    rac_operand_padding: str = "zeros"
 
     def __post_init__(self):
         bm = self.block_m
@@ -120,7 +122,8 @@ class W4A4MatmulConfig:
         if not (self.rac_operand_kernel and self.materialize_operands and self.windowed_operands
                 and self.stack_operands):
             return None
-        return RACOperandsConfig(block_rows=self.rac_operand_block_rows)
+        return RACOperandsConfig(block_rows=self.rac_operand_block_rows,
+                                 padding_rows=self.rac_operand_padding)
 
     def tile_config(self, k_splits: int, num_sms: int | None, n_group: int) -> TileGemmConfig:
         """The tile kernel's config for a call with ``k_splits`` on ``num_sms`` SMs."""

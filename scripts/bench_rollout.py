@@ -529,6 +529,9 @@ def parse_args(argv):
                    help="RAC's stacked B operands written by the Triton kernel "
                    "(pallas_kernels.rac_operands) or by an XLA fusion (default: "
                    "W4A4MatmulConfig.rac_operand_kernel)")
+    p.add_argument("--rac-operand-padding", choices=("zeros", "skip"), default="zeros",
+                   help="the RAC operand kernel's window rows without a GEMM row: written as "
+                   "zeros (default) or not written (W4A4MatmulConfig.rac_operand_padding)")
     p.add_argument("--unroll-decode", action="store_true",
                    help="decode steps with the layers unrolled (SamplerConfig."
                    "unroll_decode_layers; an ablation: longer compile)")
@@ -575,9 +578,10 @@ def main(argv=None) -> int:
             or args.w4a4_mma_k != 256 or not args.materialize_operands
             or args.rac_select_kernel or args.rac_select_block_rows != 16
             or not args.grouped_barrier or not args.windowed_operands
-            or args.rac_operand_kernel is not None):
+            or args.rac_operand_kernel is not None or args.rac_operand_padding != "zeros"):
         operand_kernel = ({} if args.rac_operand_kernel is None
                           else dict(rac_operand_kernel=args.rac_operand_kernel))
+        operand_kernel["rac_operand_padding"] = args.rac_operand_padding
         kernel_backend.set_w4a4_overrides(n_group=args.w4a4_n_group,
                                           stack_operands=args.w4a4_stack_operands,
                                           mma_overlap=args.w4a4_mma_overlap,
@@ -612,6 +616,7 @@ def main(argv=None) -> int:
                           rac_operand_kernel=(W4A4MatmulConfig().rac_operand_kernel
                                               if args.rac_operand_kernel is None
                                               else args.rac_operand_kernel),
+                          rac_operand_padding=args.rac_operand_padding,
                           grouped_barrier=args.grouped_barrier,
                           windowed_operands=args.windowed_operands,
                           unroll_decode=args.unroll_decode,

@@ -75,6 +75,10 @@
 #          only): GPU bit-identity with the jnp path and traced times at the decode shapes
 #          (kernel_probe --rac-operands), then nvfp4_rac at batch 128 with the kernel, and
 #          nvfp4_rac and nvfp4 without it, in the same call
+#   ropad  the rac_operands kernel leaving the windows' padding rows unwritten (padding_rows
+#          "skip"; session 21, CPU-tested only): probe variants (GPU-checked on the written
+#          rows, timed), then nvfp4_rac at batch 128 with --rac-operand-padding skip and with
+#          the default, same call
 #   hlo    nvfp4 at batch 128 with the decode program's optimized HLO dumped to $OUT/hlo (what
 #          the 386 small `memcpy32_post` copies per step and the MoE block's fusions are)
 #
@@ -109,8 +113,8 @@
 # check weights (dd535a9), `gcheck`, `b32`, the kdense / kgroup tables.
 # Session 21 ran `attn mcheck kv8s` (c1e04e4: slot_splits no gain), `rop` (22273a2: the
 # rac_operands kernel, -0.9 ms per RAC step; the default since), `b128 b256` and `mcheck b32`
-# plus the FP8-KV arms (9425e29), and `check` (9425e29, all PASS). Next: `kdense`, `kdense2`,
-# `kgroup2` (one or two per call), `p1024` at the newest commit, `gcheck`.
+# plus the FP8-KV arms (9425e29), and `check` (9425e29, all PASS). Next: `ropad` (built after
+# the last call), `kdense`, `kdense2`, `kgroup2` (one or two per call), `p1024`, `gcheck`.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
@@ -244,8 +248,14 @@ for step in "$@"; do
       --budget-s 100
       rollout nrop128 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \
       --no-rac-operand-kernel --budget-s 110 ;;
+    ropad) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 200 python3 scripts/kernel_probe.py \
+      --rac-operands --out "$OUT/ropk" > "$OUT/ropk.log" 2>&1
+      echo "ropk rc $?"; grep -E "rac_operands|FAIL|Error" "$OUT/ropk.log" | cut -c1-160
+      rollout ropad128 130 --quick --profile-steps 4 --precisions nvfp4_rac \
+      --rac-operand-padding skip --budget-s 100
+      rollout rop128 130 --quick --profile-steps 4 --precisions nvfp4_rac --budget-s 100 ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
-    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop hlo)"; exit 2 ;;
+    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop ropad hlo)"; exit 2 ;;
   esac
 done

@@ -603,7 +603,9 @@ def run_rac_select():
                        f"masks equal {same.mean():.4f}; differing rcp/scales/g {diffs}")
 
 
-RAC_OPERAND_VARIANTS = ((8, 4), (16, 4), (4, 4), (8, 2))  # (block_rows, num_warps)
+# (block_rows, num_warps, padding_rows)
+RAC_OPERAND_VARIANTS = ((8, 4, "zeros"), (16, 4, "zeros"), (4, 4, "zeros"), (8, 2, "zeros"),
+                        (8, 4, "skip"), (4, 4, "skip"))
 
 
 def run_rac_operands(tokens: int = 128, variants=RAC_OPERAND_VARIANTS):
@@ -641,17 +643,20 @@ def run_rac_operands(tokens: int = 128, variants=RAC_OPERAND_VARIANTS):
         us, count, _ = traced_kernels(ref, x, window, match="", tag=f"rop_{name}_jnp")
         bk.log(f"  rac_operands {name} [2, {window.shape[0]}, {k}]: jnp quantizer + operands "
                f"{us * count:7.1f} us in {count} kernels")
-        for br, nw in variants:
-            cfg = ro.RACOperandsConfig(block_rows=br, num_warps=nw)
+        filled = np.asarray(window) < rows  # "skip" leaves the other rows unwritten
+        for br, nw, pad in variants:
+            cfg = ro.RACOperandsConfig(block_rows=br, num_warps=nw, padding_rows=pad)
             kern = jax.jit(lambda x, w, cfg=cfg: program(x, w, cfg))
             got = np.asarray(kern(x, window))
-            diff = int(np.sum(got.view(np.uint16) != want.view(np.uint16)))
+            cmp = (slice(None), slice(None)) if pad == "zeros" else (slice(None), filled)
+            diff = int(np.sum(got[cmp].view(np.uint16) != want[cmp].view(np.uint16)))
+            br = f"{br} {pad}" if pad != "zeros" else br
             bk.log(f"  {'PASS' if diff == 0 else 'FAIL'} rac_operands {name} br {br} warps "
-                   f"{nw}: {diff} of {got.size} values differ from the jnp path")
-            us_all, count_all, _ = traced_kernels(kern, x, window, match="",
-                                                  tag=f"rop_{name}_{br}_{nw}")
+                   f"{nw}: {diff} of {got[cmp].size} values differ from the jnp path")
+            tag = f"{name}_{br}_{nw}".replace(" ", "_")
+            us_all, count_all, _ = traced_kernels(kern, x, window, match="", tag=f"rop_{tag}")
             us_k, _, _ = traced_kernels(kern, x, window, match="rac_operands",
-                                        tag=f"ropk_{name}_{br}_{nw}")
+                                        tag=f"ropk_{tag}")
             # Floor: the write (the distinct rows it reads are small and stay in L2) at the
             # GEMV probe's read bandwidth (bk.measure_floors, same run).
             bw = bk.RESULTS["floors"].get("read_bw", float("nan"))

@@ -65,8 +65,29 @@ def test_interpret_equals_the_jnp_path(r_rows, m, k, k_pad, with_rows, block_row
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def _config(flag):
-    return W4A4MatmulConfig(a_via_smem=True, num_sms=2, rac_operand_kernel=flag)
+def test_padding_rows_skipped_or_poisoned():
+    """``padding_rows`` "skip" / "nan": the window rows with a GEMM row are the same, the
+    others are not written ("nan": they keep the NaN the buffer was filled with)."""
+    acts = _selected(9, 40, 256, seed=2, with_rows=True)
+    res = acts.residual
+    b0, _ = aq.mma_operand(acts.q, jnp.float16)
+    window = jnp.asarray(list(range(40)) + [40] * 6 + list(range(0, 40, 5)) + [40] * 10,
+                         jnp.int32)
+    want = np.asarray(ro.rac_stacked_operands_reference(
+        b0, res.r, res.scales, res.reciprocals, window, acts.q_rows, res.rows, k_pad=256))
+    filled = np.asarray(window) < 40
+    for padding in ("skip", "nan"):
+        got = np.asarray(ro.rac_stacked_operands(
+            b0, res.r, res.scales.astype(jnp.float32), res.reciprocals, window, acts.q_rows,
+            res.rows, k_pad=256, config=ro.RACOperandsConfig(padding_rows=padding),
+            interpret=True))
+        np.testing.assert_array_equal(got[:, filled], want[:, filled], err_msg=padding)
+    assert np.isnan(got[:, ~filled]).all()
+
+
+def _config(flag, padding="zeros"):
+    return W4A4MatmulConfig(a_via_smem=True, num_sms=2, rac_operand_kernel=flag,
+                            rac_operand_padding=padding)
 
 
 def test_grouped_matmul_with_and_without_the_kernel_agree():
@@ -77,12 +98,16 @@ def test_grouped_matmul_with_and_without_the_kernel_agree():
                                             scale_mode="expert"))
     gs = jnp.asarray([5, 0, 8, 3], jnp.int32)
 
-    def run(flag):
-        return w4a4_grouped_matmul(x, w, gs, rac=aq.RACConfig(), config=_config(flag),
-                                   interpret=True, source_rows=src)
+    def run(flag, padding="zeros"):
+        return np.asarray(w4a4_grouped_matmul(x, w, gs, rac=aq.RACConfig(),
+                                              config=_config(flag, padding), interpret=True,
+                                              source_rows=src), np.float32)
 
-    np.testing.assert_array_equal(np.asarray(run(True), np.float32),
-                                  np.asarray(run(False), np.float32))
+    want = run(False)
+    np.testing.assert_array_equal(run(True), want)
+    # The windows' padding rows (groups 5 / 8 / 3 start at multiples of 8; the layout's tail)
+    # filled with NaN instead of zeros: no GEMM row's result changes (padding_rows "skip").
+    np.testing.assert_array_equal(run(True, "nan"), want)
 
 
 def test_dense_tiles_carry_the_stacked_operand():
@@ -119,7 +144,8 @@ def test_the_kernel_only_where_it_applies():
     assert isinstance(ops_, tuple) and len(ops_) == 2
 
 
-def test_lowers_for_cuda():
+@pytest.mark.parametrize("padding", ["zeros", "skip"])
+def test_lowers_for_cuda(padding):
     h200 = AbstractMesh((), (), abstract_device=AbstractDevice(
         device_kind="NVIDIA H200", platform="gpu", num_cores=132))
     m, r, k, p = 1024, 128, 2048, 1936
@@ -128,7 +154,8 @@ def test_lowers_for_cuda():
             jnp.zeros((m,), jnp.int32))
     with jax.sharding.use_abstract_mesh(h200):
         exp = export.export(
-            jax.jit(lambda *a: ro.rac_stacked_operands(*a, k_pad=k)),
+            jax.jit(lambda *a: ro.rac_stacked_operands(
+                *a, k_pad=k, config=ro.RACOperandsConfig(padding_rows=padding))),
             platforms=["cuda"],
             disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
         )(*args)
@@ -152,3 +179,5 @@ def test_bad_input():
                                 interpret=True)
     with pytest.raises(ValueError, match="block_rows"):
         ro.RACOperandsConfig(block_rows=6)
+    with pytest.raises(ValueError, match="padding_rows"):
+        ro.RACOperandsConfig(padding_rows="ones")
