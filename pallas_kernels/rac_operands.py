@@ -40,6 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.vma import varying_operands
+from pallas_kernels.w4a4_matmul import _pad_k
 from quads_jax.quant import nvfp4
 
 BLOCK = nvfp4.BLOCK_SIZE
@@ -102,20 +103,13 @@ def _kernel(wr_ref, *refs, m: int, has_q: bool, has_r: bool, block_rows: int,
     y = r_ref[r_src, cols, :] * rcp_ref[g, cols][..., None]
     res = nvfp4.round_to_e2m1_value(y) * s_ref[g, cols][..., None]
     keep = valid[:, None, None]
-    act = jnp.where(keep, act, 0).astype(out_ref.dtype)
-    res = jnp.where(keep, res, 0.0).astype(out_ref.dtype)
-    if write_empty:
-        out_ref[0, rows, cols, :] = act
-        out_ref[1, rows, cols, :] = res
-    else:  # rows without a GEMM row are left as they are (RACOperandsConfig.padding_rows)
-        mask = jnp.broadcast_to(keep, act.shape)[None]
-        for a, val in enumerate((act, res)):  # operand a as a 1-long slice (not an int index:
-            # the interpreter's masked store takes slices and arrays only)
-            pltriton.store(out_ref.at[pl.ds(a, 1), rows, cols, :], val[None], mask=mask)
-
-
-def _pad_cols(a: jax.Array, cols: int) -> jax.Array:
-    return a if a.shape[1] == cols else jnp.pad(a, ((0, 0), (0, cols - a.shape[1])))
+    # Rows without a GEMM row: zeros, or left as they are (RACOperandsConfig.padding_rows).
+    mask = None if write_empty else jnp.broadcast_to(keep, act.shape)[None]
+    for a, val in enumerate((jnp.where(keep, act, 0), jnp.where(keep, res, 0.0))):
+        # Operand a as a 1-long slice, not an int index: the interpreter's masked store takes
+        # slices and arrays only.
+        pltriton.store(out_ref.at[pl.ds(a, 1), rows, cols, :],
+                       val.astype(out_ref.dtype)[None], mask=mask)
 
 
 @functools.partial(jax.jit, static_argnames=("k_pad", "config", "interpret"))
@@ -146,10 +140,10 @@ def rac_stacked_operands(b0: jax.Array, r: jax.Array, scales: jax.Array,
     p_pad = -(-p // bp) * bp
     wr = window_rows if p_pad == p else jnp.pad(window_rows, (0, p_pad - p), constant_values=m)
     nbp = k_pad // BLOCK
-    b0_blocks = _pad_cols(b0, k_pad).reshape(b0.shape[0], nbp, BLOCK)
-    r_blocks = _pad_cols(r.astype(jnp.float32), k_pad).reshape(r.shape[0], nbp, BLOCK)
-    s = _pad_cols(scales.astype(jnp.float32), nbp)
-    rcp = _pad_cols(reciprocals.astype(jnp.float32), nbp)
+    b0_blocks = _pad_k(b0, k_pad).reshape(b0.shape[0], nbp, BLOCK)
+    r_blocks = _pad_k(r.astype(jnp.float32), k_pad).reshape(r.shape[0], nbp, BLOCK)
+    s = _pad_k(scales.astype(jnp.float32), nbp)
+    rcp = _pad_k(reciprocals.astype(jnp.float32), nbp)
     index_args = [a for a in (q_rows, r_rows) if a is not None]
     out_shape = (2, p_pad, nbp, BLOCK)
     aliased = config.padding_rows == "nan"

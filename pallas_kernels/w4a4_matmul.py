@@ -228,21 +228,20 @@ def operand_rows(acts: aq.QuantizedActivations, index: jax.Array, dtype, k_pad: 
         res = dataclasses.replace(res, r=r, scales=s32)
     q_index = index if acts.q_rows is None else source_tile_rows(
         acts.q_rows, b0.shape[0], index)
-    if (kernel is not None and materialize and index.ndim == 1
-            and isinstance(res, rac.SelectedResidual)):
-        from pallas_kernels.rac_operands import rac_stacked_operands
+    if isinstance(res, rac.SelectedResidual):
+        s1 = rac.rows_or_fill(res.global_scale, index, 0.0)
+        if kernel is not None and materialize and index.ndim == 1:
+            from pallas_kernels.rac_operands import rac_stacked_operands
 
-        stacked = rac_stacked_operands(b0, res.r, res.scales, res.reciprocals, index,
-                                       acts.q_rows, res.rows, k_pad=k_pad, config=kernel,
-                                       interpret=interpret)
-        return stacked, (rac.rows_or_fill(g0, q_index, 0.0),
-                         rac.rows_or_fill(res.global_scale, index, 0.0))
+            stacked = rac_stacked_operands(b0, res.r, res.scales, res.reciprocals, index,
+                                           acts.q_rows, res.rows, k_pad=k_pad, config=kernel,
+                                           interpret=interpret)
+            return stacked, (rac.rows_or_fill(g0, q_index, 0.0), s1)
     t0, s0 = plain_operand(b0, q_index, dtype, k_pad, g0)
     if res is None:
         return (t0,), (s0,)
     if isinstance(res, rac.SelectedResidual):
         t1 = _pad_k(res.unscaled(index).astype(dtype), k_pad)
-        s1 = rac.rows_or_fill(res.global_scale, index, 0.0)
     else:  # bf16 residual (rac_residual_format="bf16"): plain rows, scale 1
         t1, s1 = plain_operand(res, index, dtype, k_pad)
     return (t0, t1), (s0, s1)
