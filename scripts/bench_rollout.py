@@ -90,6 +90,8 @@ def timing_calibration(params: dict, recipe, cfg: ModelConfig) -> dict:
     if missing := wanted - set(out):
         raise ValueError(f"timing_calibration: no weight found for {sorted(missing)[:3]}")
     return out
+
+
 QWEN3_30B_A3B = dict(
     vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
     num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,

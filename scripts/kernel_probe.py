@@ -620,7 +620,7 @@ def run_rac_operands(tokens: int = 128, variants=RAC_OPERAND_VARIANTS):
     from pallas_kernels.w4a4_matmul import operand_rows
 
     bk.log("== RAC stacked operands (pallas_kernels.rac_operands) vs the jnp path")
-    interpret = jax.devices()[0].platform != "gpu"  # a CPU smoke run (tests)
+    interpret = jax.devices()[0].platform != "gpu"  # a CPU smoke run: the Triton interpreter
     rows = tokens * 8
     for name, k, distinct in (("gate_up", 2048, True), ("down", 768, False)):
         ks = jax.random.split(jax.random.key(k), 2)
