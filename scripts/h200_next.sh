@@ -15,6 +15,8 @@
 #   p1024  nvfp4_rac and bf16 at batch 128 / prompt 1024
 #   prof   the four arms at batch 128, traced with the top 120 kernels per arm, and
 #          the decode programs' optimized HLO ($OUT/hlo.tgz) to name each fusion of the trace
+#   prof2  prof's trace and HLO for nvfp4 and nvfp4_rac only, the top 160 kernels each (every
+#          kernel of a layer: what the MoE block's XLA side is now)
 #   nobar  nvfp4 and nvfp4_rac at batch 128 without the optimization barrier after the grouped
 #          kernels (compare with the b128 / prof rows of the same commit)
 #   unroll nvfp4 and bf16 at batch 128 with the decode step's layers unrolled (no per-layer
@@ -153,6 +155,11 @@ for step in "$@"; do
       --precisions nvfp4_rac,nvfp4,bf16,fp8 --budget-s 250
       (cd /tmp/hlo_prof && tar czf "$OUT/hlo.tgz" $(ls | grep -E "after_optimizations.txt$"))
       ls -la "$OUT" ;;
+    prof2) XLA_FLAGS="--xla_dump_to=/tmp/hlo_prof --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
+      rollout prof2 200 --quick --profile-steps 4 --profile-top 160 \
+      --precisions nvfp4,nvfp4_rac --budget-s 160
+      (cd /tmp/hlo_prof && tar czf "$OUT/hlo.tgz" $(ls | grep -E "after_optimizations.txt$"))
+      ls -la "$OUT" ;;
     nobar) rollout nobar 220 --quick --no-grouped-barrier --precisions nvfp4,nvfp4_rac \
       --budget-s 170 ;;
     unroll) rollout unroll 280 --quick --unroll-decode --precisions nvfp4,bf16 --budget-s 220 ;;
@@ -256,6 +263,6 @@ for step in "$@"; do
       rollout rop128 130 --quick --profile-steps 4 --precisions nvfp4_rac --budget-s 100 ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
-    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop ropad hlo)"; exit 2 ;;
+    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop ropad hlo prof2)"; exit 2 ;;
   esac
 done
