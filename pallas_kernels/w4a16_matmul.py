@@ -77,7 +77,8 @@ def w4a16_grouped_matmul(
     m, e = x_sorted.shape[0], w.num_experts
     gs = _check_group_sizes(group_sizes, e, m)
     block_m = config.block_m or grouped_block_m(m, e)
-    row_index, tile_expert, num_tiles, row_slot, row0, window_rows = tile_plan(gs, m, block_m)
+    row_index, tile_expert, num_tiles, row_slot, row0, window_rows = tile_plan(
+        gs, m, block_m, config.tile_plan_config(), interpret)
     tiles, slot_g = token_tiles(lambda idx: _operand(x_sorted, idx, w), row_index, row0,
                                 window_rows, config.windowed_operands)
     return run_tiles(tiles, slot_g, row_slot, w, tile_expert, num_tiles, config, interpret,

@@ -18,6 +18,12 @@ import numpy as np
 from pallas_kernels import nvfp4_quantize as aq
 from pallas_kernels import rac_select
 from pallas_kernels.nvfp4_tiles_mgpu import ROW_ALIGN
+from pallas_kernels.tile_plan import (
+    TilePlanConfig,
+    num_tiles_bound,
+    tile_plan_kernel,
+    window_len,
+)
 from pallas_kernels.w4a4_matmul import (
     W4A4MatmulConfig,
     _check,
@@ -57,7 +63,8 @@ def row_experts(group_sizes: jax.Array, m: int) -> jax.Array:
     return ops.count_le(jnp.cumsum(group_sizes), jnp.arange(m, dtype=jnp.int32))
 
 
-def tile_plan(group_sizes: jax.Array, m: int, block_m: int):
+def tile_plan(group_sizes: jax.Array, m: int, block_m: int,
+              kernel: TilePlanConfig | None = None, interpret: bool = False):
     """Token-tile metadata for sorted rows.
 
     Returns ``(row_index [T, block_m], tile_expert [T], num_tiles [1], row_slot [M], row0 [T],
@@ -66,12 +73,23 @@ def tile_plan(group_sizes: jax.Array, m: int, block_m: int):
     past the groups). The kernels read tile ``t`` as the window of rows ``[row0[t], row0[t] +
     block_m)`` of an operand laid out as ``window_rows`` (the GEMM row at each of its ``P``
     rows, ``m`` = a zero row; ``token_tiles.TokenTiles``): the groups in order, each starting
-    at a multiple of ``ROW_ALIGN`` (Mosaic GPU copies whole 8-row tiles), so ``P = m + (ROW_ALIGN
-    - 1) * min(E, m) + block_m`` bounds every window; a window's slots past its group hold
-    padding or the next group's rows (empty slots). ``row0`` is 0 past the live tiles.
+    at a multiple of ``ROW_ALIGN`` (Mosaic GPU copies whole 8-row tiles), so ``P`` is
+    ``tile_plan.window_len`` (``m + (ROW_ALIGN - 1) * min(E, m) + block_m``, rounded up)
+    bounds every window; a window's slots past its group hold padding or the next group's rows
+    (empty slots). ``row0`` is 0 past the live tiles. ``kernel``: a
+    ``pallas_kernels.tile_plan.TilePlanConfig`` computes the same arrays in one Pallas kernel
+    (``interpret``: in the Triton interpreter); None: jnp.
     """
+    return plan_and_row_experts(group_sizes, m, block_m, kernel, interpret)[:6]
+
+
+def plan_and_row_experts(group_sizes: jax.Array, m: int, block_m: int,
+                         kernel: TilePlanConfig | None = None, interpret: bool = False):
+    """``tile_plan``'s six arrays and ``row_experts(group_sizes, m)`` (int32 ``[M]``)."""
+    if kernel is not None:
+        return tile_plan_kernel(group_sizes, m, block_m, config=kernel, interpret=interpret)
     e = group_sizes.shape[0]
-    t_max = m // block_m + e
+    t_max = num_tiles_bound(m, e, block_m)
     starts = jnp.cumsum(group_sizes) - group_sizes
     tiles = -(-group_sizes // block_m)
     tile_ends = jnp.cumsum(tiles)
@@ -94,15 +112,13 @@ def tile_plan(group_sizes: jax.Array, m: int, block_m: int):
     padded_ends = jnp.cumsum(padded)
     padded_starts = padded_ends - padded
     row0 = jnp.where(live_tile, padded_starts[te] + (t - tile_starts[te]) * block_m, 0)
-    # Rows: a multiple of ROW_ALIGN too (the kernels' TMA views it as whole 8-row tiles).
-    p = jnp.arange(-(-(m + (ROW_ALIGN - 1) * min(e, m) + block_m) // ROW_ALIGN) * ROW_ALIGN,
-                   dtype=jnp.int32)
+    p = jnp.arange(window_len(m, e, block_m), dtype=jnp.int32)
     pe = jnp.minimum(ops.count_le(padded_ends, p), e - 1)
     p_local = p - padded_starts[pe]
     window_rows = jnp.where((p < padded_ends[-1]) & (p_local < group_sizes[pe]),
                             starts[pe] + p_local, m)
     return (row_index, te, tile_ends[-1:].astype(jnp.int32), row_slot, row0.astype(jnp.int32),
-            window_rows)
+            window_rows, rexp)
 
 
 def expected_tiles(m: int, num_experts: int, block_m: int) -> int:
@@ -111,7 +127,8 @@ def expected_tiles(m: int, num_experts: int, block_m: int) -> int:
     ``tile_plan``'s ``T``. Planning with ``T`` itself (the worst case) took split-K on the
     decode step's gate_up (1 024 rows over 128 experts: ~130 live tiles of T = 192), which made
     the kernel store float32 partial sums for an extra pass to add."""
-    return min(m // block_m + num_experts, max(min(num_experts, m), -(-m // block_m)))
+    return min(num_tiles_bound(m, num_experts, block_m),
+               max(min(num_experts, m), -(-m // block_m)))
 
 
 def _static_rows(scale, rexp: jax.Array, e: int):
@@ -201,12 +218,12 @@ def w4a4_grouped_matmul(
     m = x_sorted.shape[0] if source_rows is None else source_rows.shape[0]
     e = w.num_experts
     gs = _check_group_sizes(group_sizes, e, m)
-    rexp = row_experts(gs, m)
+    block_m = config.block_m or grouped_block_m(m, e)
+    (row_index, tile_expert, num_tiles, row_slot, row0, window_rows,
+     rexp) = plan_and_row_experts(gs, m, block_m, config.tile_plan_config(), interpret)
     selector = rac_selector(rac, act_scale_mode, gs, source_rows, m, config, interpret)
     acts = _grouped_acts(x_sorted, rexp, e, act_scale_mode, rac, rac_blocks, act_global_scale,
                          source_rows, selector)
-    block_m = config.block_m or grouped_block_m(m, e)
-    row_index, tile_expert, num_tiles, row_slot, row0, window_rows = tile_plan(gs, m, block_m)
     tiles, slot_g = token_tiles(lambda idx: operand_rows(acts, idx, w.mma_dtype, w.k_pad,
                                                          config.materialize_operands,
                                                          config.rac_operands_config(),

@@ -59,6 +59,8 @@ class W4A4MatmulConfig:
         ``pallas_kernels.rac_operands`` instead of an XLA gather fusion;
         rac_operand_block_rows / rac_operand_padding: its ``RACOperandsConfig.block_rows`` /
         ``padding_rows``.
+      tile_plan_kernel: grouped GEMMs compute their token-tile plan in
+        ``pallas_kernels.tile_plan`` (one kernel) instead of jnp (same arrays).
       decode_impl, mma_overlap, mma_k, chain_items, stack_operands: see
         ``nvfp4_tiles_mgpu.TileGemmConfig``.
       n_group: weight-row tiles per work item (``TileGemmConfig.n_group``). 1 by default: on
@@ -98,6 +100,9 @@ class W4A4MatmulConfig:
     rac_operand_kernel: bool = True
     rac_operand_block_rows: int = 8
     rac_operand_padding: str = "zeros"
+    # Grouped GEMMs: the token-tile plan (``w4a4_grouped.tile_plan``) in one Pallas kernel
+    # (``pallas_kernels.tile_plan``) instead of ~10 small XLA kernels per layer.
+    tile_plan_kernel: bool = False
 
     def __post_init__(self):
         bm = self.block_m
@@ -124,6 +129,12 @@ class W4A4MatmulConfig:
             return None
         return RACOperandsConfig(block_rows=self.rac_operand_block_rows,
                                  padding_rows=self.rac_operand_padding)
+
+    def tile_plan_config(self):
+        """The ``tile_plan`` kernel's config, or None when it is off (the jnp plan)."""
+        from pallas_kernels.tile_plan import TilePlanConfig
+
+        return TilePlanConfig() if self.tile_plan_kernel else None
 
     def tile_config(self, k_splits: int, num_sms: int | None, n_group: int) -> TileGemmConfig:
         """The tile kernel's config for a call with ``k_splits`` on ``num_sms`` SMs."""

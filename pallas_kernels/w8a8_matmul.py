@@ -54,7 +54,7 @@ class W8A8MatmulConfig:
       block_m: tokens per tile, a multiple of 8 in [8, 256]; None: as the NVFP4 kernels.
       k_splits: split-K factor; None = the smallest that fills the SMs.
       max_concurrent_steps: pipeline depth; num_sms: persistent CTAs (None: the device's).
-      windowed_operands: as ``W4A4MatmulConfig``.
+      windowed_operands, tile_plan_kernel: as ``W4A4MatmulConfig``.
     """
 
     block_m: int | None = None
@@ -62,12 +62,20 @@ class W8A8MatmulConfig:
     max_concurrent_steps: int = 4
     num_sms: int | None = None
     windowed_operands: bool = True
+    tile_plan_kernel: bool = False
 
     def __post_init__(self):
         bm = self.block_m
         if bm is not None and (not isinstance(bm, int) or bm % 8 or not 8 <= bm <= 256):
             raise ValueError(f"W8A8MatmulConfig.block_m={bm!r}: None or a multiple of 8 in [8, 256]")
         FP8GemmConfig(self.k_splits or 1, self.max_concurrent_steps, self.num_sms)
+
+
+    def tile_plan_config(self):
+        """As ``W4A4MatmulConfig.tile_plan_config``."""
+        from pallas_kernels.tile_plan import TilePlanConfig
+
+        return TilePlanConfig() if self.tile_plan_kernel else None
 
 
 def as_fp8_weights(w) -> FP8Weights:
@@ -168,7 +176,8 @@ def w8a8_grouped_matmul(x_sorted: jax.Array, w_q, group_sizes: jax.Array, *,
     gs = _check_group_sizes(group_sizes, e, m)
     qx = fp8.quantize(x_sorted, granularity=act_granularity)
     block_m = config.block_m or grouped_block_m(m, e)
-    return _run(qx, w, tile_plan(gs, m, block_m), config, interpret, x_sorted.dtype,
+    plan = tile_plan(gs, m, block_m, config.tile_plan_config(), interpret)
+    return _run(qx, w, plan, config, interpret, x_sorted.dtype,
                 source_rows, live_tiles=expected_tiles(m, e, block_m))
 
 

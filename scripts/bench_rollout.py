@@ -534,6 +534,10 @@ def parse_args(argv):
     p.add_argument("--rac-operand-padding", choices=("zeros", "skip"), default="zeros",
                    help="the RAC operand kernel's window rows without a GEMM row: written as "
                    "zeros (default) or not written (W4A4MatmulConfig.rac_operand_padding)")
+    p.add_argument("--tile-plan-kernel", action=argparse.BooleanOptionalAction, default=None,
+                   help="the grouped kernels' token-tile plan (NVFP4 and FP8) in one Pallas "
+                   "kernel (pallas_kernels.tile_plan) or in jnp (default: "
+                   "W4A4MatmulConfig.tile_plan_kernel)")
     p.add_argument("--unroll-decode", action="store_true",
                    help="decode steps with the layers unrolled (SamplerConfig."
                    "unroll_decode_layers; an ablation: longer compile)")
@@ -580,10 +584,13 @@ def main(argv=None) -> int:
             or args.w4a4_mma_k != 256 or not args.materialize_operands
             or args.rac_select_kernel or args.rac_select_block_rows != 16
             or not args.grouped_barrier or not args.windowed_operands
-            or args.rac_operand_kernel is not None or args.rac_operand_padding != "zeros"):
+            or args.rac_operand_kernel is not None or args.rac_operand_padding != "zeros"
+            or args.tile_plan_kernel is not None):
         operand_kernel = ({} if args.rac_operand_kernel is None
                           else dict(rac_operand_kernel=args.rac_operand_kernel))
         operand_kernel["rac_operand_padding"] = args.rac_operand_padding
+        plan = {} if args.tile_plan_kernel is None else dict(tile_plan_kernel=args.tile_plan_kernel)
+        operand_kernel.update(plan)
         kernel_backend.set_w4a4_overrides(n_group=args.w4a4_n_group,
                                           stack_operands=args.w4a4_stack_operands,
                                           mma_overlap=args.w4a4_mma_overlap,
@@ -593,7 +600,7 @@ def main(argv=None) -> int:
                                           rac_select_block_rows=args.rac_select_block_rows,
                                           windowed_operands=args.windowed_operands,
                                           **operand_kernel)
-        kernel_backend.set_fp8_overrides(windowed_operands=args.windowed_operands)
+        kernel_backend.set_fp8_overrides(windowed_operands=args.windowed_operands, **plan)
         kernel_backend.set_grouped_barrier(args.grouped_barrier)
     kernel_backend.set_w4a4_bits(args.w4a4_bits)
     clock = Clock(args.budget_s)
@@ -619,6 +626,9 @@ def main(argv=None) -> int:
                                               if args.rac_operand_kernel is None
                                               else args.rac_operand_kernel),
                           rac_operand_padding=args.rac_operand_padding,
+                          tile_plan_kernel=(W4A4MatmulConfig().tile_plan_kernel
+                                            if args.tile_plan_kernel is None
+                                            else args.tile_plan_kernel),
                           grouped_barrier=args.grouped_barrier,
                           windowed_operands=args.windowed_operands,
                           unroll_decode=args.unroll_decode,

@@ -667,6 +667,43 @@ def run_rac_operands(tokens: int = 128, variants=RAC_OPERAND_VARIANTS):
                    f"{us_all * count_all:7.1f} us in {count_all} kernels")
 
 
+# (block, num_warps) of pallas_kernels.tile_plan
+TILE_PLAN_VARIANTS = ((64, 4), (32, 4), (128, 4), (64, 8), (64, 2))
+
+
+def run_tile_plan(variants=TILE_PLAN_VARIANTS):
+    """The token-tile plan at the decode steps' shapes (top-8 of 128 experts; 32 / 128 / 256
+    tokens: 256 / 1 024 / 2 048 GEMM rows, uniform routing): ``pallas_kernels.tile_plan``
+    against the jnp plan (``plan_and_row_experts`` without it) -- equality on the GPU, then the
+    traced device time and kernel count of each program."""
+    from pallas_kernels import tile_plan as tp
+    from pallas_kernels.w4a4_grouped import grouped_block_m, plan_and_row_experts
+
+    bk.log("== token-tile plan (pallas_kernels.tile_plan) vs the jnp plan")
+    interpret = jax.devices()[0].platform != "gpu"  # a CPU smoke run: the Triton interpreter
+    for tokens in (32, 128, 256):
+        m = tokens * 8
+        ids = jax.random.randint(jax.random.key(tokens), (m,), 0, GE)
+        gs = jnp.bincount(ids, length=GE).astype(jnp.int32)
+        bm = grouped_block_m(m, GE)
+        ref = jax.jit(lambda gs, m=m, bm=bm: plan_and_row_experts(gs, m, bm))
+        want = [np.asarray(a) for a in ref(gs)]
+        us, count, _ = traced_kernels(ref, gs, match="", tag=f"plan_jnp_{tokens}")
+        bk.log(f"  tile_plan {tokens} tokens (M={m}, block_m {bm}): jnp plan {us * count:6.1f} "
+               f"us in {count} kernels")
+        for block, nw in variants:
+            cfg = tp.TilePlanConfig(block=block, num_warps=nw)
+            kern = jax.jit(lambda gs, m=m, bm=bm, cfg=cfg: tp.tile_plan_kernel(
+                gs, m, bm, config=cfg, interpret=interpret))
+            got = [np.asarray(a) for a in kern(gs)]
+            diff = sum(int(np.sum(a != b)) for a, b in zip(got, want, strict=True))
+            bk.log(f"  {'PASS' if diff == 0 else 'FAIL'} tile_plan {tokens} tokens block {block} "
+                   f"warps {nw}: {diff} entries differ from the jnp plan")
+            us_k, count_k, _ = traced_kernels(kern, gs, match="", tag=f"plan_{tokens}_{block}")
+            bk.log(f"  tile_plan {tokens} tokens block {block} warps {nw}: "
+                   f"{us_k * count_k:6.1f} us in {count_k} kernels")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="/tmp/probe_out")
@@ -684,6 +721,8 @@ def main(argv=None):
                    help="the RAC selection kernel: GPU bit-identity with jnp, traced times")
     p.add_argument("--rac-operands", action="store_true",
                    help="RAC's stacked-operand kernel: GPU bit-identity with jnp, traced times")
+    p.add_argument("--tile-plan", action="store_true",
+                   help="the token-tile plan kernel: GPU equality with jnp, traced times")
     p.add_argument("--variants", default=None,
                    help="--grouped-ablations: comma-separated GROUPED_VARIANTS names (all)")
     p.add_argument("--check-variants", default="",
@@ -711,6 +750,9 @@ def main(argv=None):
             return 0
         if args.rac_select:
             run_rac_select()
+            return 0
+        if args.tile_plan:
+            run_tile_plan()
             return 0
         if args.rac_operands:
             bk.measure_floors()
