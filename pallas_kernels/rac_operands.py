@@ -84,6 +84,17 @@ class RACOperandsConfig:
                              f"{PADDING_ROWS}")
 
 
+def window_program(wr_ref, m: int, block_rows: int, blocks_k: int):
+    """A window-operand program's rows and columns (``blocks_k`` 16-element blocks) and its
+    rows' GEMM rows: ``(rows, cols, valid [BP], gemm_row [BP])``, empty rows (``>= m``) read
+    row 0 (zeroed or skipped by the caller's store)."""
+    rows = pl.ds(pl.program_id(0) * block_rows, block_rows)
+    cols = pl.ds(pl.program_id(1) * blocks_k, blocks_k)
+    gemm_row = wr_ref[rows]
+    valid = gemm_row < m
+    return rows, cols, valid, jnp.where(valid, gemm_row, 0)
+
+
 def _kernel(wr_ref, *refs, m: int, has_q: bool, has_r: bool, block_rows: int,
             blocks_k: int, write_empty: bool, aliased: bool):
     refs = list(refs)
@@ -92,11 +103,7 @@ def _kernel(wr_ref, *refs, m: int, has_q: bool, has_r: bool, block_rows: int,
     if aliased:  # the NaN-filled buffer the output aliases: never read here
         del refs[4]
     b0_ref, r_ref, s_ref, rcp_ref, out_ref = refs
-    rows = pl.ds(pl.program_id(0) * block_rows, block_rows)
-    cols = pl.ds(pl.program_id(1) * blocks_k, blocks_k)  # in 16-element blocks
-    gemm_row = wr_ref[rows]  # [BP]
-    valid = gemm_row < m
-    g = jnp.where(valid, gemm_row, 0)  # empty rows read row 0 and are zeroed below
+    rows, cols, valid, g = window_program(wr_ref, m, block_rows, blocks_k)
     q_src = q_ref[g] if has_q else g
     r_src = rr_ref[g] if has_r else g
     act = b0_ref[q_src, cols, :]  # [BP, blocks_k, 16]

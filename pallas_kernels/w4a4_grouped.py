@@ -27,6 +27,7 @@ from pallas_kernels.tile_plan import (
 from pallas_kernels.w4a4_matmul import (
     W4A4MatmulConfig,
     _check,
+    act_operand_rows,
     as_kernel_weights,
     operand_rows,
     run_tiles,
@@ -221,14 +222,21 @@ def w4a4_grouped_matmul(
     block_m = config.block_m or grouped_block_m(m, e)
     (row_index, tile_expert, num_tiles, row_slot, row0, window_rows,
      rexp) = plan_and_row_experts(gs, m, block_m, config.tile_plan_config(), interpret)
-    selector = rac_selector(rac, act_scale_mode, gs, source_rows, m, config, interpret)
-    acts = _grouped_acts(x_sorted, rexp, e, act_scale_mode, rac, rac_blocks, act_global_scale,
-                         source_rows, selector)
-    tiles, slot_g = token_tiles(lambda idx: operand_rows(acts, idx, w.mma_dtype, w.k_pad,
-                                                         config.materialize_operands,
-                                                         config.rac_operands_config(),
-                                                         interpret),
-                                row_index, row0, window_rows, config.windowed_operands)
+    plain = config.act_operands_config() if rac is None and act_scale_mode == "per_token" else None
+    if plain is not None:
+        def operand_of(idx):
+            return act_operand_rows(x_sorted, source_rows, idx, w.mma_dtype, w.k_pad, plain,
+                                    interpret)
+    else:
+        selector = rac_selector(rac, act_scale_mode, gs, source_rows, m, config, interpret)
+        acts = _grouped_acts(x_sorted, rexp, e, act_scale_mode, rac, rac_blocks,
+                             act_global_scale, source_rows, selector)
+
+        def operand_of(idx):
+            return operand_rows(acts, idx, w.mma_dtype, w.k_pad, config.materialize_operands,
+                                config.rac_operands_config(), interpret)
+    tiles, slot_g = token_tiles(operand_of, row_index, row0, window_rows,
+                                config.windowed_operands)
     return run_tiles(tiles, slot_g, row_slot, w, tile_expert, num_tiles, config, interpret,
                      x_sorted.dtype, live_tiles=expected_tiles(m, e, block_m))
 

@@ -59,6 +59,9 @@ class W4A4MatmulConfig:
         ``pallas_kernels.rac_operands`` instead of an XLA gather fusion;
         rac_operand_block_rows / rac_operand_padding: its ``RACOperandsConfig.block_rows`` /
         ``padding_rows``.
+      act_operand_kernel: plain W4A4 with per-token activation scales (no RAC) and row
+        windows: the B operand is quantized and laid out by ``pallas_kernels.act_operands``
+        (bit-identical); act_operand_block_rows: its ``block_rows``.
       tile_plan_kernel: grouped GEMMs compute their token-tile plan in
         ``pallas_kernels.tile_plan`` (one kernel) instead of jnp (same arrays).
       decode_impl, mma_overlap, mma_k, chain_items, stack_operands: see
@@ -100,6 +103,11 @@ class W4A4MatmulConfig:
     rac_operand_kernel: bool = True
     rac_operand_block_rows: int = 8
     rac_operand_padding: str = "zeros"
+    # Plain W4A4 with per-token scales: the windowed B operand quantized straight from the
+    # activations by ``pallas_kernels.act_operands`` instead of the quantizer's XLA passes
+    # and a gather (act_operand_block_rows: its block_rows).
+    act_operand_kernel: bool = False
+    act_operand_block_rows: int = 8
     # Grouped GEMMs: the token-tile plan (``w4a4_grouped.tile_plan``) in one Pallas kernel
     # (``pallas_kernels.tile_plan``) instead of ~10 small XLA kernels per layer.
     tile_plan_kernel: bool = False
@@ -129,6 +137,14 @@ class W4A4MatmulConfig:
             return None
         return RACOperandsConfig(block_rows=self.rac_operand_block_rows,
                                  padding_rows=self.rac_operand_padding)
+
+    def act_operands_config(self):
+        """The ``act_operands`` kernel's config, or None when it is off (``operand_rows``)."""
+        from pallas_kernels.act_operands import ActOperandsConfig
+
+        if not (self.act_operand_kernel and self.windowed_operands):
+            return None
+        return ActOperandsConfig(block_rows=self.act_operand_block_rows)
 
     def tile_plan_config(self):
         """The ``tile_plan`` kernel's config, or None when it is off (the jnp plan)."""
@@ -256,6 +272,21 @@ def operand_rows(acts: aq.QuantizedActivations, index: jax.Array, dtype, k_pad: 
     else:  # bf16 residual (rac_residual_format="bf16"): plain rows, scale 1
         t1, s1 = plain_operand(res, index, dtype, k_pad)
     return (t0, t1), (s0, s1)
+
+
+def act_operand_rows(x: jax.Array, source_rows: jax.Array | None, index: jax.Array, dtype,
+                     k_pad: int, kernel, interpret: bool = False):
+    """``operand_rows`` of plain per-token W4A4 from the activations themselves: the windowed
+    operand ``[I, Kp]`` quantized by ``act_operands`` (``kernel``: its config; ``index``
+    1-D) and each row's decode scale ``[I]``, as ``((operand,), (scales,))``. ``x``: the
+    distinct rows ``[R, K]``; ``source_rows``: None or int32 ``[M]`` (GEMM row -> row of x)."""
+    from pallas_kernels.act_operands import act_window_operand, row_decode_scales
+
+    g = row_decode_scales(x)
+    q_index = index if source_rows is None else source_tile_rows(source_rows, x.shape[0], index)
+    operand = act_window_operand(x, g, index, source_rows, k_pad=k_pad, dtype=dtype,
+                                 config=kernel, interpret=interpret)
+    return (operand,), (rac.rows_or_fill(g, q_index, 0.0),)
 
 
 def token_tiles(operand_of, row_index: jax.Array, row0: jax.Array, window_rows: jax.Array,
@@ -435,10 +466,16 @@ def w4a4_matmul(
     if w.stacked:
         raise ValueError(f"w_q: stacked weight of {w.num_experts} experts; use w4a4_grouped_matmul")
     _check(x, w)
+    m = x.shape[0]
+    decode = config.prefill_min_rows is None or m < config.prefill_min_rows
+    plain = config.act_operands_config() if rac is None and act_scale_mode == "per_token" else None
+    if decode and plain is not None:
+        return run_dense(lambda idx: act_operand_rows(x, None, idx, w.mma_dtype, w.k_pad, plain,
+                                                      interpret),
+                         m, w, config, interpret, x.dtype)
     acts = aq.nvfp4_quantize(x, act_scale_mode=act_scale_mode, rac_config=rac,
                              static_blocks=rac_blocks, static_scale=act_global_scale)
-    m = x.shape[0]
-    if config.prefill_min_rows is None or m < config.prefill_min_rows:
+    if decode:
         return run_dense(lambda idx: operand_rows(acts, idx, w.mma_dtype, w.k_pad,
                                                   config.materialize_operands,
                                                   config.rac_operands_config(), interpret),

@@ -534,6 +534,10 @@ def parse_args(argv):
     p.add_argument("--rac-operand-padding", choices=("zeros", "skip"), default="zeros",
                    help="the RAC operand kernel's window rows without a GEMM row: written as "
                    "zeros (default) or not written (W4A4MatmulConfig.rac_operand_padding)")
+    p.add_argument("--act-operand-kernel", action=argparse.BooleanOptionalAction, default=None,
+                   help="plain W4A4's B operand quantized by the Triton kernel "
+                   "(pallas_kernels.act_operands) or by XLA's quantizer fusions and a gather "
+                   "(default: W4A4MatmulConfig.act_operand_kernel)")
     p.add_argument("--tile-plan-kernel", action=argparse.BooleanOptionalAction, default=None,
                    help="the grouped kernels' token-tile plan (NVFP4 and FP8) in one Pallas "
                    "kernel (pallas_kernels.tile_plan) or in jnp (default: "
@@ -585,12 +589,14 @@ def main(argv=None) -> int:
             or args.rac_select_kernel or args.rac_select_block_rows != 16
             or not args.grouped_barrier or not args.windowed_operands
             or args.rac_operand_kernel is not None or args.rac_operand_padding != "zeros"
-            or args.tile_plan_kernel is not None):
+            or args.tile_plan_kernel is not None or args.act_operand_kernel is not None):
         operand_kernel = ({} if args.rac_operand_kernel is None
                           else dict(rac_operand_kernel=args.rac_operand_kernel))
         operand_kernel["rac_operand_padding"] = args.rac_operand_padding
         plan = {} if args.tile_plan_kernel is None else dict(tile_plan_kernel=args.tile_plan_kernel)
         operand_kernel.update(plan)
+        if args.act_operand_kernel is not None:
+            operand_kernel["act_operand_kernel"] = args.act_operand_kernel
         kernel_backend.set_w4a4_overrides(n_group=args.w4a4_n_group,
                                           stack_operands=args.w4a4_stack_operands,
                                           mma_overlap=args.w4a4_mma_overlap,
@@ -626,6 +632,9 @@ def main(argv=None) -> int:
                                               if args.rac_operand_kernel is None
                                               else args.rac_operand_kernel),
                           rac_operand_padding=args.rac_operand_padding,
+                          act_operand_kernel=(W4A4MatmulConfig().act_operand_kernel
+                                              if args.act_operand_kernel is None
+                                              else args.act_operand_kernel),
                           tile_plan_kernel=(W4A4MatmulConfig().tile_plan_kernel
                                             if args.tile_plan_kernel is None
                                             else args.tile_plan_kernel),

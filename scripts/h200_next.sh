@@ -82,8 +82,9 @@
 #          rows, timed), then nvfp4_rac at batch 128 with --rac-operand-padding skip and with
 #          the default, same call
 #   plan   the token-tile plan kernel (pallas_kernels.tile_plan; session 22, CPU-tested only):
-#          GPU equality with the jnp plan and traced times (kernel_probe --tile-plan), then
-#          nvfp4_rac, nvfp4 and fp8 at batch 128 with it, nvfp4_rac and nvfp4 without it
+#          GPU equality with the jnp plan and traced times (kernel_probe --tile-plan), the same
+#          for plain W4A4's operand kernel (act_operands, --act-operands), then nvfp4_rac, nvfp4
+#          and fp8 at batch 128 with both, nvfp4_rac and nvfp4 with neither
 #   hlo    nvfp4 at batch 128 with the decode program's optimized HLO dumped to $OUT/hlo (what
 #          the 386 small `memcpy32_post` copies per step and the MoE block's fusions are)
 #
@@ -264,13 +265,13 @@ for step in "$@"; do
       rollout ropad128 130 --quick --profile-steps 4 --precisions nvfp4_rac \
       --rac-operand-padding skip --budget-s 100
       rollout rop128 130 --quick --profile-steps 4 --precisions nvfp4_rac --budget-s 100 ;;
-    plan) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 150 python3 scripts/kernel_probe.py \
-      --tile-plan --out "$OUT/planp" > "$OUT/planp.log" 2>&1
-      echo "planp rc $?"; grep -E "tile_plan|FAIL|Error" "$OUT/planp.log" | cut -c1-150
+    plan) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 200 python3 scripts/kernel_probe.py \
+      --tile-plan --act-operands --out "$OUT/planp" > "$OUT/planp.log" 2>&1
+      echo "planp rc $?"; grep -E "tile_plan|act_operands|FAIL|Error" "$OUT/planp.log" | cut -c1-150
       rollout plan128 200 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4,fp8 \
-      --tile-plan-kernel --budget-s 160
+      --tile-plan-kernel --act-operand-kernel --budget-s 160
       rollout noplan128 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \
-      --no-tile-plan-kernel --budget-s 110 ;;
+      --no-tile-plan-kernel --no-act-operand-kernel --budget-s 110 ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
     *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop ropad hlo prof2 plan)"; exit 2 ;;

@@ -603,6 +603,24 @@ def run_rac_select():
                        f"masks equal {same.mean():.4f}; differing rcp/scales/g {diffs}")
 
 
+def decode_operand_cases(tokens: int):
+    """The decode step's two grouped GEMMs (``tokens`` top-8 over 128 experts, uniform
+    routing): ``(name, K, x [R, K] bf16, source_rows or None, expert of each sorted row,
+    window_rows)`` for gate_up (distinct token rows) and down (one row per GEMM row)."""
+    from pallas_kernels.w4a4_grouped import tile_plan
+
+    rows = tokens * 8
+    for name, k, distinct in (("gate_up", 2048, True), ("down", 768, False)):
+        ks = jax.random.split(jax.random.key(k), 2)
+        ids = jax.random.randint(ks[0], (rows,), 0, GE)
+        order = jnp.argsort(ids, stable=True)
+        gs = jnp.bincount(ids, length=GE).astype(jnp.int32)
+        src = (order // 8).astype(jnp.int32) if distinct else None
+        x = jax.random.normal(ks[1], (tokens if distinct else rows, k), jnp.bfloat16)
+        *_, window = tile_plan(gs, rows, 16)
+        yield name, k, x, src, jnp.sort(ids).astype(jnp.int32), window
+
+
 # (block_rows, num_warps, padding_rows)
 RAC_OPERAND_VARIANTS = ((8, 4, "zeros"), (16, 4, "zeros"), (4, 4, "zeros"), (8, 2, "zeros"),
                         (8, 4, "skip"), (4, 4, "skip"))
@@ -616,21 +634,12 @@ def run_rac_operands(tokens: int = 128, variants=RAC_OPERAND_VARIANTS):
     quantizer + operands program each way, and of the kernel alone per
     ``RAC_OPERAND_VARIANTS``."""
     from pallas_kernels import rac_operands as ro
-    from pallas_kernels.w4a4_grouped import tile_plan
     from pallas_kernels.w4a4_matmul import operand_rows
 
     bk.log("== RAC stacked operands (pallas_kernels.rac_operands) vs the jnp path")
     interpret = jax.devices()[0].platform != "gpu"  # a CPU smoke run: the Triton interpreter
     rows = tokens * 8
-    for name, k, distinct in (("gate_up", 2048, True), ("down", 768, False)):
-        ks = jax.random.split(jax.random.key(k), 2)
-        ids = jax.random.randint(ks[0], (rows,), 0, GE)
-        order = jnp.argsort(ids, stable=True)
-        gs = jnp.bincount(ids, length=GE).astype(jnp.int32)
-        src = (order // 8).astype(jnp.int32) if distinct else None
-        x = jax.random.normal(ks[1], (tokens if distinct else rows, k), jnp.bfloat16)
-        rexp = jnp.sort(ids).astype(jnp.int32)
-        *_, window = tile_plan(gs, rows, 16)
+    for name, k, x, src, rexp, window in decode_operand_cases(tokens):
 
         def program(x, window, kernel, rexp=rexp, src=src, k=k):
             acts = aq.nvfp4_quantize(x, rac_config=aq.RACConfig(), row_expert=rexp,
@@ -704,6 +713,42 @@ def run_tile_plan(variants=TILE_PLAN_VARIANTS):
                    f"{us_k * count_k:6.1f} us in {count_k} kernels")
 
 
+def run_act_operands(tokens: int = 128, variants=RAC_OPERAND_VARIANTS[:4]):
+    """Plain W4A4's windowed operand at the decode step's shapes (as ``run_rac_operands``,
+    per-token scales, no RAC): ``pallas_kernels.act_operands`` against the jnp quantizer +
+    gather -- bit-identity on the GPU, then the traced device time of each program and of the
+    kernel alone."""
+    from pallas_kernels import act_operands as ao
+
+    bk.log("== plain W4A4 operand (pallas_kernels.act_operands) vs the jnp path")
+    interpret = jax.devices()[0].platform != "gpu"
+    for name, k, x, src, _, window in decode_operand_cases(tokens):
+        ref = jax.jit(lambda x, w, src=src, k=k: ao.act_window_operand_reference(
+            x, w, src, k_pad=k))
+        want = np.asarray(ref(x, window))
+        us, count, _ = traced_kernels(ref, x, window, match="", tag=f"aop_{name}_jnp")
+        bk.log(f"  act_operands {name} [{window.shape[0]}, {k}]: jnp quantizer + operand "
+               f"{us * count:7.1f} us in {count} kernels")
+        for br, nw, pad in variants:
+            cfg = ao.ActOperandsConfig(block_rows=br, num_warps=nw, padding_rows=pad)
+            kern = jax.jit(lambda x, w, cfg=cfg, src=src, k=k: ao.act_window_operand(
+                x, ao.row_decode_scales(x), w, src, k_pad=k, config=cfg, interpret=interpret))
+            got = np.asarray(kern(x, window))
+            diff = int(np.sum(got.view(np.uint16) != want.view(np.uint16)))
+            bk.log(f"  {'PASS' if diff == 0 else 'FAIL'} act_operands {name} br {br} warps "
+                   f"{nw}: {diff} of {got.size} values differ from the jnp path")
+            us_all, count_all, _ = traced_kernels(kern, x, window, match="",
+                                                  tag=f"aop_{name}_{br}_{nw}")
+            us_k, _, _ = traced_kernels(kern, x, window, match="act_operands",
+                                        tag=f"aopk_{name}_{br}_{nw}")
+            bw = bk.RESULTS["floors"].get("read_bw", float("nan"))
+            floor_us = got.nbytes / bw * 1e6
+            bk.log(f"  act_operands {name} br {br} warps {nw}: kernel {us_k:6.1f} us "
+                   f"({got.nbytes / 1e6 / us_k:.2f} TB/s written; floor {floor_us:.1f} us, "
+                   f"ratio {floor_us / us_k:.2f}); program {us_all * count_all:7.1f} us in "
+                   f"{count_all} kernels")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="/tmp/probe_out")
@@ -721,6 +766,8 @@ def main(argv=None):
                    help="the RAC selection kernel: GPU bit-identity with jnp, traced times")
     p.add_argument("--rac-operands", action="store_true",
                    help="RAC's stacked-operand kernel: GPU bit-identity with jnp, traced times")
+    p.add_argument("--act-operands", action="store_true",
+                   help="plain W4A4's operand kernel: GPU bit-identity with jnp, traced times")
     p.add_argument("--tile-plan", action="store_true",
                    help="the token-tile plan kernel: GPU equality with jnp, traced times")
     p.add_argument("--variants", default=None,
@@ -751,8 +798,12 @@ def main(argv=None):
         if args.rac_select:
             run_rac_select()
             return 0
-        if args.tile_plan:
-            run_tile_plan()
+        if args.tile_plan or args.act_operands:
+            bk.measure_floors()
+            if args.tile_plan:
+                run_tile_plan()
+            if args.act_operands:
+                run_act_operands()
             return 0
         if args.rac_operands:
             bk.measure_floors()

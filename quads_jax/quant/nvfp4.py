@@ -220,7 +220,9 @@ def block_amax(x_blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
     bool ``[..., K/16, 1]`` (non-finite elements count as 0 in the amax)."""
     xf = x_blocks.astype(jnp.float32)
     absx = jnp.abs(xf)
-    finite = jnp.all(jnp.isfinite(xf), axis=-1, keepdims=True)
+    # "All finite" as a min over int32 rather than jnp.all: the same bool, and Pallas' Triton
+    # lowering (pallas_kernels.act_operands traces this function) has no reduce_and.
+    finite = jnp.min(jnp.isfinite(xf).astype(jnp.int32), axis=-1, keepdims=True) > 0
     amax_b = jnp.max(jnp.where(jnp.isfinite(absx), absx, 0.0), axis=-1, keepdims=True)
     return amax_b, finite
 
