@@ -85,6 +85,8 @@
 #          GPU equality with the jnp plan and traced times (kernel_probe --tile-plan), the same
 #          for plain W4A4's operand kernel (act_operands, --act-operands), then nvfp4_rac, nvfp4
 #          and fp8 at batch 128 with both, nvfp4_rac and nvfp4 with neither
+#   plan2  plan with the tile-plan kernel's smaller blocks (16 by default since plan: block 64
+#          took 30 us per layer in the rollout), nvfp4_rac and nvfp4 only
 #   hlo    nvfp4 at batch 128 with the decode program's optimized HLO dumped to $OUT/hlo (what
 #          the 386 small `memcpy32_post` copies per step and the MoE block's fusions are)
 #
@@ -272,8 +274,15 @@ for step in "$@"; do
       --tile-plan-kernel --act-operand-kernel --budget-s 160
       rollout noplan128 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \
       --no-tile-plan-kernel --no-act-operand-kernel --budget-s 110 ;;
+    plan2) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 100 python3 scripts/kernel_probe.py \
+      --tile-plan --out "$OUT/planp" > "$OUT/planp.log" 2>&1
+      echo "planp rc $?"; grep -E "tile_plan|FAIL|Error" "$OUT/planp.log" | cut -c1-150
+      rollout plan128 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \
+      --tile-plan-kernel --act-operand-kernel --budget-s 110
+      rollout noplan128 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \
+      --no-tile-plan-kernel --no-act-operand-kernel --budget-s 110 ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
-    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop ropad hlo prof2 plan)"; exit 2 ;;
+    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop ropad hlo prof2 plan plan2)"; exit 2 ;;
   esac
 done

@@ -677,7 +677,7 @@ def run_rac_operands(tokens: int = 128, variants=RAC_OPERAND_VARIANTS):
 
 
 # (block, num_warps) of pallas_kernels.tile_plan
-TILE_PLAN_VARIANTS = ((64, 4), (32, 4), (128, 4), (64, 8), (64, 2))
+TILE_PLAN_VARIANTS = ((16, 4), (16, 2), (8, 2), (8, 1), (32, 4))
 
 
 def run_tile_plan(variants=TILE_PLAN_VARIANTS):

@@ -34,7 +34,7 @@ def _sizes(kind: str, e: int, m: int, seed: int) -> jax.Array:
     "kind,e,m,block_m,block",
     [
         ("routed", 128, 1024, 16, 64),  # the decode step's gate_up plan
-        ("routed", 6, 37, 8, 16),  # E and every index space not a power of two
+        ("routed", 6, 37, 8, 8),  # E and every index space not a power of two
         ("skewed", 5, 40, 16, 32),  # groups over several tiles, empty groups
         ("partial", 7, 40, 8, 64),  # sum(group_sizes) < m
     ],
@@ -99,5 +99,7 @@ def test_bad_input():
         tp.tile_plan_kernel(jnp.zeros((4,), jnp.int32), 0, 8, interpret=True)
     with pytest.raises(ValueError, match="block"):
         tp.TilePlanConfig(block=48)
+    with pytest.raises(ValueError, match="block"):
+        tp.TilePlanConfig(block=4)
     with pytest.raises(ValueError, match="num_warps"):
         tp.TilePlanConfig(num_warps=3)
