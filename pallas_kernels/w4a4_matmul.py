@@ -105,12 +105,16 @@ class W4A4MatmulConfig:
     rac_operand_padding: str = "zeros"
     # Plain W4A4 with per-token scales: the windowed B operand quantized straight from the
     # activations by ``pallas_kernels.act_operands`` instead of the quantizer's XLA passes
-    # and a gather (act_operand_block_rows: its block_rows).
-    act_operand_kernel: bool = False
+    # and a gather (act_operand_block_rows: its block_rows). On the H200 (2026-12-04,
+    # 8619555, kernel_probe --act-operands): 12.5 + 7.0 us per layer (gate_up + down, 3
+    # kernels each) against 14.9 + 10.7 us (7 + 6 kernels); bit-identical.
+    act_operand_kernel: bool = True
     act_operand_block_rows: int = 8
     # Grouped GEMMs: the token-tile plan (``w4a4_grouped.tile_plan``) in one Pallas kernel
-    # (``pallas_kernels.tile_plan``) instead of ~10 small XLA kernels per layer.
-    tile_plan_kernel: bool = False
+    # (``pallas_kernels.tile_plan``) instead of ~10 small XLA kernels per layer. On the H200
+    # (2026-12-04, b9d0759, batch-128 decode step, same call, with act_operand_kernel): 5.2 us
+    # per layer; nvfp4_rac 15.68 against 16.23 ms, nvfp4 14.56 against 15.31 ms (both off).
+    tile_plan_kernel: bool = True
 
     def __post_init__(self):
         bm = self.block_m

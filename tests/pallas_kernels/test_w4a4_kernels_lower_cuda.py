@@ -96,3 +96,4 @@ def test_expert_parallel_moe_block_lowers_for_cuda(monkeypatch):
     assert "reduce_scatter" in text
     assert "rac_select" in text  # the RAC selection kernel runs inside the shard_map too
     assert "rac_operands" in text  # and RAC's operand kernel (the default)
+    assert "tile_plan" in text  # and the token-tile plan kernel (the default)

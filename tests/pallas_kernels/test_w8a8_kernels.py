@@ -72,14 +72,18 @@ def test_fp8_kernels_lower_for_cuda():
     def lower(fn, *args):
         with jax.sharding.use_abstract_mesh(H200):
             exp = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
-                export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2")])(*args)
+                export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2"),
+                export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
         assert "mosaic_gpu" in exp.mlir_module()
+        return exp.mlir_module()
 
     w = prepare_fp8_weights(fp8.quantize(jnp.ones((256, 512)), granularity="channel"))
     lower(lambda x, w: w8a8_matmul(x, w), jnp.ones((16, 512), jnp.bfloat16), w)
     we = prepare_fp8_weights(fp8.quantize(jnp.ones((4, 128, 256)), granularity="channel"))
-    lower(lambda x, w, gs: w8a8_grouped_matmul(x, w, gs), jnp.ones((24, 256), jnp.bfloat16), we,
-          jnp.asarray([8, 0, 10, 6], jnp.int32))
+    text = lower(lambda x, w, gs: w8a8_grouped_matmul(x, w, gs), jnp.ones((24, 256),
+                                                                         jnp.bfloat16), we,
+                 jnp.asarray([8, 0, 10, 6], jnp.int32))
+    assert "tile_plan" in text  # the plan kernel (W8A8MatmulConfig.tile_plan_kernel)
 
 
 def test_bad_input_is_refused():
