@@ -123,6 +123,11 @@
 # rac_operands kernel, -0.9 ms per RAC step; the default since), `b128 b256` and `mcheck b32`
 # plus the FP8-KV arms (9425e29), and `check` (9425e29, all PASS). Next: `ropad` (built after
 # the last call), `kdense`, `kdense2`, `kgroup2` (one or two per call), `p1024`, `gcheck`.
+# Session 22 ran `ropad prof2` (b79a63f: "skip" no gain; the nvfp4 step kernel by kernel),
+# `plan` (8619555: the plan kernel at block 64 was 30 us per layer, slower) and `plan2`
+# (b9d0759: block 16, nvfp4_rac 15.68 vs 16.23 ms; both kernels the default since). Next: `b128`
+# (all four arms at the newest commit: fp8 with the plan kernel, bf16 with the new sort_slots),
+# then `kdense`, `kdense2`, `kgroup2`, `p1024`, `gcheck`.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
