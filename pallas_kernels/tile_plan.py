@@ -59,6 +59,12 @@ class TilePlanConfig:
             raise ValueError(f"TilePlanConfig.num_warps={self.num_warps}: one of 1, 2, 4, 8")
 
 
+def plan_config(on: bool, block: int, num_warps: int) -> TilePlanConfig | None:
+    """The kernel's config for a matmul config's ``tile_plan_kernel`` / ``tile_plan_block`` /
+    ``tile_plan_warps`` fields (None: off, the jnp plan); a bad value raises ``ValueError``."""
+    return TilePlanConfig(block=block, num_warps=num_warps) if on else None
+
+
 def num_tiles_bound(m: int, num_experts: int, block_m: int) -> int:
     """``T``: the most token tiles ``m`` rows over ``num_experts`` groups can need."""
     return m // block_m + num_experts

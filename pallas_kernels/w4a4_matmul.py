@@ -63,7 +63,8 @@ class W4A4MatmulConfig:
         windows: the B operand is quantized and laid out by ``pallas_kernels.act_operands``
         (bit-identical); act_operand_block_rows: its ``block_rows``.
       tile_plan_kernel: grouped GEMMs compute their token-tile plan in
-        ``pallas_kernels.tile_plan`` (one kernel) instead of jnp (same arrays).
+        ``pallas_kernels.tile_plan`` (one kernel) instead of jnp (same arrays);
+        tile_plan_block / tile_plan_warps: its ``TilePlanConfig``.
       decode_impl, mma_overlap, mma_k, chain_items, stack_operands: see
         ``nvfp4_tiles_mgpu.TileGemmConfig``.
       n_group: weight-row tiles per work item (``TileGemmConfig.n_group``). 1 by default: on
@@ -115,6 +116,8 @@ class W4A4MatmulConfig:
     # (2026-12-04, b9d0759, batch-128 decode step, same call, with act_operand_kernel): 5.2 us
     # per layer; nvfp4_rac 15.68 against 16.23 ms, nvfp4 14.56 against 15.31 ms (both off).
     tile_plan_kernel: bool = True
+    tile_plan_block: int = 16
+    tile_plan_warps: int = 4
 
     def __post_init__(self):
         bm = self.block_m
@@ -128,6 +131,7 @@ class W4A4MatmulConfig:
             )
         self.tile_config(1, self.num_sms, self.n_group)
         self.rac_operands_config()
+        self.tile_plan_config()
         p = self.prefill_min_rows
         if p is not None and (not isinstance(p, int) or p < 1):
             raise ValueError(f"W4A4MatmulConfig.prefill_min_rows={p!r}: None or an int >= 1")
@@ -151,10 +155,11 @@ class W4A4MatmulConfig:
         return ActOperandsConfig(block_rows=self.act_operand_block_rows)
 
     def tile_plan_config(self):
-        """The ``tile_plan`` kernel's config, or None when it is off (the jnp plan)."""
-        from pallas_kernels.tile_plan import TilePlanConfig
+        """The ``tile_plan`` kernel's config (``tile_plan_block`` entries per program,
+        ``tile_plan_warps`` warps), or None when it is off (the jnp plan)."""
+        from pallas_kernels.tile_plan import plan_config
 
-        return TilePlanConfig() if self.tile_plan_kernel else None
+        return plan_config(self.tile_plan_kernel, self.tile_plan_block, self.tile_plan_warps)
 
     def tile_config(self, k_splits: int, num_sms: int | None, n_group: int) -> TileGemmConfig:
         """The tile kernel's config for a call with ``k_splits`` on ``num_sms`` SMs."""

@@ -54,7 +54,8 @@ class W8A8MatmulConfig:
       block_m: tokens per tile, a multiple of 8 in [8, 256]; None: as the NVFP4 kernels.
       k_splits: split-K factor; None = the smallest that fills the SMs.
       max_concurrent_steps: pipeline depth; num_sms: persistent CTAs (None: the device's).
-      windowed_operands, tile_plan_kernel: as ``W4A4MatmulConfig``.
+      windowed_operands, tile_plan_kernel, tile_plan_block, tile_plan_warps: as
+        ``W4A4MatmulConfig``.
     """
 
     block_m: int | None = None
@@ -64,19 +65,23 @@ class W8A8MatmulConfig:
     windowed_operands: bool = True
     # As W4A4MatmulConfig's (the same plan kernel; not timed in the FP8 rollout arm yet).
     tile_plan_kernel: bool = True
+    tile_plan_block: int = 16
+    tile_plan_warps: int = 4
 
     def __post_init__(self):
         bm = self.block_m
         if bm is not None and (not isinstance(bm, int) or bm % 8 or not 8 <= bm <= 256):
             raise ValueError(f"W8A8MatmulConfig.block_m={bm!r}: None or a multiple of 8 in [8, 256]")
         FP8GemmConfig(self.k_splits or 1, self.max_concurrent_steps, self.num_sms)
+        self.tile_plan_config()
 
 
     def tile_plan_config(self):
-        """As ``W4A4MatmulConfig.tile_plan_config``."""
-        from pallas_kernels.tile_plan import TilePlanConfig
+        """The ``tile_plan`` kernel's config (``tile_plan_block`` entries per program,
+        ``tile_plan_warps`` warps), or None when it is off (the jnp plan)."""
+        from pallas_kernels.tile_plan import plan_config
 
-        return TilePlanConfig() if self.tile_plan_kernel else None
+        return plan_config(self.tile_plan_kernel, self.tile_plan_block, self.tile_plan_warps)
 
 
 def as_fp8_weights(w) -> FP8Weights:

@@ -542,6 +542,10 @@ def parse_args(argv):
                    help="the grouped kernels' token-tile plan (NVFP4 and FP8) in one Pallas "
                    "kernel (pallas_kernels.tile_plan) or in jnp (default: "
                    "W4A4MatmulConfig.tile_plan_kernel)")
+    p.add_argument("--tile-plan-block", type=int, default=16,
+                   help="entries per program of the tile-plan kernel (a power of two >= 8)")
+    p.add_argument("--tile-plan-warps", type=int, default=4,
+                   help="Triton warps per program of the tile-plan kernel")
     p.add_argument("--unroll-decode", action="store_true",
                    help="decode steps with the layers unrolled (SamplerConfig."
                    "unroll_decode_layers; an ablation: longer compile)")
@@ -589,11 +593,14 @@ def main(argv=None) -> int:
             or args.rac_select_kernel or args.rac_select_block_rows != 16
             or not args.grouped_barrier or not args.windowed_operands
             or args.rac_operand_kernel is not None or args.rac_operand_padding != "zeros"
-            or args.tile_plan_kernel is not None or args.act_operand_kernel is not None):
+            or args.tile_plan_kernel is not None or args.act_operand_kernel is not None
+            or args.tile_plan_block != 16 or args.tile_plan_warps != 4):
         operand_kernel = ({} if args.rac_operand_kernel is None
                           else dict(rac_operand_kernel=args.rac_operand_kernel))
         operand_kernel["rac_operand_padding"] = args.rac_operand_padding
-        plan = {} if args.tile_plan_kernel is None else dict(tile_plan_kernel=args.tile_plan_kernel)
+        plan = dict(tile_plan_block=args.tile_plan_block, tile_plan_warps=args.tile_plan_warps)
+        if args.tile_plan_kernel is not None:
+            plan["tile_plan_kernel"] = args.tile_plan_kernel
         operand_kernel.update(plan)
         if args.act_operand_kernel is not None:
             operand_kernel["act_operand_kernel"] = args.act_operand_kernel
@@ -638,6 +645,8 @@ def main(argv=None) -> int:
                           tile_plan_kernel=(W4A4MatmulConfig().tile_plan_kernel
                                             if args.tile_plan_kernel is None
                                             else args.tile_plan_kernel),
+                          tile_plan_block=args.tile_plan_block,
+                          tile_plan_warps=args.tile_plan_warps,
                           grouped_barrier=args.grouped_barrier,
                           windowed_operands=args.windowed_operands,
                           unroll_decode=args.unroll_decode,

@@ -87,6 +87,8 @@
 #          and fp8 at batch 128 with both, nvfp4_rac and nvfp4 with neither
 #   plan2  plan with the tile-plan kernel's smaller blocks (16 by default since plan: block 64
 #          took 30 us per layer in the rollout), nvfp4_rac and nvfp4 only
+#   b128p  b128 (all four arms at the newest commit: fp8 with the plan kernel, bf16 with the
+#          new sort_slots), then nvfp4_rac with the plan kernel at 8 entries per program, 2 warps
 #   hlo    nvfp4 at batch 128 with the decode program's optimized HLO dumped to $OUT/hlo (what
 #          the 386 small `memcpy32_post` copies per step and the MoE block's fusions are)
 #
@@ -125,9 +127,9 @@
 # the last call), `kdense`, `kdense2`, `kgroup2` (one or two per call), `p1024`, `gcheck`.
 # Session 22 ran `ropad prof2` (b79a63f: "skip" no gain; the nvfp4 step kernel by kernel),
 # `plan` (8619555: the plan kernel at block 64 was 30 us per layer, slower) and `plan2`
-# (b9d0759: block 16, nvfp4_rac 15.68 vs 16.23 ms; both kernels the default since). Next: `b128`
-# (all four arms at the newest commit: fp8 with the plan kernel, bf16 with the new sort_slots),
-# then `kdense`, `kdense2`, `kgroup2`, `p1024`, `gcheck`.
+# (b9d0759: block 16, nvfp4_rac 15.68 vs 16.23 ms; both kernels the default since). Next:
+# `b128p` (all four arms at the newest commit, and the plan kernel at block 8), then `kdense`,
+# `kdense2`, `kgroup2`, `p1024`, `gcheck`.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
@@ -286,8 +288,11 @@ for step in "$@"; do
       --tile-plan-kernel --act-operand-kernel --budget-s 110
       rollout noplan128 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \
       --no-tile-plan-kernel --no-act-operand-kernel --budget-s 110 ;;
+    b128p) rollout b128 250 --quick --profile-steps 4 --precisions $ALL --budget-s 200
+      rollout plan8 130 --quick --profile-steps 4 --precisions nvfp4_rac --tile-plan-block 8 \
+      --tile-plan-warps 2 --budget-s 100 ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
-    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop ropad hlo prof2 plan plan2)"; exit 2 ;;
+    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop ropad hlo prof2 plan plan2 b128p)"; exit 2 ;;
   esac
 done

@@ -74,6 +74,10 @@ def test_grouped_matmuls_agree_with_and_without_the_kernel():
     np.testing.assert_array_equal(w8a8(True), w8a8(False))
     assert W4A4MatmulConfig(tile_plan_kernel=True).tile_plan_config() == tp.TilePlanConfig()
     assert W4A4MatmulConfig(tile_plan_kernel=False).tile_plan_config() is None
+    assert W8A8MatmulConfig(tile_plan_block=8, tile_plan_warps=2).tile_plan_config() == \
+        tp.TilePlanConfig(block=8, num_warps=2)
+    with pytest.raises(ValueError, match="TilePlanConfig.block"):
+        W4A4MatmulConfig(tile_plan_block=12)
 
 
 def test_lowers_for_cuda():
