@@ -5,7 +5,9 @@ and global scales are bit-identical to the trainer's and the reference's by cons
 explicit reciprocal; no second implementation to drift). It runs as an XLA fusion in the same
 jitted program as the GEMM kernel, not inside the Mosaic GPU kernel: a per-token global scale
 needs the amax of the whole row before the first block can be coded, and every CTA along N would
-redo the work (PALLAS_NOTES section 6.3).
+redo the work (PALLAS_NOTES section 6.3). Plain per-token decode GEMMs (no RAC) skip this
+pre-pass: ``act_operands`` quantizes their windowed operand in one Triton kernel from the same
+functions (``W4A4MatmulConfig.act_operand_kernel``).
 
 The kernels take the quantized operand as ``e2m1 * s_b`` in the MMA dtype (exact in float16
 and bfloat16: at most 6 significant bits, magnitudes in [2^-10, 2688]) and apply the global

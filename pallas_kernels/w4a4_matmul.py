@@ -1,7 +1,8 @@
 """Dense NVFP4 W4A4 matmul ``Y = X W^T`` on Hopper (Mosaic GPU), with optional fused RAC.
 
 ``w4a4_matmul(x, w)``: X ``[M, K]`` bf16 is quantized to NVFP4 (per token or per batch, plus the
-RAC residual of the selected blocks) in an XLA fusion of the same jitted program; the Mosaic GPU
+RAC residual of the selected blocks) in XLA fusions of the same jitted program (plain per-token
+decode: straight into the kernel's operand by ``act_operands``); the Mosaic GPU
 kernel (``nvfp4_tiles_mgpu``) decodes the NVFP4 weight in registers and multiplies it with the
 quantized activations (and, with RAC, the quantized residual: same weight registers, so the
 weight is read once); one small XLA fusion sums K splits and applies the global scales.
@@ -131,6 +132,7 @@ class W4A4MatmulConfig:
             )
         self.tile_config(1, self.num_sms, self.n_group)
         self.rac_operands_config()
+        self.act_operands_config()
         self.tile_plan_config()
         p = self.prefill_min_rows
         if p is not None and (not isinstance(p, int) or p < 1):
