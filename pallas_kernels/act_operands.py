@@ -33,11 +33,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.rac_operands import RACOperandsConfig, window_program
-from pallas_kernels.vma import varying_operands
+from pallas_kernels.rac_operands import RACOperandsConfig, window_operand_call, window_program
 from pallas_kernels.w4a4_matmul import _pad_k
 from quads_jax.quant import nvfp4
 
@@ -72,10 +70,11 @@ def act_window_operand(x: jax.Array, g: jax.Array, window_rows: jax.Array,
                        interpret: bool = False) -> jax.Array:
     """The windowed operand ``[P, Kp]`` (module docstring); config None: the defaults."""
     config = config or ActOperandsConfig()
-    r_rows, k = x.shape
-    if x.ndim != 2 or k % BLOCK or jnp.dtype(x.dtype) not in nvfp4.FLOAT_DTYPES:
+    if (x.ndim != 2 or x.shape[1] % BLOCK
+            or jnp.dtype(x.dtype) not in nvfp4.FLOAT_DTYPES):
         raise ValueError(f"act_window_operand: x {x.dtype}{list(x.shape)} must be a float "
                          f"[R, K] with K % {BLOCK} == 0")
+    r_rows, k = x.shape
     if g.shape != (r_rows,):
         raise ValueError(f"act_window_operand: g {list(g.shape)} must be [R] = [{r_rows}]")
     if k_pad < k or k_pad % config.block_k:
@@ -91,31 +90,13 @@ def act_window_operand(x: jax.Array, g: jax.Array, window_rows: jax.Array,
         raise ValueError("act_window_operand: padding_rows 'nan' is rac_operands' test mode; "
                          "use 'zeros' or 'skip'")
     m = r_rows if q_rows is None else q_rows.shape[0]
-    p = window_rows.shape[0]
-    bp = config.block_rows
-    p_pad = -(-p // bp) * bp
-    wr = window_rows if p_pad == p else jnp.pad(window_rows, (0, p_pad - p), constant_values=m)
-    nbp = k_pad // BLOCK
-    xb = _pad_k(x, k_pad).reshape(r_rows, nbp, BLOCK)
-    args = (wr, *(() if q_rows is None else (q_rows,)), xb, g.astype(jnp.float32))
-    vary, args = varying_operands(*args)
-    whole = lambda a: pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)  # noqa: E731
-    out_shape = (p_pad, nbp, BLOCK)
-    kernel = functools.partial(_kernel, m=m, has_q=q_rows is not None, block_rows=bp,
-                               blocks_k=config.block_k // BLOCK,
+    xb = _pad_k(x, k_pad).reshape(r_rows, k_pad // BLOCK, BLOCK)
+    kernel = functools.partial(_kernel, m=m, has_q=q_rows is not None,
+                               block_rows=config.block_rows, blocks_k=config.block_k // BLOCK,
                                write_empty=config.padding_rows == "zeros")
-    out = pl.pallas_call(
-        kernel,
-        grid=(p_pad // bp, k_pad // config.block_k),
-        in_specs=[whole(a) for a in args],
-        out_specs=pl.BlockSpec(out_shape, lambda i, j: (0, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct(out_shape, dtype, **vary),
-        compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=1),
-        interpret=interpret,
-        name="act_operands",
-    )(*args)
-    out = out.reshape(p_pad, k_pad)
-    return out if p_pad == p else out[:p]
+    args = (*(() if q_rows is None else (q_rows,)), xb, g.astype(jnp.float32))
+    return window_operand_call(kernel, window_rows, m, args, (), k_pad, dtype, config,
+                               interpret, "act_operands")
 
 
 def row_decode_scales(x: jax.Array) -> jax.Array:

@@ -142,39 +142,51 @@ def rac_stacked_operands(b0: jax.Array, r: jax.Array, scales: jax.Array,
     for name, idx in (("q_rows", q_rows), ("r_rows", r_rows)):
         if idx is not None and idx.shape[0] != m:
             raise ValueError(f"rac_stacked_operands: {name} has {idx.shape[0]} rows; need M={m}")
-    p = window_rows.shape[0]
-    bp = config.block_rows
-    p_pad = -(-p // bp) * bp
-    wr = window_rows if p_pad == p else jnp.pad(window_rows, (0, p_pad - p), constant_values=m)
     nbp = k_pad // BLOCK
     b0_blocks = _pad_k(b0, k_pad).reshape(b0.shape[0], nbp, BLOCK)
     r_blocks = _pad_k(r.astype(jnp.float32), k_pad).reshape(r.shape[0], nbp, BLOCK)
     s = _pad_k(scales.astype(jnp.float32), nbp)
     rcp = _pad_k(reciprocals.astype(jnp.float32), nbp)
     index_args = [a for a in (q_rows, r_rows) if a is not None]
-    out_shape = (2, p_pad, nbp, BLOCK)
     aliased = config.padding_rows == "nan"
-    poison = (jnp.full(out_shape, jnp.nan, b0.dtype),) if aliased else ()
-    args = (wr, *index_args, b0_blocks, r_blocks, s, rcp, *poison)
-    vary, args = varying_operands(*args)
-    whole = lambda a: pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)  # noqa: E731
     kernel = functools.partial(_kernel, m=m, has_q=q_rows is not None,
-                               has_r=r_rows is not None, block_rows=bp,
+                               has_r=r_rows is not None, block_rows=config.block_rows,
                                blocks_k=config.block_k // BLOCK,
                                write_empty=config.padding_rows == "zeros", aliased=aliased)
+    return window_operand_call(kernel, window_rows, m, (*index_args, b0_blocks, r_blocks, s, rcp),
+                               (2,), k_pad, b0.dtype, config, interpret, "rac_operands",
+                               poisoned=aliased)
+
+
+def window_operand_call(kernel, window_rows: jax.Array, m: int, args: tuple, lead: tuple,
+                        k_pad: int, dtype, config: RACOperandsConfig, interpret: bool,
+                        name: str, poisoned: bool = False) -> jax.Array:
+    """Run a window-operand kernel (``rac_operands``, ``act_operands``): one program per
+    ``config.block_rows`` window rows by ``config.block_k`` columns, its first operand the
+    window rows padded with empty rows (``m``) to a whole number of programs, then ``args``,
+    every one whole. Output ``lead + [P, k_pad]`` in ``dtype``; ``poisoned``: into a
+    NaN-filled buffer the output aliases (``padding_rows="nan"``)."""
+    p = window_rows.shape[0]
+    bp = config.block_rows
+    p_pad = -(-p // bp) * bp
+    wr = window_rows if p_pad == p else jnp.pad(window_rows, (0, p_pad - p), constant_values=m)
+    out_shape = (*lead, p_pad, k_pad // BLOCK, BLOCK)
+    poison = (jnp.full(out_shape, jnp.nan, dtype),) if poisoned else ()
+    vary, args = varying_operands(wr, *args, *poison)
+    whole = lambda a: pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)  # noqa: E731
     out = pl.pallas_call(
         kernel,
         grid=(p_pad // bp, k_pad // config.block_k),
         in_specs=[whole(a) for a in args],
-        out_specs=pl.BlockSpec(out_shape, lambda i, j: (0, 0, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct(out_shape, b0.dtype, **vary),
+        out_specs=pl.BlockSpec(out_shape, lambda i, j: (0,) * len(out_shape)),
+        out_shape=jax.ShapeDtypeStruct(out_shape, dtype, **vary),
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=1),
         interpret=interpret,
-        input_output_aliases={len(args) - 1: 0} if aliased else {},
-        name="rac_operands",
+        input_output_aliases={len(args) - 1: 0} if poisoned else {},
+        name=name,
     )(*args)
-    out = out.reshape(2, p_pad, k_pad)
-    return out if p_pad == p else out[:, :p]
+    out = out.reshape(*lead, p_pad, k_pad)
+    return out if p_pad == p else out[..., :p, :]
 
 
 def rac_stacked_operands_reference(b0, r, scales, reciprocals, window_rows, q_rows=None,

@@ -621,6 +621,27 @@ def decode_operand_cases(tokens: int):
         yield name, k, x, src, jnp.sort(ids).astype(jnp.int32), window
 
 
+def check_and_time_window_kernel(kernel: str, label: str, kern, x, window, want,
+                                 rows=None, program: str = "program"):
+    """One variant of a window-operand kernel (``rac_operands`` / ``act_operands``): bit-identity
+    of ``kern(x, window)`` with the jnp path's ``want`` (on the window rows ``rows`` only, when
+    given), then the traced device time of the whole program and of the kernel alone against
+    its floor: its write (the distinct rows it reads are small and stay in L2) at the GEMV
+    probe's read bandwidth (``bk.measure_floors``, same run)."""
+    got = np.asarray(kern(x, window))
+    cmp = (Ellipsis, slice(None), slice(None)) if rows is None else (Ellipsis, rows, slice(None))
+    diff = int(np.sum(got[cmp].view(np.uint16) != want[cmp].view(np.uint16)))
+    bk.log(f"  {'PASS' if diff == 0 else 'FAIL'} {kernel} {label}: {diff} of {got[cmp].size} "
+           "values differ from the jnp path")
+    tag = f"{kernel}_{label}".replace(" ", "_")
+    us_all, count_all, _ = traced_kernels(kern, x, window, match="", tag=f"all_{tag}")
+    us_k, _, _ = traced_kernels(kern, x, window, match=kernel, tag=f"k_{tag}")
+    floor_us = got.nbytes / bk.RESULTS["floors"].get("read_bw", float("nan")) * 1e6
+    bk.log(f"  {kernel} {label}: kernel {us_k:6.1f} us ({got.nbytes / 1e6 / us_k:.2f} TB/s "
+           f"written; floor {floor_us:.1f} us, ratio {floor_us / us_k:.2f}); {program} "
+           f"{us_all * count_all:7.1f} us in {count_all} kernels")
+
+
 # (block_rows, num_warps, padding_rows)
 RAC_OPERAND_VARIANTS = ((8, 4, "zeros"), (16, 4, "zeros"), (4, 4, "zeros"), (8, 2, "zeros"),
                         (8, 4, "skip"), (4, 4, "skip"))
@@ -656,24 +677,10 @@ def run_rac_operands(tokens: int = 128, variants=RAC_OPERAND_VARIANTS):
         for br, nw, pad in variants:
             cfg = ro.RACOperandsConfig(block_rows=br, num_warps=nw, padding_rows=pad)
             kern = jax.jit(lambda x, w, cfg=cfg: program(x, w, cfg))
-            got = np.asarray(kern(x, window))
-            cmp = (slice(None), slice(None)) if pad == "zeros" else (slice(None), filled)
-            diff = int(np.sum(got[cmp].view(np.uint16) != want[cmp].view(np.uint16)))
-            br = f"{br} {pad}" if pad != "zeros" else br
-            bk.log(f"  {'PASS' if diff == 0 else 'FAIL'} rac_operands {name} br {br} warps "
-                   f"{nw}: {diff} of {got[cmp].size} values differ from the jnp path")
-            tag = f"{name}_{br}_{nw}".replace(" ", "_")
-            us_all, count_all, _ = traced_kernels(kern, x, window, match="", tag=f"rop_{tag}")
-            us_k, _, _ = traced_kernels(kern, x, window, match="rac_operands",
-                                        tag=f"ropk_{tag}")
-            # Floor: the write (the distinct rows it reads are small and stay in L2) at the
-            # GEMV probe's read bandwidth (bk.measure_floors, same run).
-            bw = bk.RESULTS["floors"].get("read_bw", float("nan"))
-            floor_us = got.nbytes / bw * 1e6
-            bk.log(f"  rac_operands {name} br {br} warps {nw}: kernel {us_k:6.1f} us "
-                   f"({got.nbytes / 1e6 / us_k:.2f} TB/s written; floor {floor_us:.1f} us, "
-                   f"ratio {floor_us / us_k:.2f}); quantizer + operands "
-                   f"{us_all * count_all:7.1f} us in {count_all} kernels")
+            label = f"{name} br {br}{'' if pad == 'zeros' else ' ' + pad} warps {nw}"
+            check_and_time_window_kernel("rac_operands", label, kern, x, window, want,
+                                         None if pad == "zeros" else filled,
+                                         "quantizer + operands")
 
 
 # (block, num_warps) of pallas_kernels.tile_plan
@@ -733,20 +740,8 @@ def run_act_operands(tokens: int = 128, variants=RAC_OPERAND_VARIANTS[:4]):
             cfg = ao.ActOperandsConfig(block_rows=br, num_warps=nw, padding_rows=pad)
             kern = jax.jit(lambda x, w, cfg=cfg, src=src, k=k: ao.act_window_operand(
                 x, ao.row_decode_scales(x), w, src, k_pad=k, config=cfg, interpret=interpret))
-            got = np.asarray(kern(x, window))
-            diff = int(np.sum(got.view(np.uint16) != want.view(np.uint16)))
-            bk.log(f"  {'PASS' if diff == 0 else 'FAIL'} act_operands {name} br {br} warps "
-                   f"{nw}: {diff} of {got.size} values differ from the jnp path")
-            us_all, count_all, _ = traced_kernels(kern, x, window, match="",
-                                                  tag=f"aop_{name}_{br}_{nw}")
-            us_k, _, _ = traced_kernels(kern, x, window, match="act_operands",
-                                        tag=f"aopk_{name}_{br}_{nw}")
-            bw = bk.RESULTS["floors"].get("read_bw", float("nan"))
-            floor_us = got.nbytes / bw * 1e6
-            bk.log(f"  act_operands {name} br {br} warps {nw}: kernel {us_k:6.1f} us "
-                   f"({got.nbytes / 1e6 / us_k:.2f} TB/s written; floor {floor_us:.1f} us, "
-                   f"ratio {floor_us / us_k:.2f}); program {us_all * count_all:7.1f} us in "
-                   f"{count_all} kernels")
+            check_and_time_window_kernel("act_operands", f"{name} br {br} warps {nw}", kern, x,
+                                         window, want)
 
 
 def main(argv=None):
