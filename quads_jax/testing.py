@@ -1,4 +1,5 @@
-"""Shared test helpers: a toy MoE config and the char tokenizer every test uses."""
+"""Shared test helpers: a toy MoE config, the char tokenizer every test uses, and the cuda
+lowering of a kernel under an abstract H200."""
 
 from __future__ import annotations
 
@@ -63,3 +64,21 @@ def jit_forward():
 
     static = ("recipe", "return_router", "remat", "unroll_layers")
     return jax.jit(forward, static_argnums=0, static_argnames=static)
+
+
+def lower_for_h200(fn, *args) -> str:
+    """The StableHLO text of ``jax.jit(fn)(*args)`` exported for cuda under an abstract H200
+    (no GPU needed): lowering every Pallas kernel for the device that CI does not have. The
+    Mosaic GPU and Triton custom calls are allowed (they have no export compatibility
+    guarantee)."""
+    import jax
+    from jax import export
+    from jax.sharding import AbstractDevice, AbstractMesh
+
+    h200 = AbstractMesh((), (), abstract_device=AbstractDevice(
+        device_kind="NVIDIA H200", platform="gpu", num_cores=132))
+    with jax.sharding.use_abstract_mesh(h200):
+        exp = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
+            export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2"),
+            export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+    return exp.mlir_module()

@@ -6,8 +6,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import export
-from jax.sharding import AbstractDevice, AbstractMesh
 
 from pallas_kernels import act_operands as ao
 from pallas_kernels import nvfp4_quantize as aq
@@ -15,6 +13,7 @@ from pallas_kernels.layout import prepare_w4a4_weights
 from pallas_kernels.w4a4_grouped import w4a4_grouped_matmul
 from pallas_kernels.w4a4_matmul import W4A4MatmulConfig, w4a4_matmul
 from quads_jax.quant import nvfp4
+from quads_jax.testing import lower_for_h200
 
 
 def _x(r, k, seed):
@@ -106,18 +105,10 @@ def test_the_kernel_only_where_it_applies(monkeypatch):
 
 
 def test_lowers_for_cuda():
-    h200 = AbstractMesh((), (), abstract_device=AbstractDevice(
-        device_kind="NVIDIA H200", platform="gpu", num_cores=132))
     r, m, k, p = 128, 1024, 2048, 1936
     args = (jnp.ones((r, k), jnp.bfloat16), jnp.ones((r,)), jnp.zeros((p,), jnp.int32),
             jnp.zeros((m,), jnp.int32))
-    with jax.sharding.use_abstract_mesh(h200):
-        exp = export.export(
-            jax.jit(lambda *a: ao.act_window_operand(*a, k_pad=k)),
-            platforms=["cuda"],
-            disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-        )(*args)
-    text = exp.mlir_module()
+    text = lower_for_h200(lambda *a: ao.act_window_operand(*a, k_pad=k), *args)
     assert "act_operands" in text
     assert "ctlz" not in text  # Triton's NVIDIA backend cannot legalize it (rac_select's test)
 
@@ -127,6 +118,8 @@ def test_bad_input():
     wr = jnp.zeros((8,), jnp.int32)
     with pytest.raises(ValueError, match="K % 16"):
         ao.act_window_operand(jnp.ones((4, 40)), g, wr, k_pad=256, interpret=True)
+    with pytest.raises(ValueError, match=r"\[R, K\]"):
+        ao.act_window_operand(jnp.ones((2, 4, 64)), g, wr, k_pad=256, interpret=True)
     with pytest.raises(ValueError, match=r"g \[3\]"):
         ao.act_window_operand(x, jnp.ones((3,)), wr, k_pad=256, interpret=True)
     with pytest.raises(ValueError, match="k_pad"):

@@ -6,8 +6,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import export
-from jax.sharding import AbstractDevice, AbstractMesh
 
 from pallas_kernels import nvfp4_quantize as aq
 from pallas_kernels import rac_operands as ro
@@ -15,6 +13,7 @@ from pallas_kernels.layout import prepare_w4a4_weights
 from pallas_kernels.w4a4_grouped import w4a4_grouped_matmul
 from pallas_kernels.w4a4_matmul import W4A4MatmulConfig, dense_plan, operand_rows, token_tiles
 from quads_jax.quant import nvfp4
+from quads_jax.testing import lower_for_h200
 
 
 def _selected(r_rows, m, k, seed, with_rows):
@@ -146,20 +145,12 @@ def test_the_kernel_only_where_it_applies():
 
 @pytest.mark.parametrize("padding", ["zeros", "skip"])
 def test_lowers_for_cuda(padding):
-    h200 = AbstractMesh((), (), abstract_device=AbstractDevice(
-        device_kind="NVIDIA H200", platform="gpu", num_cores=132))
     m, r, k, p = 1024, 128, 2048, 1936
     args = (jnp.ones((r, k), jnp.float16), jnp.ones((r, k)), jnp.ones((m, k // 16)),
             jnp.ones((m, k // 16)), jnp.zeros((p,), jnp.int32), jnp.zeros((m,), jnp.int32),
             jnp.zeros((m,), jnp.int32))
-    with jax.sharding.use_abstract_mesh(h200):
-        exp = export.export(
-            jax.jit(lambda *a: ro.rac_stacked_operands(
-                *a, k_pad=k, config=ro.RACOperandsConfig(padding_rows=padding))),
-            platforms=["cuda"],
-            disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-        )(*args)
-    text = exp.mlir_module()
+    text = lower_for_h200(lambda *a: ro.rac_stacked_operands(
+        *a, k_pad=k, config=ro.RACOperandsConfig(padding_rows=padding)), *args)
     assert "rac_operands" in text
     assert "ctlz" not in text  # Triton's NVIDIA backend cannot legalize it (rac_select's test)
 

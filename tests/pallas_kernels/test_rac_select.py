@@ -5,8 +5,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import export
-from jax.sharding import AbstractDevice, AbstractMesh
 
 from pallas_kernels import nvfp4_quantize as aq
 from pallas_kernels import rac_select as rs
@@ -14,6 +12,7 @@ from pallas_kernels.layout import prepare_w4a4_weights
 from pallas_kernels.w4a4_grouped import w4a4_grouped_matmul
 from pallas_kernels.w4a4_matmul import W4A4MatmulConfig
 from quads_jax.quant import nvfp4
+from quads_jax.testing import lower_for_h200
 
 
 def _inputs(r, m, nb, seed):
@@ -89,18 +88,11 @@ def test_supports_only_what_it_computes():
 
 @pytest.mark.parametrize("exact", [False, True])
 def test_lowers_for_cuda(exact):
-    h200 = AbstractMesh((), (), abstract_device=AbstractDevice(
-        device_kind="NVIDIA H200", platform="gpu", num_cores=132))
     args = (jnp.ones((128, 48)), jnp.ones((128, 48)), jnp.ones((128, 48), bool),
             jnp.zeros((1024,), jnp.int32), jnp.full((128,), 8, jnp.int32))
     cfg = rs.RACSelectConfig(exact_division=exact)
-    with jax.sharding.use_abstract_mesh(h200):
-        exp = export.export(
-            jax.jit(lambda *a: rs.grouped_rac_selection(*a, ratio=0.5, config=cfg)),
-            platforms=["cuda"],
-            disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-        )(*args)
-    text = exp.mlir_module()
+    text = lower_for_h200(lambda *a: rs.grouped_rac_selection(*a, ratio=0.5, config=cfg),
+                          *args)
     assert "rac_select" in text
     assert ("div.rn.f32" in text) == exact  # arith.division: the kernel's division
     # Ops Triton's NVIDIA backend cannot legalize (its compile runs only on a GPU): math.ctlz

@@ -6,8 +6,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import export
-from jax.sharding import AbstractDevice, AbstractMesh
 
 from pallas_kernels import tile_plan as tp
 from pallas_kernels.layout import prepare_w4a4_weights
@@ -15,6 +13,7 @@ from pallas_kernels.w4a4_grouped import plan_and_row_experts, w4a4_grouped_matmu
 from pallas_kernels.w4a4_matmul import W4A4MatmulConfig
 from pallas_kernels.w8a8_matmul import W8A8MatmulConfig, w8a8_grouped_matmul
 from quads_jax.quant import fp8, nvfp4
+from quads_jax.testing import lower_for_h200
 
 NAMES = ("row_index", "tile_expert", "num_tiles", "row_slot", "row0", "window_rows",
          "row_expert")
@@ -81,15 +80,8 @@ def test_grouped_matmuls_agree_with_and_without_the_kernel():
 
 
 def test_lowers_for_cuda():
-    h200 = AbstractMesh((), (), abstract_device=AbstractDevice(
-        device_kind="NVIDIA H200", platform="gpu", num_cores=132))
-    with jax.sharding.use_abstract_mesh(h200):
-        exp = export.export(
-            jax.jit(lambda gs: tp.tile_plan_kernel(gs, 1024, 16)),
-            platforms=["cuda"],
-            disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-        )(jnp.zeros((128,), jnp.int32))
-    text = exp.mlir_module()
+    text = lower_for_h200(lambda gs: tp.tile_plan_kernel(gs, 1024, 16),
+                          jnp.zeros((128,), jnp.int32))
     assert "tile_plan" in text
     assert "ctlz" not in text  # Triton's NVIDIA backend cannot legalize it (rac_select's test)
 
