@@ -89,6 +89,10 @@
 #          took 30 us per layer in the rollout), nvfp4_rac and nvfp4 only
 #   b128p  b128 (all four arms at the newest commit: fp8 with the plan kernel, bf16 with the
 #          new sort_slots), then nvfp4_rac with the plan kernel at 8 entries per program, 2 warps
+#   cont   rollout scheduling on one workload (scripts/bench_continuous.py; session 23,
+#          CPU-tested only): 512 responses (64 prompts x 8, prompts 128-256 tokens), lengths
+#          ~geometric (stop set 0.4 % of the vocabulary) capped at 512, on 128 decode rows,
+#          nvfp4_rac: static batches (generate), compaction and continuous batching
 #   hlo    nvfp4 at batch 128 with the decode program's optimized HLO dumped to $OUT/hlo (what
 #          the 386 small `memcpy32_post` copies per step and the MoE block's fusions are)
 #
@@ -130,6 +134,8 @@
 # (b9d0759: block 16, nvfp4_rac 15.68 vs 16.23 ms; both kernels the default since). Next:
 # `b128p` (all four arms at the newest commit, and the plan kernel at block 8), then `kdense`,
 # `kdense2`, `kgroup2`, `p1024`, `gcheck`.
+# Session 23: no device was lent. Next: `b128p`, then `cont` (continuous batching, built in
+# session 23), `kdense`, `kdense2`, `kgroup2`, `p1024`, `gcheck`.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
@@ -291,8 +297,13 @@ for step in "$@"; do
     b128p) rollout b128 250 --quick --profile-steps 4 --precisions $ALL --budget-s 200
       rollout plan8 130 --quick --profile-steps 4 --precisions nvfp4_rac --tile-plan-block 8 \
       --tile-plan-warps 2 --budget-s 100 ;;
+    cont) XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -k 15 520 python3 scripts/bench_continuous.py \
+      --precision nvfp4_rac --sequences 512 --n-samples 8 --batch-rows 128 --prompt 256 \
+      --new-tokens 512 --stop-fraction 0.004 --segment-steps 32 --commit "$COMMIT" \
+      --out "$OUT/cont" > "$OUT/cont.log" 2>&1
+      echo "cont rc $?"; grep -E '"schedule"|Error' "$OUT/cont.log" | cut -c1-300 ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
-    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop ropad hlo prof2 plan plan2 b128p)"; exit 2 ;;
+    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop ropad hlo prof2 plan plan2 b128p cont)"; exit 2 ;;
   esac
 done

@@ -56,3 +56,25 @@ def test_bench_rollout_runs_with_kernel_overrides(tmp_path):
     assert [(r["tile_plan_kernel"], r["act_operand_kernel"], r["tile_plan_block"])
             for r in rows if r["kind"] == "device"] == [(True, True, 8)]
     assert [r["precision"] for r in rows if r["kind"] == "rollout"] == ["nvfp4_rac"]
+
+
+def test_bench_continuous_runs_every_schedule_on_one_workload(tmp_path):
+    """``scripts/bench_continuous.py`` on the tiny model: one row per schedule, each with the
+    responses it made and a batch utilisation in (0, 1]."""
+    import json
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
+    import bench_continuous
+
+    argv = ["--tiny", "--sequences", "8", "--n-samples", "2", "--batch-rows", "4", "--prompt",
+            "6", "--new-tokens", "6", "--stop-fraction", "0.1", "--segment-steps", "2",
+            "--out", str(tmp_path)]
+    assert bench_continuous.main(argv) == 0
+    rows = [json.loads(line) for line in open(tmp_path / "continuous.jsonl")]
+    runs = {r["schedule"]: r for r in rows if r["kind"] == "schedule"}
+    assert sorted(runs) == ["compacting", "continuous", "static"]
+    for r in runs.values():
+        assert 8 <= r["response_tokens"] <= 8 * 6 and 0 < r["utilisation"] <= 1, r
+    assert runs["continuous"]["segments"] >= 2

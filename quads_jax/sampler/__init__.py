@@ -2,6 +2,7 @@
 
 from quads_jax.sampler.calibration import calibrate
 from quads_jax.sampler.compaction import generate_compacting
+from quads_jax.sampler.continuous import generate_continuous
 from quads_jax.sampler.engine import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -31,6 +32,7 @@ __all__ = [
     "finish",
     "generate",
     "generate_compacting",
+    "generate_continuous",
     "left_pad",
     "prefill",
     "sample_tokens",

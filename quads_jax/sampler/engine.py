@@ -320,11 +320,30 @@ def _prefill(params, prompts, prompt_mask, rng, config, model_config, recipe) ->
     )
 
 
-def _decode_step(params, state: DecodeState, config, model_config, recipe) -> DecodeState:
+def _write_columns(buf: jax.Array, values: jax.Array, col: jax.Array, axis: int) -> jax.Array:
+    """``buf`` with ``values`` (one entry per row, row axis ``axis - 1``) written at column
+    ``col`` of axis ``axis``: a scalar ``col`` (every row at the same column: an in-place
+    dynamic-update-slice), or int32 ``[R]`` per row (a scatter; a column past the end drops
+    that row's write)."""
+    if col.ndim == 0:
+        return jax.lax.dynamic_update_slice_in_dim(buf, jnp.expand_dims(values, axis), col,
+                                                   axis=axis)
+    rows = jnp.arange(col.shape[0], dtype=jnp.int32)
+    index = (slice(None),) * (axis - 1) + (rows, col)
+    return buf.at[index].set(values, mode="drop")
+
+
+def _decode_step(params, state: DecodeState, config, model_config, recipe,
+                 per_row: bool = False) -> DecodeState:
+    """One token per row. ``per_row``: rows are at different response columns (continuous
+    batching, ``quads_jax.sampler.continuous``): each row's column is its
+    ``response_length`` instead of the shared ``step``."""
     models = _models()
     active = ~state.done
-    # The fed token is response token step-1, at position prompt_length + step - 1.
-    positions = (state.prompt_length + state.step - 1)[:, None]
+    max_new = config.max_new_tokens
+    # The fed token is response token col-1, at position prompt_length + col - 1.
+    col = state.response_length if per_row else state.step
+    positions = (state.prompt_length + col - 1)[:, None]
     out = models.forward(model_config, params, state.last_token[:, None],
                          attention_mask=active[:, None], positions=positions, recipe=recipe,
                          cache=state.cache, return_router=config.return_expert_ids,
@@ -334,14 +353,15 @@ def _decode_step(params, state: DecodeState, config, model_config, recipe) -> De
     token = jnp.where(active, token, config.pad_token_id)
     logp = jnp.where(active, logp, 0.0)
     stopped = active & jnp.isin(token, jnp.asarray(config.stop_token_ids, jnp.int32))
-    at_length = active & (state.step + 1 >= config.max_new_tokens)
+    at_length = active & (col + 1 >= max_new)
     finish = jnp.where(stopped, FINISH_STOP, jnp.where(at_length, FINISH_LENGTH,
                                                        state.finish_reason))
-    col = state.step
+    if per_row:  # finished rows write nothing (their column is past the end: dropped)
+        col = jnp.where(active, col, max_new)
     expert_ids = state.expert_ids
     if expert_ids is not None:
         fed = _mask_ids(out.expert_ids, active[:, None])
-        expert_ids = jax.lax.dynamic_update_slice_in_dim(expert_ids, fed, col - 1, axis=2)
+        expert_ids = _write_columns(expert_ids, fed[:, :, 0], col - 1, axis=2)
     return dataclasses.replace(
         state,
         cache=out.cache,
@@ -350,22 +370,26 @@ def _decode_step(params, state: DecodeState, config, model_config, recipe) -> De
         done=state.done | stopped | at_length,
         finish_reason=finish.astype(jnp.int32),
         response_length=jnp.where(active, col + 1, state.response_length),
-        tokens=jax.lax.dynamic_update_slice_in_dim(state.tokens, token[:, None], col, axis=1),
-        logprobs=jax.lax.dynamic_update_slice_in_dim(state.logprobs, logp[:, None], col, axis=1),
+        tokens=_write_columns(state.tokens, token, col, axis=1),
+        logprobs=_write_columns(state.logprobs, logp, col, axis=1),
         expert_ids=expert_ids,
         rng=rng,
     )
 
 
-def _decode_loop(params, state, max_steps, config, model_config, recipe) -> DecodeState:
-    """Decode until every row is done or ``max_steps`` (int32 ``[]``) more steps have run."""
-    stop_at = jnp.minimum(config.max_new_tokens, state.step + max_steps)
+def _decode_loop(params, state, max_steps, config, model_config, recipe,
+                 per_row: bool = False) -> DecodeState:
+    """Decode until every row is done or ``max_steps`` (int32 ``[]``) more steps have run.
+    ``per_row``: see ``_decode_step``; ``step`` then counts steps run, not a column."""
+    stop_at = state.step + max_steps
+    if not per_row:
+        stop_at = jnp.minimum(config.max_new_tokens, stop_at)
 
     def cond(s: DecodeState):
         return (s.step < stop_at) & ~jnp.all(s.done)
 
     def body(s: DecodeState):
-        return _decode_step(params, s, config, model_config, recipe)
+        return _decode_step(params, s, config, model_config, recipe, per_row)
 
     return jax.lax.while_loop(cond, body, state)
 
@@ -476,10 +500,10 @@ def _prefill_jit(params, prompts, prompt_mask, rng, *, config, model_config, rec
     return _prefill(params, prompts, prompt_mask, rng, config, model_config, recipe)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",),
+@functools.partial(jax.jit, static_argnames=_STATIC + ("per_row",), donate_argnames=("state",),
                    compiler_options=DECODE_COMPILER_OPTIONS)
-def _decode_jit(params, state, max_steps, *, config, model_config, recipe):
-    return _decode_loop(params, state, max_steps, config, model_config, recipe)
+def _decode_jit(params, state, max_steps, *, config, model_config, recipe, per_row=False):
+    return _decode_loop(params, state, max_steps, config, model_config, recipe, per_row)
 
 
 @functools.partial(jax.jit, static_argnames=("config",))

@@ -82,6 +82,11 @@ class RolloutSection:
         e.g. "float8_e4m3fn" (half the cache bytes). With FP8 the trainer's attention rounds
         its keys and values the same way (``QuantRecipe.kv_quant``, straight-through), so the
         two sides stay aligned; ``recipe_overrides.kv_quant=none`` is the unaligned ablation.
+      decode_rows: 0 samples a step's responses as one batch (``sampler.generate``); N > 0
+        decodes them on N rows with continuous batching (``sampler.generate_continuous``:
+        rows that end are refilled with waiting prompts; rounded down to whole groups of G).
+        For steps with more responses than fit in memory at once, or with long-tailed lengths.
+      segment_steps: with ``decode_rows``, decode steps between refills.
     """
 
     prompts_per_step: int = 8
@@ -92,6 +97,8 @@ class RolloutSection:
     calibration_prompts: int = 8
     calibration_every: int = 1
     kv_cache_dtype: str = "model"
+    decode_rows: int = 0
+    segment_steps: int = 32
 
     def __post_init__(self) -> None:
         own = "RolloutSection"
@@ -106,6 +113,10 @@ class RolloutSection:
               "an integer >= 1")
         check(own, "kv_cache_dtype", self.kv_cache_dtype, self.kv_cache_dtype in KV_CACHE_DTYPES,
               f"one of {list(KV_CACHE_DTYPES)}")
+        check(own, "decode_rows", self.decode_rows, self.decode_rows >= 0,
+              "an integer >= 0 (0: one batch per step)")
+        check(own, "segment_steps", self.segment_steps, self.segment_steps >= 1,
+              "an integer >= 1")
 
 
 @dataclasses.dataclass(frozen=True)

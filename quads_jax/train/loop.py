@@ -168,7 +168,9 @@ class Trainer:
     def _score_kwargs(self) -> dict[str, Any]:
         return dict(tokenizer=self.tokenizer, model_config=self.model_config,
                     recipe=self.rollout_recipe, reward_config=self.config.reward,
-                    task_name=self.config.task.name, width=self.prompt_width)
+                    task_name=self.config.task.name, width=self.prompt_width,
+                    decode_rows=self.config.rollout.decode_rows,
+                    segment_steps=self.config.rollout.segment_steps)
 
     def evaluate(self, rollout_params, step: int) -> dict[str, float]:
         """pass@1 over k samples on the held-out prompts (deterministic key per step)."""

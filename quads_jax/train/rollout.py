@@ -16,7 +16,14 @@ import numpy as np
 
 from quads_jax.rl.rewards import RewardConfig, compute_rewards
 from quads_jax.rl.tasks import Example
-from quads_jax.sampler import FINISH_LENGTH, Rollout, SamplerConfig, generate, left_pad
+from quads_jax.sampler import (
+    FINISH_LENGTH,
+    Rollout,
+    SamplerConfig,
+    generate,
+    generate_continuous,
+    left_pad,
+)
 
 
 def prompt_width(tokenizer: Any, examples: Sequence[Example]) -> int:
@@ -96,13 +103,22 @@ def rollout_and_score(
     reward_config: RewardConfig,
     task_name: str,
     width: int | None = None,
+    decode_rows: int = 0,
+    segment_steps: int = 32,
 ) -> ScoredRollout:
     """Sample ``sampler_config.n_samples`` responses per example and score them (prompts
-    left-padded to ``width`` when given)."""
+    left-padded to ``width`` when given). ``decode_rows`` > 0: continuous batching on that
+    many rows, refilled every ``segment_steps`` (``RolloutSection``); 0: one batch."""
     prompts, prompt_mask = encode_prompts(tokenizer, examples, width)
     start = time.perf_counter()
-    rollout = generate(rollout_params, prompts, rng, sampler_config, model_config=model_config,
-                       recipe=recipe, prompt_mask=prompt_mask)
+    if decode_rows:
+        rollout, _ = generate_continuous(
+            rollout_params, prompts, rng, sampler_config, model_config=model_config,
+            recipe=recipe, prompt_mask=prompt_mask, batch_rows=decode_rows,
+            segment_steps=segment_steps)
+    else:
+        rollout = generate(rollout_params, prompts, rng, sampler_config,
+                           model_config=model_config, recipe=recipe, prompt_mask=prompt_mask)
     rollout = jax.block_until_ready(rollout)
     seconds = time.perf_counter() - start
     rows = [ex for ex in examples for _ in range(sampler_config.n_samples)]

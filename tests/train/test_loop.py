@@ -79,10 +79,21 @@ def test_short_rl_run_raises_reward(tmp_path):
 def test_static_rac_run_calibrates_at_sync(tmp_path, monkeypatch):
     """A rollout recipe with a static RAC selection trains: each weight sync calibrates on the
     training prompts (every ``calibration_every``-th sync; the syncs between reuse it), and the
-    rollout leaves carry the calibrated block sets. The rollout runs on an FP8 KV cache."""
+    rollout leaves carry the calibrated block sets. The rollout runs on an FP8 KV cache, with
+    continuous batching on 4 decode rows (8 responses per step)."""
     from quads_jax.quant.rac import CalibratedWeight
     from quads_jax.train import loop
+    from quads_jax.train import rollout as rollout_lib
 
+    continuous = []
+    real_continuous = rollout_lib.generate_continuous
+
+    def counting_continuous(*args, batch_rows, **kwargs):
+        out = real_continuous(*args, batch_rows=batch_rows, **kwargs)
+        continuous.append((batch_rows, out[0].tokens.shape[0], len(out[1])))
+        return out
+
+    monkeypatch.setattr(rollout_lib, "generate_continuous", counting_continuous)
     batches = []
     real = loop.calibrate
 
@@ -97,7 +108,8 @@ def test_static_rac_run_calibrates_at_sync(tmp_path, monkeypatch):
                                   "rollout.prompts_per_step=4", "grpo.num_generations=2",
                                   "rollout.calibration_prompts=5",
                                   "rollout.calibration_every=2", "checkpoint.every_steps=0",
-                                  "rollout.kv_cache_dtype=float8_e4m3fn"])
+                                  "rollout.kv_cache_dtype=float8_e4m3fn",
+                                  "rollout.decode_rows=4", "rollout.segment_steps=2"])
     assert trainer.sampler_config.kv_cache_dtype == "float8_e4m3fn"  # the config reaches it
     assert trainer.trainer_recipe.kv_quant == "float8_e4m3fn"  # and aligns the trainer
     try:
@@ -116,6 +128,8 @@ def test_static_rac_run_calibrates_at_sync(tmp_path, monkeypatch):
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     rl = [r for r in rows if r["phase"] == "rl"]
     assert len(rl) == 3 and "analysis/w4a4_rac_err" in rl[2]  # the analysis ran on step 3
+    # Every rollout (3 steps, 2 evaluations) decoded 8 responses on 4 rows, in segments.
+    assert len(continuous) == 5 and all(c[:2] == (4, 8) and c[2] >= 2 for c in continuous)
 
 
 def test_calibration_batch_cuts_rows_to_the_shortest_and_refuses_bad_input():
@@ -136,6 +150,8 @@ def test_calibration_batch_cuts_rows_to_the_shortest_and_refuses_bad_input():
         RolloutSection(calibration_every=0)
     with pytest.raises(ValueError, match="kv_cache_dtype.*float8_e4m3fn"):
         RolloutSection(kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="decode_rows=-1.*>= 0"):
+        RolloutSection(decode_rows=-1)
 
 
 def test_stop_after_n_nonfinite_saves_checkpoint(tmp_path):

@@ -1,0 +1,287 @@
+"""Continuous batching: a fixed number of decode rows, refilled with waiting prompts as rows end.
+
+An RL step samples many more responses than a decode batch holds, and their lengths differ
+wildly. ``generate`` decodes a batch until its longest row ends (finished rows ride along);
+``generate_compacting`` shrinks the batch as rows end. ``generate_continuous`` keeps
+``batch_rows`` rows busy: it decodes in segments of ``segment_steps``; between segments the
+rows that ended are read back, and waiting prompts (whole GRPO groups: a prompt is prefilled
+once and its cache rows repeated ``n_samples`` times, as in ``generate``) are prefilled and
+take their rows. When no prompt is left and the running rows fit in half the batch, the batch
+shrinks as in ``generate_compacting``.
+
+Why a dense cache and not pages: every row of ``KVCache`` shares the slot index ``length``
+(the decode attention kernel reads one contiguous ``[S, D]`` slab per row and KV head). A row
+that joins late has its prompt at the front of its slots and writes its response at
+``length``; the slots between are masked. Keys carry their rotary position, and attention is
+a masked sum over slots, so a row's slots may move as long as their order and mask do. When
+the slots would run out (``length + segment_steps`` past the capacity), or when rows join,
+``_rebuild`` moves every row's real slots to end at the new ``length`` = the longest row's
+count (one slot gather, a layer at a time so the cache is not copied whole). The capacity is
+``P + max_new_tokens - 1 + segment_steps``: a running row holds at most ``P +
+max_new_tokens - 2`` slots, so after a rebuild every segment has room for all its steps. A
+paged cache would avoid the gather (the page table moves, not the keys) at the price of a
+decode attention kernel that follows a page table. The gather reads and writes the cache once
+per refill (at the 30B shape, batch 128, 1k context: ~33 GB, ~10 ms at the H200's bandwidth,
+against ~0.5 s for a 32-step segment; an estimate, not yet timed).
+
+Sampling draws one key per step for the whole batch (as ``generate`` does), so sampled
+responses differ from ``generate``'s while greedy decoding gives the same tokens (up to the
+order of the float additions in attention); a given rng gives the same rollout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from quads_jax.config import check
+from quads_jax.sampler import engine
+from quads_jax.sampler.compaction import _bucket, _gather_rows
+from quads_jax.sampler.engine import DecodeState, Rollout, SamplerConfig
+
+# Per-row fields copied from a prefilled state into the rows it joins, with their row axis.
+_JOIN_FIELDS = {"last_token": 0, "prompt_length": 0, "done": 0, "finish_reason": 0,
+                "response_length": 0, "tokens": 0, "logprobs": 0, "expert_ids": 1,
+                "prompt_expert_ids": 1}
+# Fields read back when a row ends.
+_RESULT_FIELDS = ("finish_reason", "response_length", "tokens", "logprobs", "expert_ids",
+                  "prompt_expert_ids")
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """One decode segment: rows in the batch, rows holding a sequence at its start (a row that
+    joined already finished counts until it is read back), rows that joined just before it,
+    decode steps run, and whether the cache slots were rebuilt before it."""
+
+    rows: int
+    running: int
+    joined: int
+    steps: int
+    rebuilt: bool
+
+
+def _idle_state(template: DecodeState, rows: int, slots: int) -> DecodeState:
+    """A batch of ``rows`` idle rows (done, empty cache) shaped like ``template`` (an abstract
+    prefill state of one prompt), with ``slots`` cache slots."""
+    def per_row(x, axis, fill):
+        shape = x.shape[:axis] + (rows,) + x.shape[axis + 1:]
+        return jnp.full(shape, fill, x.dtype)
+
+    c = template.cache
+    cache = dataclasses.replace(
+        c, k=jnp.zeros(c.k.shape[:1] + (rows,) + c.k.shape[2:3] + (slots,) + c.k.shape[4:],
+                       c.k.dtype),
+        v=jnp.zeros(c.v.shape[:1] + (rows,) + c.v.shape[2:3] + (slots,) + c.v.shape[4:],
+                    c.v.dtype),
+        mask=jnp.zeros((rows, slots), bool), length=jnp.zeros((), jnp.int32))
+    t = template
+    ids = lambda x: None if x is None else per_row(x, 1, -1)
+    return DecodeState(
+        cache=cache, step=jnp.zeros((), jnp.int32), last_token=per_row(t.last_token, 0, 0),
+        prompt_length=per_row(t.prompt_length, 0, 1), done=per_row(t.done, 0, True),
+        finish_reason=per_row(t.finish_reason, 0, 0),
+        response_length=per_row(t.response_length, 0, 0), tokens=per_row(t.tokens, 0, 0),
+        logprobs=per_row(t.logprobs, 0, 0.0), expert_ids=ids(t.expert_ids),
+        prompt_expert_ids=ids(t.prompt_expert_ids), rng=t.rng)
+
+
+def _slot_sources(mask: jax.Array, active: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Where every row's real slots go when they are moved to end at one shared length.
+
+    Args:
+      mask: bool ``[B, S]``, the slots holding real tokens.
+      active: bool ``[B]``; rows not active keep no slot.
+
+    Returns:
+      ``(source int32 [B, S], new_mask bool [B, S], length int32 [])``: slot j of row b takes
+      old slot ``source[b, j]``; ``length`` is the largest active row's count.
+    """
+    mask = mask & active[:, None]
+    slots = mask.shape[1]
+    count = jnp.sum(mask, axis=1, dtype=jnp.int32)
+    length = jnp.max(count)
+    slot = jnp.arange(slots, dtype=jnp.int32)
+    # Real slots first, each row's in their old order (a stable sort on "is padding").
+    order = jnp.argsort(~mask, axis=1, stable=True).astype(jnp.int32)
+    first = length - count  # the new slot of each row's first real token
+    new_mask = (slot[None, :] >= first[:, None]) & (slot[None, :] < length)
+    rank = jnp.clip(slot[None, :] - first[:, None], 0, slots - 1)
+    return jnp.take_along_axis(order, rank, axis=1), new_mask, length
+
+
+@functools.partial(jax.jit, static_argnames=("width",), donate_argnames=("state",))
+def _rebuild(state: DecodeState, joining: DecodeState | None, rows: jax.Array, *,
+             width: int) -> DecodeState:
+    """``state`` with the rows of ``joining`` (a state prefilled from prompts ``width`` wide)
+    written into its rows ``rows`` (int32 ``[r]``; an index past the batch drops that row),
+    then every running row's real slots moved to end at the new ``cache.length`` (module
+    docstring). Rows that are done keep no slot."""
+    cache = state.cache
+    if joining is not None:
+        fields = {}
+        for f, axis in _JOIN_FIELDS.items():
+            dst, src = getattr(state, f), getattr(joining, f)
+            if dst is not None:
+                fields[f] = dst.at[(slice(None),) * axis + (rows,)].set(src, mode="drop")
+        state = dataclasses.replace(state, **fields)
+        # A joining row's prompt fills its first ``width`` slots; its old slots are dropped.
+        mask = cache.mask.at[rows].set(False, mode="drop")
+        mask = mask.at[rows, :width].set(joining.cache.mask[:, :width], mode="drop")
+        cache = dataclasses.replace(cache, mask=mask)
+    source, new_mask, length = _slot_sources(cache.mask, ~state.done)
+
+    def move(layer, kv):
+        moved = []
+        for old, new in zip(kv, (None, None) if joining is None else
+                            (joining.cache.k, joining.cache.v), strict=True):
+            x = old[layer]  # [B, KVH, S, D]: one layer at a time, so no full copy of the cache
+            if new is not None:
+                x = x.at[rows, :, :width].set(new[layer, :, :, :width], mode="drop")
+            x = jnp.take_along_axis(x, source[:, None, :, None], axis=2)
+            moved.append(jax.lax.dynamic_update_index_in_dim(old, x, layer, 0))
+        return tuple(moved)
+
+    k, v = jax.lax.fori_loop(0, cache.k.shape[0], move, (cache.k, cache.v))
+    cache = dataclasses.replace(cache, k=k, v=v, mask=new_mask, length=length)
+    return dataclasses.replace(state, cache=cache)
+
+
+@jax.jit
+def _take_results(state: DecodeState, rows: jax.Array) -> dict:
+    """The result fields of ``rows`` (int32 ``[r]``)."""
+    out = {}
+    for f in _RESULT_FIELDS:
+        x = getattr(state, f)
+        if x is not None:
+            out[f] = jnp.take(x, rows, axis=_JOIN_FIELDS[f])
+    return out
+
+
+def _padded(index: np.ndarray, size: int, fill: int) -> jax.Array:
+    """``index`` padded with ``fill`` to ``size`` entries, as int32."""
+    out = np.full(size, fill, np.int32)
+    out[: index.size] = index
+    return jnp.asarray(out)
+
+
+def generate_continuous(
+    rollout_params,
+    prompts,
+    rng: jax.Array,
+    config: SamplerConfig,
+    *,
+    model_config,
+    batch_rows: int,
+    recipe=None,
+    prompt_mask=None,
+    segment_steps: int = 32,
+    min_rows: int = 8,
+) -> tuple[Rollout, list[Segment]]:
+    """``generate`` for any number of prompts on ``batch_rows`` decode rows (module docstring).
+
+    Args:
+      batch_rows: decode rows; rounded down to whole groups of ``config.n_samples`` (at least
+        one group), and no more than all the rows of the rollout.
+      segment_steps: decode steps between refills (each refill reads ``done`` on the host);
+        also the cache's spare slots (module docstring).
+      min_rows: once no prompt waits, the batch shrinks, never below this many rows.
+      (the rest as in ``engine.generate``)
+
+    Returns:
+      ``(rollout, segments)``: the ``Rollout`` of ``B * n_samples`` rows, in ``generate``'s
+      order (prompt i's samples at rows ``i*n .. i*n+n-1``), and one ``Segment`` per decode
+      segment.
+    """
+    n = config.n_samples
+    for name, value, low in (("batch_rows", batch_rows, n), ("segment_steps", segment_steps, 1),
+                             ("min_rows", min_rows, 1)):
+        check("generate_continuous", name, value, isinstance(value, int) and value >= low,
+              f"an int >= {low}" + (" (config.n_samples: one GRPO group)" if low == n else ""))
+    prompts, prompt_mask = engine._check_inputs(prompts, prompt_mask, config, model_config)
+    num_prompts, width = prompts.shape
+    total = num_prompts * n
+    rows = min(batch_rows // n, num_prompts) * n
+    slots = width + config.max_new_tokens - 1 + segment_steps
+    static = dict(config=config, model_config=model_config, recipe=recipe)
+    prefill_key, decode_key = jax.random.split(rng)
+    host_prompts, host_mask = np.asarray(prompts), np.asarray(prompt_mask)
+
+    def prefill(index: np.ndarray) -> DecodeState:
+        key = jax.random.fold_in(prefill_key, int(index[0]))
+        return engine._prefill_jit(rollout_params, host_prompts[index], host_mask[index], key,
+                                   **static)
+
+    # The shapes of a one-prompt prefill (traced once per shape: jit's cache serves repeats).
+    template = engine._prefill_jit.eval_shape(rollout_params, host_prompts[:1], host_mask[:1],
+                                              rng, **static)
+    state = dataclasses.replace(_idle_state(template, rows, slots), rng=decode_key)
+    results = {f: np.full(_with_rows(getattr(template, f), total, _JOIN_FIELDS[f]),
+                          -1 if f.endswith("expert_ids") else 0, getattr(template, f).dtype)
+               for f in _RESULT_FIELDS if getattr(template, f) is not None}
+    seq = np.full(rows, -1)  # the rollout row each batch row decodes; -1: idle
+    waiting, segments, step, length = 0, [], 0, 0
+    while True:
+        free = np.flatnonzero(seq < 0)
+        groups = min(free.size // n, num_prompts - waiting)
+        joining, dest = None, None
+        if groups:
+            bucket = _bucket(groups, 1)  # bounded compiles: prefill batches are powers of two
+            chunk = config.prefill_chunk
+            if chunk and bucket > chunk:  # ... and multiples of the prefill chunk
+                bucket = -(-bucket // chunk) * chunk
+            index = np.arange(waiting, waiting + groups)
+            index = np.concatenate([index, np.full(bucket - groups, index[-1])])
+            joining = prefill(index)
+            dest = _padded(free[: groups * n], bucket * n, seq.size)
+            seq[free[: groups * n]] = np.arange(waiting * n, (waiting + groups) * n)
+            waiting += groups
+        rebuilt = joining is not None or length + segment_steps > slots
+        if rebuilt:
+            if dest is None:
+                dest = jnp.zeros((0,), jnp.int32)
+            state = _rebuild(state, joining, dest, width=width)
+        running = int(np.sum(seq >= 0))
+        state = engine._decode_jit(rollout_params, state, jnp.int32(segment_steps),
+                                   per_row=True, **static)
+        # One read-back per segment: which rows ended, and where the cache stands.
+        done, new_step, length = jax.device_get((state.done, state.step, state.cache.length))
+        segments.append(Segment(rows=seq.size, running=running,
+                                joined=0 if joining is None else groups * n,
+                                steps=int(new_step) - step, rebuilt=rebuilt))
+        step, length = int(new_step), int(length)
+        ended = np.flatnonzero(done & (seq >= 0))
+        if ended.size:
+            taken = jax.device_get(_take_results(state, _padded(ended, _bucket(ended.size, 1),
+                                                               ended[0])))
+            for f, value in taken.items():
+                axis = _JOIN_FIELDS[f]
+                dst = (slice(None),) * axis + (seq[ended],)
+                src = (slice(None),) * axis + (slice(0, ended.size),)
+                results[f][dst] = value[src]
+            seq[ended] = -1
+        if waiting == num_prompts:
+            busy = np.flatnonzero(seq >= 0)
+            if busy.size == 0:
+                break
+            size = _bucket(busy.size, min_rows)
+            if size < seq.size:
+                keep = np.concatenate([busy, np.flatnonzero(seq < 0)[: size - busy.size]])
+                state, seq = _gather_rows(state, jnp.asarray(keep, jnp.int32)), seq[keep]
+
+    fields = dict(expert_ids=None, prompt_expert_ids=None)
+    fields.update({f: jnp.asarray(v) for f, v in results.items()})
+    full = DecodeState(cache=None, step=jnp.int32(0), last_token=jnp.zeros((total,), jnp.int32),
+                       prompt_length=jnp.zeros((total,), jnp.int32),
+                       done=jnp.ones((total,), bool), rng=rng, **fields)
+    return engine.finish(full, prompts, config, prompt_mask=prompt_mask), segments
+
+
+def _with_rows(x, rows: int, axis: int) -> tuple[int, ...]:
+    """``x``'s shape with ``rows`` entries on its row axis ``axis``."""
+    return x.shape[:axis] + (rows,) + x.shape[axis + 1:]
+
