@@ -3,6 +3,8 @@
     python -m quads_jax.sample --hf DIR --prompt "Hello" [--precision nvfp4_rac]
     python -m quads_jax.sample --checkpoint DIR --prompt "12+34=" --greedy
 
+    python -m quads_jax.sample --hf DIR --prompts-file prompts.txt --decode-rows 64 --out out.jsonl
+
 ``--hf DIR``: a transformers Qwen3-MoE directory (``config.json``, ``*.safetensors`` and the
 tokenizer files). ``--checkpoint DIR``: a params-only checkpoint: ``DIR/config.json`` (the HF
 model config) and ``DIR/params`` (an Orbax checkpoint of the parameter tree); its tokenizer is
@@ -10,11 +12,18 @@ the HF one when ``DIR`` holds tokenizer files, else the built-in character token
 synthetic tasks. The weights are synced to ``--precision`` (and checked bit for bit), the
 prompt is generated ``--n`` times, and the completion is printed with tokens/s (compilation
 timed apart).
+
+``--prompts-file FILE``: one prompt per line (a line that is a JSON object gives its
+``"prompt"``; empty lines are skipped), all sampled ``--n`` times. ``--decode-rows N`` decodes
+them on N rows with continuous batching (``sampler.generate_continuous``; its time then
+includes compilation); ``--out FILE`` writes one JSON line per sample (prompt index, prompt,
+completion, response tokens, finish reason) instead of printing the completions.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -34,7 +43,15 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--hf", metavar="DIR", help="transformers Qwen3-MoE directory")
     src.add_argument("--checkpoint", metavar="DIR", help="params-only checkpoint directory")
-    p.add_argument("--prompt", required=True, help="prompt text")
+    text = p.add_mutually_exclusive_group(required=True)
+    text.add_argument("--prompt", help="prompt text")
+    text.add_argument("--prompts-file", metavar="FILE",
+                      help="prompts, one per line (or JSON lines with a 'prompt' key)")
+    p.add_argument("--decode-rows", type=int, default=0,
+                   help="continuous batching on this many decode rows (0: one batch)")
+    p.add_argument("--segment-steps", type=int, default=32,
+                   help="with --decode-rows: decode steps between refills")
+    p.add_argument("--out", metavar="FILE", help="write the samples as JSON lines here")
     p.add_argument("--precision", choices=sorted(PRECISIONS), default="bf16")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0)
@@ -111,22 +128,56 @@ def load_model(args) -> tuple:
     return config, params, tokenizer
 
 
+def read_prompts(args) -> list[str]:
+    """The prompt texts of ``--prompt`` or ``--prompts-file``."""
+    if args.prompts_file is None:
+        return [args.prompt]
+    if not os.path.isfile(args.prompts_file):
+        raise ValueError(f"--prompts-file: {args.prompts_file!r} is not a file")
+    prompts = []
+    with open(args.prompts_file) as f:
+        for number, line in enumerate(f, 1):
+            line = line.rstrip("\n")
+            if not line.strip():
+                continue
+            if line.lstrip().startswith("{"):
+                try:
+                    line = json.loads(line)["prompt"]
+                except (json.JSONDecodeError, KeyError, TypeError) as e:
+                    raise ValueError(f"--prompts-file: line {number} is a JSON object without a "
+                                     f"string 'prompt' ({type(e).__name__})") from None
+                if not isinstance(line, str):
+                    raise ValueError(f"--prompts-file: line {number}: 'prompt' is not a string")
+            prompts.append(line)
+    if not prompts:
+        raise ValueError(f"--prompts-file: {args.prompts_file!r} holds no prompt")
+    return prompts
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from quads_jax.quant.recipe import get_recipe
     from quads_jax.sampler import SamplerConfig, check_sync, sync
+    from quads_jax.sampler.continuous import generate_continuous
     from quads_jax.sampler.engine import compile_generate, left_pad
 
     try:
+        texts = read_prompts(args)
+        for name in ("decode_rows", "segment_steps"):
+            value, low = getattr(args, name), 0 if name == "decode_rows" else 1
+            if value < low:
+                raise ValueError(f"--{name.replace('_', '-')}={value}: must be >= {low}")
+        if args.decode_rows and args.decode_rows < args.n:
+            raise ValueError(f"--decode-rows={args.decode_rows}: must hold one group of --n="
+                             f"{args.n} samples (or be 0)")
         config, params, tokenizer = load_model(args)
-        ids = tokenizer.encode(args.prompt)
         stops = () if tokenizer.eos_id is None else (int(tokenizer.eos_id),)
         sc = SamplerConfig(max_new_tokens=args.max_new_tokens, n_samples=args.n,
                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                            greedy=args.greedy, stop_token_ids=stops,
                            pad_token_id=int(tokenizer.pad_id),
                            kv_cache_dtype=args.kv_cache_dtype)
-        prompts, mask = left_pad([ids], sc.pad_token_id)
+        prompts, mask = left_pad([tokenizer.encode(t) for t in texts], sc.pad_token_id)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -136,22 +187,40 @@ def main(argv: list[str] | None = None) -> int:
     t1 = time.perf_counter()
     check_sync(params, rollout_params, recipe, model_config=config)
     rng = jax.random.key(args.seed)
-    run = compile_generate(rollout_params, prompts, rng, sc, model_config=config, recipe=recipe,
-                           prompt_mask=mask)
-    t2 = time.perf_counter()
-    out = jax.block_until_ready(run(rollout_params, prompts, mask, rng))
+    if args.decode_rows:
+        t2 = time.perf_counter()
+        out, segments = generate_continuous(
+            rollout_params, prompts, rng, sc, model_config=config, recipe=recipe,
+            prompt_mask=mask, batch_rows=args.decode_rows, segment_steps=args.segment_steps)
+        out = jax.block_until_ready(out)
+        how = f"{len(segments)} segments on {segments[0].rows} rows, compilation included"
+    else:
+        run = compile_generate(rollout_params, prompts, rng, sc, model_config=config,
+                               recipe=recipe, prompt_mask=mask)
+        t2 = time.perf_counter()
+        out = jax.block_until_ready(run(rollout_params, prompts, mask, rng))
+        how = f"compile {t2 - t1:.1f} s"
     t3 = time.perf_counter()
     new_tokens = int(out.response_length.sum())
     width = out.prompt_length
+    sink = open(args.out, "w") if args.out else None
     for row in range(out.tokens.shape[0]):
         length = int(out.response_length[row])
         text = tokenizer.decode([int(t) for t in out.tokens[row, width:width + length]])
-        print(f"--- sample {row} ({length} tokens, finish="
-              f"{'stop' if int(out.finish_reason[row]) == 1 else 'length'})")
-        print(args.prompt + text)
+        finish = "stop" if int(out.finish_reason[row]) == 1 else "length"
+        prompt = texts[int(out.prompt_index[row])]
+        if sink is None:
+            print(f"--- sample {row} ({length} tokens, finish={finish})")
+            print(prompt + text)
+        else:
+            sink.write(json.dumps(dict(prompt_index=int(out.prompt_index[row]), prompt=prompt,
+                                       completion=text, tokens=length, finish=finish)) + "\n")
+    if sink is not None:
+        sink.close()
+        print(f"--- {out.tokens.shape[0]} samples written to {args.out}")
     print(f"--- {args.precision}: {new_tokens} tokens in {t3 - t2:.3f} s = "
-          f"{new_tokens / max(t3 - t2, 1e-9):.1f} tokens/s (sync {t1 - t0:.2f} s, "
-          f"compile {t2 - t1:.1f} s, device {jax.devices()[0].platform})")
+          f"{new_tokens / max(t3 - t2, 1e-9):.1f} tokens/s (sync {t1 - t0:.2f} s, {how}, "
+          f"device {jax.devices()[0].platform})")
     return 0
 
 
