@@ -39,7 +39,7 @@ from quads_jax.models import ModelConfig
 from quads_jax.quant.recipe import get_recipe
 from quads_jax.sampler import engine
 from quads_jax.sampler.compaction import generate_compacting
-from quads_jax.sampler.continuous import generate_continuous
+from quads_jax.sampler.continuous import generate_continuous, row_steps
 from quads_jax.sampler.engine import SamplerConfig
 from quads_jax.sampler.sync import sync
 
@@ -87,8 +87,11 @@ def schedules(params, cfg, recipe, tokens, mask, sc, args) -> dict:
             out, sizes = generate_compacting(params, t, jax.random.fold_in(key, j), sc,
                                              model_config=cfg, recipe=recipe, prompt_mask=m,
                                              segment_steps=args.segment_steps)
-            made += int(np.asarray(out.response_length).sum())
-            steps += sum(sizes) * args.segment_steps  # an upper bound: the last may run fewer
+            lengths = np.asarray(out.response_length)
+            made += int(lengths.sum())
+            # The prefill's first tokens, then the segments (an upper bound: the last may run
+            # fewer steps).
+            steps += lengths.size + sum(sizes) * args.segment_steps
             segs += len(sizes)
         return made, steps, segs
 
@@ -97,7 +100,7 @@ def schedules(params, cfg, recipe, tokens, mask, sc, args) -> dict:
                                             recipe=recipe, prompt_mask=mask, batch_rows=rows,
                                             segment_steps=args.segment_steps)
         made = int(np.asarray(out.response_length).sum())
-        return made, sum(s.rows * s.steps for s in segments), len(segments)
+        return made, row_steps(segments), len(segments)
 
     return {"static": static, "compacting": compacting, "continuous": continuous}
 
@@ -170,7 +173,7 @@ def main(argv=None) -> int:
         times, made = [], []
         for rep in range(args.reps):
             t = time.perf_counter()
-            tokens_made, row_steps, segments = runs[name](jax.random.key(2 + rep))
+            tokens_made, steps, segments = runs[name](jax.random.key(2 + rep))
             times.append(time.perf_counter() - t)
             made.append(tokens_made)
         seconds = statistics.median(times)
@@ -178,7 +181,7 @@ def main(argv=None) -> int:
                     first_call_s=first, response_tokens=made[-1],
                     tokens_per_s=statistics.median(m / s for m, s in zip(made, times,
                                                                           strict=True)),
-                    row_steps=row_steps, utilisation=made[-1] / max(row_steps, 1),
+                    row_steps=steps, utilisation=made[-1] / max(steps, 1),
                     segments=segments, reps=args.reps))
     return 0
 

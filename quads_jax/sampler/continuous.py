@@ -65,6 +65,13 @@ class Segment:
     rebuilt: bool
 
 
+def row_steps(segments: list[Segment]) -> int:
+    """Decode rows x steps over ``segments``, each row's first token (sampled at its prefill)
+    counted as one: a batch of B rows decoding N tokens each is ``B * N``, as ``generate``'s
+    batch x its longest response. Response tokens over this is the batch's utilisation."""
+    return sum(s.rows * s.steps + s.joined for s in segments)
+
+
 def _idle_state(template: DecodeState, rows: int, slots: int) -> DecodeState:
     """A batch of ``rows`` idle rows (done, empty cache) shaped like ``template`` (an abstract
     prefill state of one prompt), with ``slots`` cache slots."""

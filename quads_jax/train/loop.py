@@ -258,6 +258,7 @@ class Trainer:
         metrics.update(m)
         metrics.update({
             "rollout/tokens_per_s": scored.new_tokens / max(scored.seconds, 1e-9),
+            "rollout/row_utilisation": scored.new_tokens / max(scored.row_steps, 1),
             "time/rollout_s": scored.seconds, "time/train_s": t2 - t1, "time/sync_s": t3 - t2,
             "time/step_s": t3 - t0, "train/optimizer_step": float(state.step),
         })

@@ -24,6 +24,7 @@ from quads_jax.sampler import (
     generate_continuous,
     left_pad,
 )
+from quads_jax.sampler.continuous import row_steps as continuous_row_steps
 
 
 def prompt_width(tokenizer: Any, examples: Sequence[Example]) -> int:
@@ -79,6 +80,9 @@ class ScoredRollout:
       rewards: f32 ``[R]``; correct: bool ``[R]``; truncated: bool ``[R]``.
       seconds: wall time of ``generate`` (blocked until ready).
       new_tokens: response tokens generated.
+      row_steps: decode rows x decode steps run (with continuous batching: summed over its
+        segments; else the batch x its longest response); ``new_tokens / row_steps`` is the
+        share of the decode batch that did useful work.
     """
 
     rollout: Rollout
@@ -89,6 +93,7 @@ class ScoredRollout:
     truncated: np.ndarray
     seconds: float
     new_tokens: int
+    row_steps: int
 
 
 def rollout_and_score(
@@ -112,7 +117,7 @@ def rollout_and_score(
     prompts, prompt_mask = encode_prompts(tokenizer, examples, width)
     start = time.perf_counter()
     if decode_rows:
-        rollout, _ = generate_continuous(
+        rollout, segments = generate_continuous(
             rollout_params, prompts, rng, sampler_config, model_config=model_config,
             recipe=recipe, prompt_mask=prompt_mask, batch_rows=decode_rows,
             segment_steps=segment_steps)
@@ -121,6 +126,11 @@ def rollout_and_score(
                            model_config=model_config, recipe=recipe, prompt_mask=prompt_mask)
     rollout = jax.block_until_ready(rollout)
     seconds = time.perf_counter() - start
+    lengths = np.asarray(rollout.response_length)
+    if decode_rows:
+        row_steps = continuous_row_steps(segments)
+    else:  # prefill samples the first token; the loop runs until the longest row ends
+        row_steps = lengths.size * int(lengths.max())
     rows = [ex for ex in examples for _ in range(sampler_config.n_samples)]
     responses = decode_responses(tokenizer, rollout)
     rewards, correct = compute_rewards(responses, rows, reward_config, task_name=task_name)
@@ -132,7 +142,8 @@ def rollout_and_score(
         correct=correct,
         truncated=np.asarray(rollout.finish_reason) == FINISH_LENGTH,
         seconds=seconds,
-        new_tokens=int(np.asarray(rollout.response_length).sum()),
+        new_tokens=int(lengths.sum()),
+        row_steps=row_steps,
     )
 
 

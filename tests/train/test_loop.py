@@ -130,6 +130,7 @@ def test_static_rac_run_calibrates_at_sync(tmp_path, monkeypatch):
     assert len(rl) == 3 and "analysis/w4a4_rac_err" in rl[2]  # the analysis ran on step 3
     # Every rollout (3 steps, 2 evaluations) decoded 8 responses on 4 rows, in segments.
     assert len(continuous) == 5 and all(c[:2] == (4, 8) and c[2] >= 2 for c in continuous)
+    assert all(0 < r["rollout/row_utilisation"] <= 1 for r in rl)
 
 
 def test_calibration_batch_cuts_rows_to_the_shortest_and_refuses_bad_input():
