@@ -11,7 +11,8 @@ of ``bench_rollout.py`` with random weights (``--tiny``: its tiny model), synced
 vocabulary (evenly spaced ids) ends each step's sample with about that probability: response
 lengths are roughly geometric, capped at ``--new-tokens``.
 
-Three schedules, each run once to compile and then timed (``--reps``, median):
+Three schedules, each run once to compile and then timed (``--reps`` runs with the same key,
+median):
 
 - ``static``: ``engine.generate`` on consecutive groups of ``batch_rows`` rows; each batch runs
   until its longest row ends;
@@ -167,13 +168,16 @@ def main(argv=None) -> int:
     for name in args.schedules.split(","):
         if name not in runs:
             raise ValueError(f"--schedules: {name!r} is not one of {sorted(runs)}")
+        # The same key every run: the first compiles every program the schedule uses (its
+        # batch-size buckets depend on when rows end), the timed ones then compile nothing.
+        key = jax.random.key(1)
         t = time.perf_counter()
-        runs[name](jax.random.key(1))  # compiles every program this schedule uses
+        runs[name](key)
         first = time.perf_counter() - t
         times, made = [], []
-        for rep in range(args.reps):
+        for _ in range(args.reps):
             t = time.perf_counter()
-            tokens_made, steps, segments = runs[name](jax.random.key(2 + rep))
+            tokens_made, steps, segments = runs[name](key)
             times.append(time.perf_counter() - t)
             made.append(tokens_made)
         seconds = statistics.median(times)

@@ -10,19 +10,21 @@ take their rows. When no prompt is left and the running rows fit in half the bat
 shrinks as in ``generate_compacting``.
 
 Why a dense cache and not pages: every row of ``KVCache`` shares the slot index ``length``
-(the decode attention kernel reads one contiguous ``[S, D]`` slab per row and KV head). A row
-that joins late has its prompt at the front of its slots and writes its response at
-``length``; the slots between are masked. Keys carry their rotary position, and attention is
-a masked sum over slots, so a row's slots may move as long as their order and mask do. When
-the slots would run out (``length + segment_steps`` past the capacity), or when rows join,
-``_rebuild`` moves every row's real slots to end at the new ``length`` = the longest row's
-count (one slot gather, a layer at a time so the cache is not copied whole). The capacity is
-``P + max_new_tokens - 1 + segment_steps``: a running row holds at most ``P +
-max_new_tokens - 2`` slots, so after a rebuild every segment has room for all its steps. A
-paged cache would avoid the gather (the page table moves, not the keys) at the price of a
-decode attention kernel that follows a page table. The gather reads and writes the cache once
-per refill (at the 30B shape, batch 128, 1k context: ~33 GB, ~10 ms at the H200's bandwidth,
-against ~0.5 s for a 32-step segment; an estimate, not yet timed).
+(the decode attention kernel reads one contiguous ``[S, D]`` slab per row and KV head). Rows
+that join write their prompts (``P`` slots wide, left-padded) to slots ``[length - P,
+length)`` of their rows (``_join``: a scatter of those rows alone) and decode on from
+``length``, as the other rows do. Keys carry their rotary position, and attention is a masked
+sum over slots, so a row's slots may also move as long as their order and mask do: when the
+slots would run out (``length + segment_steps`` past the capacity; or when rows join while
+``length < P``), ``_rebuild`` moves every running row's real slots to end at the new
+``length`` = the longest row's count (one slot gather, a layer at a time so the cache is not
+copied whole). The capacity is ``P + max_new_tokens - 1 + spare_slots``: a running row holds
+at most ``P + max_new_tokens - 2`` slots, so after a rebuild there is room for
+``spare_slots + 1`` steps; more spare slots, fewer rebuilds. A rebuild reads and writes the
+whole cache (at the 30B shape, batch 128, 1k context: ~33 GB, ~10 ms at the H200's
+bandwidth, against ~0.5 s for a 32-step segment; an estimate, not yet timed). A paged cache
+would avoid it (the page table moves, not the keys) at the price of a decode attention kernel
+that follows a page table.
 
 Sampling draws one key per step for the whole batch (as ``generate`` does), so sampled
 responses differ from ``generate``'s while greedy decoding gives the same tokens (up to the
@@ -130,12 +132,7 @@ def _rebuild(state: DecodeState, joining: DecodeState | None, rows: jax.Array, *
     docstring). Rows that are done keep no slot."""
     cache = state.cache
     if joining is not None:
-        fields = {}
-        for f, axis in _JOIN_FIELDS.items():
-            dst, src = getattr(state, f), getattr(joining, f)
-            if dst is not None:
-                fields[f] = dst.at[(slice(None),) * axis + (rows,)].set(src, mode="drop")
-        state = dataclasses.replace(state, **fields)
+        state = _join_fields(state, joining, rows)
         # A joining row's prompt fills its first ``width`` slots; its old slots are dropped.
         mask = cache.mask.at[rows].set(False, mode="drop")
         mask = mask.at[rows, :width].set(joining.cache.mask[:, :width], mode="drop")
@@ -156,6 +153,39 @@ def _rebuild(state: DecodeState, joining: DecodeState | None, rows: jax.Array, *
     k, v = jax.lax.fori_loop(0, cache.k.shape[0], move, (cache.k, cache.v))
     cache = dataclasses.replace(cache, k=k, v=v, mask=new_mask, length=length)
     return dataclasses.replace(state, cache=cache)
+
+
+@functools.partial(jax.jit, static_argnames=("width",), donate_argnames=("state",))
+def _join(state: DecodeState, joining: DecodeState, rows: jax.Array, *,
+          width: int) -> DecodeState:
+    """``state`` with the rows of ``joining`` (prefilled from prompts ``width`` wide) written
+    into its rows ``rows`` (int32 ``[r]``; an index past the batch drops that row), their
+    prompts at slots ``[length - width, length)`` (needs ``length >= width``); no other row
+    moves. The cache is updated by one scatter per array (in place: ``state`` is donated)."""
+    state = _join_fields(state, joining, rows)
+    cache = state.cache
+    slot = cache.length - width + jnp.arange(width, dtype=jnp.int32)
+    at = (rows[:, None], slot[None, :])  # [r, width] (row, slot) pairs
+
+    def put(a, new):  # a [L, B, KVH, S, D], new [L, r, KVH, S', D]
+        vals = jnp.transpose(new[:, :, :, :width], (1, 3, 0, 2, 4))  # [r, width, L, KVH, D]
+        return a.at[:, at[0], :, at[1]].set(vals, mode="drop")
+
+    mask = cache.mask.at[rows].set(False, mode="drop")
+    mask = mask.at[at].set(joining.cache.mask[:, :width], mode="drop")
+    cache = dataclasses.replace(cache, k=put(cache.k, joining.cache.k),
+                                v=put(cache.v, joining.cache.v), mask=mask)
+    return dataclasses.replace(state, cache=cache)
+
+
+def _join_fields(state: DecodeState, joining: DecodeState, rows: jax.Array) -> DecodeState:
+    """``state`` with the per-row fields of ``joining`` written into its rows ``rows``."""
+    fields = {}
+    for f, axis in _JOIN_FIELDS.items():
+        dst, src = getattr(state, f), getattr(joining, f)
+        if dst is not None:
+            fields[f] = dst.at[(slice(None),) * axis + (rows,)].set(src, mode="drop")
+    return dataclasses.replace(state, **fields)
 
 
 @jax.jit
@@ -187,6 +217,7 @@ def generate_continuous(
     recipe=None,
     prompt_mask=None,
     segment_steps: int = 32,
+    spare_slots: int | None = None,
     min_rows: int = 8,
 ) -> tuple[Rollout, list[Segment]]:
     """``generate`` for any number of prompts on ``batch_rows`` decode rows (module docstring).
@@ -194,8 +225,10 @@ def generate_continuous(
     Args:
       batch_rows: decode rows; rounded down to whole groups of ``config.n_samples`` (at least
         one group), and no more than all the rows of the rollout.
-      segment_steps: decode steps between refills (each refill reads ``done`` on the host);
-        also the cache's spare slots (module docstring).
+      segment_steps: decode steps between refills (each refill reads ``done`` on the host).
+      spare_slots: cache slots past ``P + max_new_tokens - 1``, >= ``segment_steps``
+        (default 4 x ``segment_steps``): the slots' rebuild runs about once per
+        ``spare_slots`` steps (module docstring).
       min_rows: once no prompt waits, the batch shrinks, never below this many rows.
       (the rest as in ``engine.generate``)
 
@@ -205,15 +238,22 @@ def generate_continuous(
       segment.
     """
     n = config.n_samples
-    for name, value, low in (("batch_rows", batch_rows, n), ("segment_steps", segment_steps, 1),
-                             ("min_rows", min_rows, 1)):
+
+    def require(name: str, value, low: int, why: str = "") -> None:
         check("generate_continuous", name, value, isinstance(value, int) and value >= low,
-              f"an int >= {low}" + (" (config.n_samples: one GRPO group)" if low == n else ""))
+              f"an int >= {low}{why}")
+
+    require("batch_rows", batch_rows, n, " (config.n_samples: one GRPO group)")
+    require("segment_steps", segment_steps, 1)
+    require("min_rows", min_rows, 1)
+    if spare_slots is None:
+        spare_slots = 4 * segment_steps
+    require("spare_slots", spare_slots, segment_steps, " (segment_steps: a segment's room)")
     prompts, prompt_mask = engine._check_inputs(prompts, prompt_mask, config, model_config)
     num_prompts, width = prompts.shape
     total = num_prompts * n
     rows = min(batch_rows // n, num_prompts) * n
-    slots = width + config.max_new_tokens - 1 + segment_steps
+    slots = width + config.max_new_tokens - 1 + spare_slots
     static = dict(config=config, model_config=model_config, recipe=recipe)
     prefill_key, decode_key = jax.random.split(rng)
     host_prompts, host_mask = np.asarray(prompts), np.asarray(prompt_mask)
@@ -247,11 +287,13 @@ def generate_continuous(
             dest = _padded(free[: groups * n], bucket * n, seq.size)
             seq[free[: groups * n]] = np.arange(waiting * n, (waiting + groups) * n)
             waiting += groups
-        rebuilt = joining is not None or length + segment_steps > slots
+        rebuilt = length + segment_steps > slots or (joining is not None and length < width)
         if rebuilt:
             if dest is None:
                 dest = jnp.zeros((0,), jnp.int32)
             state = _rebuild(state, joining, dest, width=width)
+        elif joining is not None:
+            state = _join(state, joining, dest, width=width)
         running = int(np.sum(seq >= 0))
         state = engine._decode_jit(rollout_params, state, jnp.int32(segment_steps),
                                    per_row=True, **static)

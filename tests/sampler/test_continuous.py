@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from quads_jax import models
-from quads_jax.sampler import engine
+from quads_jax.sampler import continuous, engine
 from quads_jax.sampler.continuous import _slot_sources, generate_continuous
 from quads_jax.sampler.engine import FINISH_LENGTH, FINISH_STOP, SamplerConfig
 from quads_jax.testing import tiny_config
@@ -50,7 +50,8 @@ def test_slot_sources_right_align_each_rows_real_slots():
     np.testing.assert_array_equal(src[1, 1:3], [0, 1])
 
 
-def test_greedy_equals_generate_with_rows_refilled_and_slots_rebuilt(model):
+@pytest.mark.parametrize("spare_slots", [2, None])
+def test_greedy_equals_generate_with_rows_refilled_and_slots_rebuilt(model, spare_slots):
     cfg, params = model
     tokens, mask = engine.left_pad(PROMPTS)
     width = tokens.shape[1]
@@ -66,7 +67,7 @@ def test_greedy_equals_generate_with_rows_refilled_and_slots_rebuilt(model):
                            prompt_mask=mask)
     got, segments = generate_continuous(params, tokens, jax.random.key(1), sc, model_config=cfg,
                                         prompt_mask=mask, batch_rows=2, segment_steps=2,
-                                        min_rows=1)
+                                        spare_slots=spare_slots, min_rows=1)
     _assert_same_rollout(got, want)
     reasons = np.asarray(got.finish_reason)
     assert (reasons == FINISH_STOP).any() and (reasons == FINISH_LENGTH).any()
@@ -74,8 +75,29 @@ def test_greedy_equals_generate_with_rows_refilled_and_slots_rebuilt(model):
     assert all(s.rows <= 2 and s.running <= s.rows for s in segments)
     assert sum(s.joined for s in segments) == len(PROMPTS)
     assert segments[-1].rows == 1, "the batch did not shrink once no prompt was waiting"
-    # A row that joined late ran out of slots: they were rebuilt without a join.
-    assert any(s.rebuilt and not s.joined for s in segments), segments
+    if spare_slots == 2:  # few spare slots: a late row ran out, the slots were rebuilt
+        assert any(s.rebuilt and not s.joined for s in segments), segments
+    else:  # enough: rows joined by a scatter of their own rows
+        assert any(s.joined and not s.rebuilt for s in segments), segments
+
+
+def test_slot_moves_touch_the_cache_in_place(model):
+    """``_rebuild`` moves slots a layer at a time and ``_join`` scatters: neither holds a copy
+    of the cache (compiled temporary bytes below two layers' K and V; the output aliases the
+    donated input)."""
+    cfg, params = model
+    sc = SamplerConfig(max_new_tokens=16)
+    prompts, mask = np.ones((2, 8), np.int32), np.ones((2, 8), bool)
+    joining = engine._prefill_jit(params, prompts, mask, jax.random.key(0), config=sc,
+                                  model_config=cfg, recipe=None)
+    template = jax.eval_shape(lambda: joining)
+    state = continuous._idle_state(template, 32, 64)
+    layer_bytes = 2 * state.cache.k[0].nbytes
+    rows = jnp.arange(2, dtype=jnp.int32)
+    for fn in (continuous._rebuild, continuous._join):
+        stats = fn.lower(state, joining, rows, width=8).compile().memory_analysis()
+        assert stats.temp_size_in_bytes < 2 * layer_bytes, (fn.__name__, stats)
+        assert stats.alias_size_in_bytes >= 2 * state.cache.k.nbytes, (fn.__name__, stats)
 
 
 def test_sampled_groups_match_the_full_forward_and_reproduce(model):
@@ -136,6 +158,7 @@ def test_chunked_prefill_admits_whole_chunks(model):
     (dict(batch_rows=1), "batch_rows=1.*an int >= 2"),
     (dict(batch_rows=4, segment_steps=0), "segment_steps=0"),
     (dict(batch_rows=4, min_rows=0), "min_rows=0"),
+    (dict(batch_rows=4, segment_steps=8, spare_slots=4), "spare_slots=4.*an int >= 8"),
 ])
 def test_bad_arguments_raise(model, kwargs, needle):
     cfg, params = model
