@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -94,6 +95,22 @@ class DecodeAttentionConfig:
                              "[1, 64]")
 
 
+class SharedPrefix(NamedTuple):
+    """Cache slots that every row of a group attends to before its own: the prompt of a GRPO
+    group, prefilled once and read by its n samples (``SamplerConfig.share_prompt_cache``).
+
+    Attributes:
+      k, v: ``[L, G, KVH, P, D]`` in the cache's dtype (one row per group).
+      valid: bool or int32 ``[G, P]``: the slot holds a prompt token (left padding: False).
+      row_group: int32 ``[B]``: the group of each cache row.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    valid: jax.Array
+    row_group: jax.Array
+
+
 def _cache_problem(k_all: jax.Array, min_slots: int) -> str | None:
     """Why this stacked cache cannot be used (the kernel needs ``MIN_DOT_ROWS`` slots, the
     reference 1), or None."""
@@ -110,9 +127,12 @@ def _cache_problem(k_all: jax.Array, min_slots: int) -> str | None:
     return None
 
 
-def supports(k_all: jax.Array) -> bool:
+def supports(k_all: jax.Array, prefix: SharedPrefix | None = None) -> bool:
     """Whether the kernel takes this stacked cache (bf16/f16/FP8, head_dim a power of two >= 16,
-    >= 16 slots); callers fall back to the jnp path otherwise (e.g. an f32 cache)."""
+    >= 16 slots) and shared prefix (the same, >= 16 prefix slots); callers fall back to the jnp
+    path otherwise (e.g. an f32 cache)."""
+    if prefix is not None and _cache_problem(prefix.k, MIN_DOT_ROWS) is not None:
+        return False
     return _cache_problem(k_all, MIN_DOT_ROWS) is None
 
 
@@ -134,6 +154,25 @@ def _check(q, k_all, v_all, valid, min_slots: int = 1):
         raise ValueError(f"decode_attention: {problem}")
 
 
+def _check_prefix(prefix: SharedPrefix, k_all: jax.Array, min_slots: int = 1):
+    l, b, kvh, _, d = k_all.shape
+    pk = prefix.k
+    if pk.ndim != 5 or pk.shape != prefix.v.shape or pk.dtype != k_all.dtype \
+            or prefix.v.dtype != k_all.dtype or (pk.shape[0], pk.shape[2], pk.shape[4]) != (l, kvh, d):
+        raise ValueError(f"decode_attention: prefix k {pk.dtype}{list(pk.shape)} and v "
+                         f"{prefix.v.dtype}{list(prefix.v.shape)} must be [L, G, KVH, P, D] = "
+                         f"[{l}, G, {kvh}, P, {d}] in the cache's dtype {k_all.dtype}")
+    g, p = pk.shape[1], pk.shape[3]
+    if prefix.valid.shape != (g, p) or prefix.valid.dtype not in (jnp.bool_, jnp.int32):
+        raise ValueError(f"decode_attention: prefix valid {prefix.valid.dtype}"
+                         f"{list(prefix.valid.shape)} must be bool or int32 [G, P] = {[g, p]}")
+    if prefix.row_group.shape != (b,) or prefix.row_group.dtype != jnp.int32:
+        raise ValueError(f"decode_attention: prefix row_group {prefix.row_group.dtype}"
+                         f"{list(prefix.row_group.shape)} must be int32 [B] = [{b}]")
+    if problem := _cache_problem(pk, min_slots):
+        raise ValueError(f"decode_attention: prefix: {problem}")
+
+
 def _fp8_columns(words: jax.Array, parts: int) -> list[jax.Array]:
     """An FP8 block read as words ``[BS, D/parts]`` -> its ``parts`` column sets as bf16
     (exact): set ``j`` is byte ``j`` of every word, cache column ``parts * i + j``."""
@@ -153,8 +192,9 @@ def _store(o_ref, blocks: list[jax.Array]) -> None:
             o_ref[j] = blk.astype(o_ref.dtype)
 
 
-def _kernel(layer_ref, kv_len_ref, q_ref, valid_ref, k_ref, v_ref, o_ref, *stats_refs,
-            block_s: int, slots: int, scale: float, parts: int, splits: int):
+def _kernel(layer_ref, kv_len_ref, q_ref, valid_ref, k_ref, v_ref, *refs,
+            block_s: int, slots: int, scale: float, parts: int, splits: int,
+            prefix_block: int = 0, prefix_slots: int = 0):
     """``parts`` = 1: bf16 / f16 cache, q ``[Gp, D]``, one K / V block per step. ``parts`` = 4:
     FP8 cache read as int32 words ``[.., D/4]``; q and the output are ``[4, Gp, D/4]`` (part j
     holds columns ``4 i + j``), so each byte position j is one dot of K = D/4: no in-kernel
@@ -162,38 +202,65 @@ def _kernel(layer_ref, kv_len_ref, q_ref, valid_ref, k_ref, v_ref, o_ref, *stats
 
     ``splits`` > 1: program (b, h, c) runs slot blocks ``[c n, (c + 1) n)`` of the ``N`` to read
     (``n = ceil(N / splits)``) and stores its unnormalized f32 sums and its running max and
-    sum (``stats_refs``: m, l ``[Gp]``) for ``_combine_splits``."""
+    sum (``stats_refs``: m, l ``[Gp]``) for ``_combine_splits``.
+
+    ``prefix_slots`` > 0: ``refs`` starts with the shared prefix (row_group ``[B]``, prefix
+    valid ``[G, P]``, prefix K and V ``[L, G, KVH, P, D]``): every slot of row b's group's
+    prefix is read first (by split 0), ``prefix_block`` at a time, then the row's own slots.
+    """
+    refs = list(refs)
+    if prefix_slots:
+        group_ref, pvalid_ref, pk_ref, pv_ref = refs[:4]
+        refs = refs[4:]
+    o_ref, *stats_refs = refs
     b, h = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
     kv_len = jnp.minimum(jnp.maximum(kv_len_ref[0], 0), slots)  # here: no XLA kernel of its own
     qs = [q_ref[...]] if parts == 1 else [q_ref[j] for j in range(parts)]  # [Gp, D / parts]
     gp, dp = qs[0].shape
-    offs = jnp.arange(block_s)
 
-    def body(i, carry):
-        accs, m, l = carry
-        # The last window is moved back inside the slot axis (no out-of-bounds reads, which
-        # interpret mode would clamp anyway); its slots already seen are masked out.
-        start = jnp.minimum(i * block_s, slots - block_s)
-        window = pl.ds(start, block_s)
-        k, v = k_ref[layer, b, h, window, :], v_ref[layer, b, h, window, :]  # one load each
-        ks, vs = ([k], [v]) if parts == 1 else (_fp8_columns(k, parts), _fp8_columns(v, parts))
-        ok = (valid_ref[window] != 0) & (start + offs >= i * block_s)
-        s = sum(jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                                    preferred_element_type=jnp.float32)
-                for q, k in zip(qs, ks, strict=True)) * scale  # [Gp, BS]
-        s = jnp.where(ok[None, :], s, MASK_VALUE)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        p = jnp.where(ok[None, :], jnp.exp(s - m_new[:, None]), 0.0)
-        alpha = jnp.exp(m - m_new)
-        pc = p.astype(vs[0].dtype)
-        accs = tuple(acc * alpha[:, None] + jax.lax.dot_general(
-            pc, v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)  # [Gp, D/parts]
-            for acc, v in zip(accs, vs, strict=True))
-        return accs, m_new, l * alpha + jnp.sum(p, axis=1)
+    def blocks_of(k_at, v_at, valid_at, n_slots: int, block: int):
+        """The online-softmax step over ``block`` slots of one slot axis of ``n_slots``."""
+        offs = jnp.arange(block)
 
-    init = (tuple(jnp.zeros((gp, dp), jnp.float32) for _ in range(parts)),
-            jnp.full((gp,), MASK_VALUE, jnp.float32), jnp.zeros((gp,), jnp.float32))
+        def body(i, carry):
+            accs, m, l = carry
+            # The last window is moved back inside the slot axis (no out-of-bounds reads,
+            # which interpret mode would clamp anyway); its slots already seen are masked out.
+            start = jnp.minimum(i * block, n_slots - block)
+            window = pl.ds(start, block)
+            k, v = k_at(window), v_at(window)  # one load each
+            ks, vs = (([k], [v]) if parts == 1
+                      else (_fp8_columns(k, parts), _fp8_columns(v, parts)))
+            ok = (valid_at(window) != 0) & (start + offs >= i * block)
+            s = sum(jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                        preferred_element_type=jnp.float32)
+                    for q, k in zip(qs, ks, strict=True)) * scale  # [Gp, BS]
+            s = jnp.where(ok[None, :], s, MASK_VALUE)
+            m_new = jnp.maximum(m, jnp.max(s, axis=1))
+            p = jnp.where(ok[None, :], jnp.exp(s - m_new[:, None]), 0.0)
+            alpha = jnp.exp(m - m_new)
+            pc = p.astype(vs[0].dtype)
+            accs = tuple(acc * alpha[:, None] + jax.lax.dot_general(
+                pc, v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+                for acc, v in zip(accs, vs, strict=True))  # [Gp, D/parts]
+            return accs, m_new, l * alpha + jnp.sum(p, axis=1)
+
+        return body
+
+    carry = (tuple(jnp.zeros((gp, dp), jnp.float32) for _ in range(parts)),
+             jnp.full((gp,), MASK_VALUE, jnp.float32), jnp.zeros((gp,), jnp.float32))
+    if prefix_slots:
+        grp = group_ref[b]
+        body = blocks_of(lambda w: pk_ref[layer, grp, h, w, :],
+                         lambda w: pv_ref[layer, grp, h, w, :],
+                         lambda w: pvalid_ref[grp, w], prefix_slots, prefix_block)
+        n_prefix = (prefix_slots + prefix_block - 1) // prefix_block
+        if splits > 1:  # split 0 reads the prefix; _combine_splits weighs the splits
+            n_prefix = jnp.where(pl.program_id(2) == 0, n_prefix, 0)
+        carry = jax.lax.fori_loop(0, n_prefix, body, carry)
+    body = blocks_of(lambda w: k_ref[layer, b, h, w, :], lambda w: v_ref[layer, b, h, w, :],
+                     lambda w: valid_ref[w], slots, block_s)
     blocks = (kv_len + block_s - 1) // block_s
     if splits == 1:
         first, last = 0, blocks
@@ -201,7 +268,7 @@ def _kernel(layer_ref, kv_len_ref, q_ref, valid_ref, k_ref, v_ref, o_ref, *stats
         per = (blocks + splits - 1) // splits
         first = pl.program_id(2) * per
         last = jnp.minimum(first + per, blocks)
-    accs, m, l = jax.lax.fori_loop(first, jnp.maximum(first, last), body, init)
+    accs, m, l = jax.lax.fori_loop(first, jnp.maximum(first, last), body, carry)
     if splits > 1:  # unnormalized: _combine_splits rescales and divides
         m_ref, l_ref = stats_refs
         m_ref[...] = m
@@ -215,8 +282,8 @@ def _kernel(layer_ref, kv_len_ref, q_ref, valid_ref, k_ref, v_ref, o_ref, *stats
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def decode_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.Array,
-                     valid: jax.Array, kv_len: jax.Array, *,
-                     config: DecodeAttentionConfig = DecodeAttentionConfig(),
+                     valid: jax.Array, kv_len: jax.Array, prefix: SharedPrefix | None = None,
+                     *, config: DecodeAttentionConfig = DecodeAttentionConfig(),
                      interpret: bool = False) -> jax.Array:
     """Softmax attention of one query per row over layer ``layer`` of the stacked cache.
 
@@ -228,9 +295,13 @@ def decode_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: ja
         s; int32 is used as is (a decode step's layers share one mask: convert it once).
       kv_len: int32 scalar: slots ``>= kv_len`` are not read (must cover every valid slot;
         clamped to [0, S]).
+      prefix: None, or a ``SharedPrefix`` each row also attends to (every valid slot of its
+        group's prefix; >= 16 prefix slots).
     Returns ``[B, KVH, G, D]`` in ``q.dtype``; scores and softmax in f32, scale ``D**-0.5``.
     """
     _check(q, k_all, v_all, valid, min_slots=MIN_DOT_ROWS)
+    if prefix is not None:
+        _check_prefix(prefix, k_all, min_slots=MIN_DOT_ROWS)
     _, b, kvh, s, d = k_all.shape
     g = q.shape[2]
     gp = max(MIN_DOT_ROWS, 1 << (g - 1).bit_length())
@@ -245,8 +316,11 @@ def decode_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: ja
         # elements. Byte j of word i is column 4 i + j (2 i + j), so q and the output go in
         # as ``parts`` column sets, one dot each.
         word = _FP8_WORDS[parts]
-        k_all, v_all = (jax.lax.bitcast_convert_type(a.reshape(*a.shape[:-1], d // parts, parts),
-                                                     word) for a in (k_all, v_all))
+        as_words = lambda a: jax.lax.bitcast_convert_type(  # noqa: E731
+            a.reshape(*a.shape[:-1], d // parts, parts), word)
+        k_all, v_all = as_words(k_all), as_words(v_all)
+        if prefix is not None:
+            prefix = prefix._replace(k=as_words(prefix.k), v=as_words(prefix.v))
         qp = qp.reshape(b, kvh, gp, d // parts, parts).transpose(0, 1, 4, 2, 3)
         q_block = (None, None, parts, gp, d // parts)
     else:
@@ -256,8 +330,16 @@ def decode_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: ja
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     block_s = min(config.block_s, 1 << (s.bit_length() - 1))  # a power of two <= S
     splits = config.slot_splits
+    prefix_args, prefix_specs, prefix_kw = (), [], {}
+    if prefix is not None:
+        p = prefix.k.shape[3]
+        prefix_kw = dict(prefix_slots=p,
+                         prefix_block=min(config.block_s, 1 << (p.bit_length() - 1)))
+        prefix_args = (prefix.row_group, prefix.valid.astype(jnp.int32), prefix.k, prefix.v)
+        prefix_specs = [pl.BlockSpec(a.shape, lambda *_, n=a.ndim: (0,) * n)
+                        for a in prefix_args]  # indexed in the kernel by the row's group
     kernel = functools.partial(_kernel, block_s=block_s, slots=s, scale=d**-0.5, parts=parts,
-                               splits=splits)
+                               splits=splits, **prefix_kw)
     nq = len(q_block) - 2
     q_index = lambda i, j, *_: (i, j) + (0,) * nq  # noqa: E731  (a split shares its q)
     if splits == 1:
@@ -286,6 +368,7 @@ def decode_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: ja
             # The stacked cache is indexed in the kernel (layer and row are runtime values).
             pl.BlockSpec(k_all.shape, lambda *_: zeros),
             pl.BlockSpec(v_all.shape, lambda *_: zeros),
+            *prefix_specs,
         ],
         out_specs=out_specs,
         out_shape=out_shape,
@@ -293,7 +376,7 @@ def decode_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: ja
                                                 num_stages=config.num_stages),
         interpret=interpret,
         name="decode_attention",
-    )(layer, kv_len, qp, valid, k_all, v_all)
+    )(layer, kv_len, qp, valid, k_all, v_all, *prefix_args)
     if splits > 1:
         out = _combine_splits(*out).astype(dot_dtype)
     if parts > 1:
@@ -316,14 +399,23 @@ def _combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
     return jnp.sum(acc * wb, axis=2) / db
 
 
-def decode_attention_reference(q, k_all, v_all, layer, valid, kv_len=None) -> jax.Array:
+def decode_attention_reference(q, k_all, v_all, layer, valid, kv_len=None,
+                               prefix: SharedPrefix | None = None) -> jax.Array:
     """jnp reference: the same math over the whole slot axis (``kv_len`` only bounds what the
-    kernel reads; it never changes the result when it covers every valid slot)."""
+    kernel reads; it never changes the result when it covers every valid slot), the shared
+    prefix's slots (gathered per row) in front."""
     _check(q, k_all, v_all, valid)
     valid = valid.astype(bool)
     dot_dtype = compute_dtype(k_all.dtype)
     k = jax.lax.dynamic_index_in_dim(k_all, layer, 0, keepdims=False).astype(dot_dtype)
     v = jax.lax.dynamic_index_in_dim(v_all, layer, 0, keepdims=False).astype(dot_dtype)
+    if prefix is not None:
+        _check_prefix(prefix, k_all)
+        rows = lambda a: jax.lax.dynamic_index_in_dim(  # noqa: E731
+            a, layer, 0, keepdims=False)[prefix.row_group].astype(dot_dtype)
+        k = jnp.concatenate([rows(prefix.k), k], axis=2)
+        v = jnp.concatenate([rows(prefix.v), v], axis=2)
+        valid = jnp.concatenate([prefix.valid.astype(bool)[prefix.row_group], valid], axis=1)
     d = q.shape[-1]
     s = jnp.einsum("bkgd,bksd->bkgs", q.astype(k.dtype), k,
                    preferred_element_type=jnp.float32) * jnp.float32(d**-0.5)

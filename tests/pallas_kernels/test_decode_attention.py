@@ -14,6 +14,7 @@ from jax.sharding import AbstractDevice, AbstractMesh
 
 from pallas_kernels.decode_attention import (
     DecodeAttentionConfig,
+    SharedPrefix,
     decode_attention,
     decode_attention_reference,
 )
@@ -89,6 +90,68 @@ def test_slot_splits_match_the_reference(splits, kv_len, d, fp8):
     one = decode_attention(q, k, v, jnp.int32(1), valid, jnp.int32(kv_len),
                            config=DecodeAttentionConfig(block_s=16), interpret=True)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(one, np.float32),
+                               atol=1e-2, rtol=1e-2)
+
+
+def _prefix(layers, groups, kvh, p, d, b, seed, dtype=jnp.bfloat16):
+    """A shared prefix of ``groups`` left-padded prompts of ``p`` slots; rows to groups as a
+    GRPO batch lays them out (adjacent rows share a group)."""
+    ks = jax.random.split(jax.random.key(seed), 2)
+    pk = jax.random.normal(ks[0], (layers, groups, kvh, p, d), dtype)
+    pv = jax.random.normal(ks[1], (layers, groups, kvh, p, d), dtype)
+    pad = jnp.arange(groups)[:, None] * 5  # each group's left padding differs
+    valid = jnp.arange(p)[None, :] >= pad
+    row_group = (jnp.arange(b) * groups // b).astype(jnp.int32)
+    return SharedPrefix(pk, pv, valid, row_group)
+
+
+@pytest.mark.parametrize("p,splits,fp8", [
+    (37, 1, False),  # prefix not a multiple of the block: its last window moved back
+    (16, 1, False),  # one prefix block
+    (40, 3, False),  # flash-decoding splits: split 0 reads the prefix
+    (48, 1, True),   # FP8 cache and prefix, read as int32 words
+])
+def test_shared_prefix_matches_the_reference(p, splits, fp8):
+    """Every row attends to its group's prefix slots and then its own: equal to the reference
+    over the prefix (gathered per row) concatenated in front of the row's slots."""
+    from quads_jax.models.kv_cache import to_cache_dtype
+
+    d = 128 if fp8 else 32
+    q, k, v = _inputs(2, 4, 2, 24, d, 4, seed=21)
+    prefix = _prefix(2, 2, 2, p, d, 4, seed=22)
+    if fp8:
+        k, v = (to_cache_dtype(a, jnp.float8_e4m3fn) for a in (k, v))
+        prefix = prefix._replace(k=to_cache_dtype(prefix.k, jnp.float8_e4m3fn),
+                                 v=to_cache_dtype(prefix.v, jnp.float8_e4m3fn))
+    valid = jnp.arange(24)[None, :] < jnp.asarray([[10], [3], [20], [0]])  # row 3: prefix only
+    cfg = DecodeAttentionConfig(block_s=16, slot_splits=splits)
+    got = decode_attention(q, k, v, jnp.int32(1), valid, jnp.int32(20), prefix, config=cfg,
+                           interpret=True)
+    want = decode_attention_reference(q, k, v, 1, valid, prefix=prefix)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               atol=2e-2, rtol=2e-2)
+    # The prefix really counts: without it the rows' outputs move.
+    alone = decode_attention_reference(q, k, v, 1, valid.at[3, 0].set(True))
+    assert not np.allclose(np.asarray(got, np.float32)[:3], np.asarray(alone, np.float32)[:3],
+                           atol=0.1)
+
+
+def test_shared_prefix_equals_the_prompt_copied_into_every_row():
+    """The layout it replaces: each row holding its group's prompt in front of its own slots
+    (what ``generate`` builds without ``share_prompt_cache``) gives the same output."""
+    q, k, v = _inputs(1, 4, 2, 16, 32, 4, seed=31)
+    prefix = _prefix(1, 2, 2, 20, 32, 4, seed=32)
+    valid = jnp.arange(16)[None, :] < jnp.asarray([[5], [9], [16], [1]])
+    got = decode_attention(q, k, v, jnp.int32(0), valid, jnp.int32(16), prefix,
+                           config=DecodeAttentionConfig(block_s=16), interpret=True)
+    rows = prefix.row_group
+    k_full = jnp.concatenate([prefix.k[:, rows], k], axis=3)
+    v_full = jnp.concatenate([prefix.v[:, rows], v], axis=3)
+    valid_full = jnp.concatenate([prefix.valid[rows], valid], axis=1)
+    copied = decode_attention(q, k_full, v_full, jnp.int32(0), valid_full, jnp.int32(36),
+                              config=DecodeAttentionConfig(block_s=16), interpret=True)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(copied, np.float32),
                                atol=1e-2, rtol=1e-2)
 
 
@@ -203,6 +266,22 @@ def test_lowers_for_cuda(cache_dtype, splits):
     assert "xla.gpu.triton" in exp.mlir_module()
 
 
+@pytest.mark.parametrize("cache_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_shared_prefix_lowers_for_cuda(cache_dtype):
+    q = jax.ShapeDtypeStruct((16, 4, 8, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 16, 4, 1023, 128), cache_dtype)
+    pkv = jax.ShapeDtypeStruct((2, 2, 4, 256, 128), cache_dtype)
+    prefix = SharedPrefix(pkv, pkv, jax.ShapeDtypeStruct((2, 256), jnp.bool_),
+                          jax.ShapeDtypeStruct((16,), jnp.int32))
+    valid = jax.ShapeDtypeStruct((16, 1023), jnp.bool_)
+    i = jax.ShapeDtypeStruct((), jnp.int32)
+    with jax.sharding.use_abstract_mesh(H200):
+        exp = export.export(jax.jit(decode_attention), platforms=["cuda"], disabled_checks=[
+            export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+                q, kv, kv, i, valid, i, prefix)
+    assert "xla.gpu.triton" in exp.mlir_module()
+
+
 def test_bad_input_is_refused():
     q, k, v = _inputs(2, 2, 2, 32, 16, 4, seed=5)
     with pytest.raises(ValueError, match="head_dim 16 with an FP8 cache must be >= 32"):
@@ -226,6 +305,20 @@ def test_bad_input_is_refused():
         decode_attention(q, k[:, :, :, :8], v[:, :, :, :8], 0, valid[:, :8], 8, interpret=True)
     with pytest.raises(ValueError, match="block_s=24"):
         DecodeAttentionConfig(block_s=24)
+    prefix = _prefix(1, 1, 2, 20, 16, 2, seed=6)
+    with pytest.raises(ValueError, match=r"prefix row_group int32\[3\] must be int32 \[B\]"):
+        decode_attention(q, k, v, 0, valid, 32, prefix._replace(
+            row_group=jnp.zeros((3,), jnp.int32)), interpret=True)
+    with pytest.raises(ValueError, match=r"prefix valid bool\[1, 8\] must be"):
+        decode_attention(q, k, v, 0, valid, 32, prefix._replace(valid=prefix.valid[:, :8]),
+                         interpret=True)
+    with pytest.raises(ValueError, match="in the cache's dtype"):
+        decode_attention(q, k, v, 0, valid, 32, prefix._replace(
+            k=prefix.k.astype(jnp.float16), v=prefix.v.astype(jnp.float16)), interpret=True)
+    with pytest.raises(ValueError, match="prefix: 8 cache slots; the kernel needs >= 16"):
+        decode_attention(q, k, v, 0, valid, 32, prefix._replace(
+            k=prefix.k[..., :8, :], v=prefix.v[..., :8, :], valid=prefix.valid[:, :8]),
+            interpret=True)
 
 
 def test_jnp_switch_bypasses_the_kernel_and_bad_impl_is_refused():
