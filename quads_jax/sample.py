@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--segment-steps", type=int, default=32,
                    help="with --decode-rows: decode steps between refills")
     p.add_argument("--out", metavar="FILE", help="write the samples as JSON lines here")
+    p.add_argument("--share-prompt-cache", action="store_true",
+                   help="the --n samples of a prompt share one copy of its KV cache")
     p.add_argument("--precision", choices=sorted(PRECISIONS), default="bf16")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0)
@@ -176,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                            greedy=args.greedy, stop_token_ids=stops,
                            pad_token_id=int(tokenizer.pad_id),
-                           kv_cache_dtype=args.kv_cache_dtype)
+                           kv_cache_dtype=args.kv_cache_dtype,
+                           share_prompt_cache=args.share_prompt_cache)
         prompts, mask = left_pad([tokenizer.encode(t) for t in texts], sc.pad_token_id)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

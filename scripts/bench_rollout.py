@@ -278,12 +278,20 @@ def profile_decode(dec, params, start, steps: int, tag: str, top: int = 16) -> d
 
 
 def bench_case(params, cfg, recipe, batch, prompt, args, bandwidth, tag="") -> dict:
-    chunk = args.prefill_chunk if args.prefill_chunk and batch % args.prefill_chunk == 0 else 0
-    sc = engine.SamplerConfig(max_new_tokens=args.new_tokens, temperature=1.0,
+    """One (batch, prompt) case: ``batch`` decode rows, ``batch / n_samples`` prompts (GRPO
+    groups of ``--n-samples``, their prompt's cache shared with ``--share-prompt-cache``)."""
+    n = args.n_samples
+    if batch % n:
+        raise ValueError(f"batch {batch} is not a multiple of --n-samples {n}")
+    groups = batch // n
+    chunk = args.prefill_chunk if args.prefill_chunk and groups % args.prefill_chunk == 0 else 0
+    sc = engine.SamplerConfig(max_new_tokens=args.new_tokens, temperature=1.0, n_samples=n,
                               prefill_chunk=chunk, unroll_decode_layers=args.unroll_decode,
-                              kv_cache_dtype=args.kv_cache_dtype)
-    prompts = jax.random.randint(jax.random.key(batch + prompt), (batch, prompt), 0, cfg.vocab_size)
-    mask = jnp.ones((batch, prompt), bool)
+                              kv_cache_dtype=args.kv_cache_dtype,
+                              share_prompt_cache=args.share_prompt_cache)
+    prompts = jax.random.randint(jax.random.key(batch + prompt), (groups, prompt), 0,
+                                 cfg.vocab_size)
+    mask = jnp.ones((groups, prompt), bool)
     rng = jax.random.key(0)
     static = dict(config=sc, model_config=cfg, recipe=recipe)
     t = time.perf_counter()
@@ -339,15 +347,22 @@ def bench_case(params, cfg, recipe, batch, prompt, args, bandwidth, tag="") -> d
     touched = 1.0 - (1.0 - cfg.num_experts_per_tok / cfg.num_experts) ** batch
     embed = params["embed"].size * params["embed"].dtype.itemsize
     w_all, w_exp = weight_bytes(params), expert_bytes(params)
-    step_bytes = (w_all - w_exp - embed) + touched * w_exp + kv_bytes(
-        cfg, batch, slots, kv_itemsize(args))
+    kv = functools.partial(kv_bytes, cfg, itemsize=kv_itemsize(args))
+    # A shared prompt is read once per group, the responses once per row.
+    read_kv = (kv(groups, prompt) + kv(batch, slots - prompt) if args.share_prompt_cache
+               else kv(batch, slots))
+    step_bytes = (w_all - w_exp - embed) + touched * w_exp + read_kv
     cache_slots = prompt + args.new_tokens - 1  # prefill attends over the whole cache
-    prefill_flops = matmul_flops_per_token(cfg) * batch * prompt + 4 * batch * prompt * cache_slots * \
-        cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
+    if args.share_prompt_cache:
+        cache_slots = prompt
+    prefill_flops = matmul_flops_per_token(cfg) * groups * prompt + \
+        4 * groups * prompt * cache_slots * cfg.num_attention_heads * cfg.head_dim * \
+        cfg.num_hidden_layers
     e2e = t_pre + args.new_tokens * t_step
     return dict(
         batch=batch, prompt=prompt, new_tokens=args.new_tokens, decode_steps_timed=ran,
-        prefill_s=t_pre, prefill_tok_s=batch * prompt / t_pre,
+        n_samples=n, share_prompt_cache=args.share_prompt_cache,
+        prefill_s=t_pre, prefill_tok_s=groups * prompt / t_pre,
         prefill_floor_s=prefill_flops / args.bf16_flops,
         decode_step_ms=t_step * 1e3, decode_tok_s=batch / t_step,
         decode_floor_ms=step_bytes / bandwidth * 1e3,
@@ -546,6 +561,10 @@ def parse_args(argv):
                    help="entries per program of the tile-plan kernel (a power of two >= 8)")
     p.add_argument("--tile-plan-warps", type=int, default=4,
                    help="Triton warps per program of the tile-plan kernel")
+    p.add_argument("--n-samples", type=int, default=1,
+                   help="rows per prompt (a GRPO group); the batch counts rows")
+    p.add_argument("--share-prompt-cache", action="store_true",
+                   help="a group's rows share one copy of its prompt's KV cache")
     p.add_argument("--unroll-decode", action="store_true",
                    help="decode steps with the layers unrolled (SamplerConfig."
                    "unroll_decode_layers; an ablation: longer compile)")
@@ -650,6 +669,7 @@ def main(argv=None) -> int:
                           grouped_barrier=args.grouped_barrier,
                           windowed_operands=args.windowed_operands,
                           unroll_decode=args.unroll_decode,
+                          n_samples=args.n_samples, share_prompt_cache=args.share_prompt_cache,
                           copy_bandwidth_TBps=bandwidth / 1e12,
                           date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())))
     if args.ragged and gpu:

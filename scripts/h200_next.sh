@@ -93,6 +93,9 @@
 #          CPU-tested only): 512 responses (64 prompts x 8, prompts 128-256 tokens), lengths
 #          ~geometric (stop set 0.4 % of the vocabulary) capped at 512, on 128 decode rows,
 #          nvfp4_rac: static batches (generate), compaction and continuous batching
+#   share  GRPO groups sharing their prompt's KV cache (SamplerConfig.share_prompt_cache;
+#          session 23, CPU-tested only): nvfp4_rac at batch 128 = 16 prompts x 8 samples,
+#          prompt 1024, with the shared prompt cache and without, same call (traced)
 #   hlo    nvfp4 at batch 128 with the decode program's optimized HLO dumped to $OUT/hlo (what
 #          the 386 small `memcpy32_post` copies per step and the MoE block's fusions are)
 #
@@ -134,8 +137,9 @@
 # (b9d0759: block 16, nvfp4_rac 15.68 vs 16.23 ms; both kernels the default since). Next:
 # `b128p` (all four arms at the newest commit, and the plan kernel at block 8), then `kdense`,
 # `kdense2`, `kgroup2`, `p1024`, `gcheck`.
-# Session 23: no device was lent. Next: `b128p`, then `cont` (continuous batching, built in
-# session 23), `kdense`, `kdense2`, `kgroup2`, `p1024`, `gcheck`.
+# Session 23: no device was lent. Next: `b128p`, then `cont` (continuous batching) and
+# `share` (shared prompt cache), both built in session 23, `kdense`, `kdense2`, `kgroup2`,
+# `p1024`, `gcheck`.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
@@ -302,8 +306,12 @@ for step in "$@"; do
       --new-tokens 512 --stop-fraction 0.004 --segment-steps 32 --commit "$COMMIT" \
       --out "$OUT/cont" > "$OUT/cont.log" 2>&1
       echo "cont rc $?"; grep -E '"schedule"|Error' "$OUT/cont.log" | cut -c1-300 ;;
+    share) rollout share 200 --batches 128 --prompts 1024 $short --precisions nvfp4_rac \
+      --n-samples 8 --share-prompt-cache --profile-steps 4 --budget-s 150
+      rollout noshare 200 --batches 128 --prompts 1024 $short --precisions nvfp4_rac \
+      --n-samples 8 --profile-steps 4 --budget-s 150 ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
-    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop ropad hlo prof2 plan plan2 b128p cont)"; exit 2 ;;
+    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop ropad hlo prof2 plan plan2 b128p cont share)"; exit 2 ;;
   esac
 done

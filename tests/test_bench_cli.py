@@ -40,7 +40,8 @@ def test_bench_rollout_runs_with_kernel_overrides(tmp_path):
             "--decode-steps", "2", "--reps", "1", "--prefill-reps", "1", "--precisions",
             "nvfp4_rac", "--no-split", "--no-ragged", "--no-materialize-operands",
             "--no-rac-operand-kernel", "--rac-operand-padding", "skip", "--tile-plan-kernel",
-            "--act-operand-kernel", "--tile-plan-block", "8", "--out", str(tmp_path)]
+            "--act-operand-kernel", "--tile-plan-block", "8", "--n-samples", "2",
+            "--share-prompt-cache", "--out", str(tmp_path)]
     try:
         assert bench_rollout.main(argv) == 0
     finally:
@@ -55,7 +56,8 @@ def test_bench_rollout_runs_with_kernel_overrides(tmp_path):
     assert [r["rac_operand_padding"] for r in rows if r["kind"] == "device"] == ["skip"]
     assert [(r["tile_plan_kernel"], r["act_operand_kernel"], r["tile_plan_block"])
             for r in rows if r["kind"] == "device"] == [(True, True, 8)]
-    assert [r["precision"] for r in rows if r["kind"] == "rollout"] == ["nvfp4_rac"]
+    assert [(r["precision"], r["n_samples"], r["share_prompt_cache"])
+            for r in rows if r["kind"] == "rollout"] == [("nvfp4_rac", 2, True)]
 
 
 def test_bench_continuous_runs_every_schedule_on_one_workload(tmp_path):

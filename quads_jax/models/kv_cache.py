@@ -3,7 +3,9 @@
 Layout ``[num_layers, B, num_kv_heads, S_max, head_dim]``: one (row, KV head) reads a contiguous
 ``[S, D]`` slab (the decode attention kernel's unit of work, and no transposed copy in the jnp
 path); a paged cache can later replace the slot axis ``S`` by pages. All rows share ``length`` (slots written so far); which
-slots hold real tokens is ``mask`` (left-padded prompts leave pad slots False).
+slots hold real tokens is ``mask`` (left-padded prompts leave pad slots False). Optionally a
+shared prefix (one row per group, e.g. a GRPO group's prompt) that each row attends to before
+its own slots: its n samples then hold and read the prompt's keys once.
 """
 
 from __future__ import annotations
@@ -44,12 +46,21 @@ class KVCache:
       half the bytes a decode step reads, values saturated at +-448, ``to_cache_dtype``).
     mask: bool ``[B, S_max]``, slot holds a real token.
     length: int32 ``[]``, slots ``[0, length)`` are written (same for every row).
+    prefix_k, prefix_v: None, or ``[L, G, KVH, P, D]`` (the cache dtype): slots every row of a
+      group attends to before its own, written once per group (a GRPO group's prompt:
+      ``SamplerConfig.share_prompt_cache``); read only.
+    prefix_mask: bool ``[G, P]``, the prefix slot holds a real token (or None).
+    row_group: int32 ``[B]``, the group (prefix row) of each row (or None).
     """
 
     k: jax.Array
     v: jax.Array
     mask: jax.Array
     length: jax.Array
+    prefix_k: jax.Array | None = None
+    prefix_v: jax.Array | None = None
+    prefix_mask: jax.Array | None = None
+    row_group: jax.Array | None = None
 
     @classmethod
     def init(
@@ -66,6 +77,10 @@ class KVCache:
             mask=jnp.zeros((batch, max_len), bool),
             length=jnp.zeros((), jnp.int32),
         )
+
+    @property
+    def has_prefix(self) -> bool:
+        return self.prefix_k is not None
 
     @property
     def batch(self) -> int:

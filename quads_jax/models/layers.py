@@ -92,7 +92,8 @@ def set_decode_attention(impl: str, config=None) -> None:
 
 
 def decode_attend(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.Array,
-                  valid: jax.Array, kv_len: jax.Array, backend: str) -> jax.Array | None:
+                  valid: jax.Array, kv_len: jax.Array, backend: str,
+                  prefix: tuple | None = None) -> jax.Array | None:
     """One decode token per row through the decode attention kernel, or None where the jnp
     path (``attend`` on the sliced layer) is the one to use.
 
@@ -100,12 +101,16 @@ def decode_attend(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.A
       q: ``[B, 1, H, D]``; k_all, v_all: the stacked cache ``[L, B, KVH, S, D]`` (already
         holding the new token); layer: int32 scalar; valid: bool or int32 ``[B, S]``; kv_len: int32
         scalar, slots ``>= kv_len`` are empty; backend: the recipe's ("auto": the kernel on a
-        GPU; "interpret": the kernel in Pallas interpret mode; "reference": None).
+        GPU; "interpret": the kernel in Pallas interpret mode; "reference": None);
+      prefix: None or ``(k, v [L, G, KVH, P, D], valid [G, P], row_group int32 [B])``, slots
+        each row's group shares (``decode_attention.SharedPrefix``).
     Returns ``[B, 1, H * D]`` in ``q.dtype`` or None.
     """
     from pallas_kernels import decode_attention as da  # here: the trainer never needs Pallas
 
-    if backend == "reference" or _decode_attention["impl"] == "jnp" or not da.supports(k_all):
+    shared = None if prefix is None else da.SharedPrefix(*prefix)
+    if (backend == "reference" or _decode_attention["impl"] == "jnp"
+            or not da.supports(k_all, shared)):
         return None
     if backend == "auto" and jax.default_backend() != "gpu":
         return None
@@ -113,7 +118,7 @@ def decode_attend(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.A
     kvh = k_all.shape[2]
     qg = q.reshape(b, kvh, h // kvh, d)
     config = _decode_attention["config"] or da.DecodeAttentionConfig()
-    out = da.decode_attention(qg, k_all, v_all, layer, valid, kv_len, config=config,
+    out = da.decode_attention(qg, k_all, v_all, layer, valid, kv_len, shared, config=config,
                               interpret=backend == "interpret")
     return out.reshape(b, 1, h * d)
 

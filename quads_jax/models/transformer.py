@@ -24,6 +24,7 @@ itself (for a weight sync that stores different leaf types per layer).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -323,6 +324,10 @@ class _Masks(NamedTuple):
     allowed: jax.Array
     decode_valid: jax.Array | None = None
     decode_len: jax.Array | None = None
+    # A cache's shared prefix: (k, v [L, G, KVH, P, D], valid int32 [G, P], row_group [B]) and,
+    # for the jnp path, what each query may see of it, bool [B, T, P].
+    prefix: tuple | None = None
+    prefix_allowed: jax.Array | None = None
 
 
 def _attention(config, p, x, rope, masks: _Masks, kv, layer, site, recipe):
@@ -348,11 +353,16 @@ def _attention(config, p, x, rope, masks: _Masks, kv, layer, site, recipe):
         out = None
         if masks.decode_valid is not None:
             out = L.decode_attend(q, k_all, v_all, layer, masks.decode_valid, masks.decode_len,
-                                  recipe.backend)
+                                  recipe.backend, prefix=masks.prefix)
         if out is None:
-            k = jax.lax.dynamic_index_in_dim(k_all, layer, 0, keepdims=False)
-            v = jax.lax.dynamic_index_in_dim(v_all, layer, 0, keepdims=False)
-            out = L.attend(q, k, v, masks.allowed)
+            at_layer = lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)  # noqa: E731
+            k, v, allowed = at_layer(k_all), at_layer(v_all), masks.allowed
+            if masks.prefix is not None:  # the group's prefix slots in front of the row's
+                pk, pv, _, groups = masks.prefix
+                k = jnp.concatenate([at_layer(pk)[groups], k], axis=2)
+                v = jnp.concatenate([at_layer(pv)[groups], v], axis=2)
+                allowed = jnp.concatenate([masks.prefix_allowed, allowed], axis=-1)
+            out = L.attend(q, k, v, allowed)
     return ops.linear(out, p["o_proj"], f"{site}.o_proj", recipe), kv
 
 
@@ -435,6 +445,9 @@ def forward(
         positions = jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1
         if cache is not None:
             positions = positions + jnp.sum(cache.mask, axis=1, dtype=jnp.int32)[:, None]
+            if cache.has_prefix:
+                positions = positions + jnp.sum(cache.prefix_mask, axis=1,
+                                                dtype=jnp.int32)[cache.row_group][:, None]
         positions = jnp.maximum(positions, 0)
     rope = L.rope_tables(positions, config.head_dim, config.rope_theta)
 
@@ -450,6 +463,13 @@ def forward(
     masks = _Masks(allowed)
     if cache is not None and t == 1:
         masks = _Masks(allowed, allowed[:, 0].astype(jnp.int32), cache.length + 1)
+    if cache is not None and cache.has_prefix:  # every prefix slot comes before every query
+        prefix_rows = cache.prefix_mask[cache.row_group]  # [B, P]
+        masks = masks._replace(
+            prefix=(cache.prefix_k, cache.prefix_v, cache.prefix_mask.astype(jnp.int32),
+                    cache.row_group),
+            prefix_allowed=jnp.broadcast_to(prefix_rows[:, None, :],
+                                            (b, t, prefix_rows.shape[1])))
 
     h = params["embed"].astype(config.dtype)[tokens]
     token_mask = mask.reshape(-1)
@@ -468,7 +488,8 @@ def forward(
 
     new_cache = None
     if cache is not None:
-        new_cache = KVCache(k=kv[0], v=kv[1], mask=key_mask, length=cache.length + t)
+        new_cache = dataclasses.replace(cache, k=kv[0], v=kv[1], mask=key_mask,
+                                        length=cache.length + t)
     ids = jnp.concatenate(expert_ids, axis=0) if (return_router and expert_ids) else None
     if return_router and not expert_ids:
         ids = jnp.zeros((0, b, t, config.num_experts_per_tok), jnp.int32)

@@ -37,6 +37,8 @@ def _gather_rows(state: DecodeState, rows: jax.Array) -> DecodeState:
     cache = dataclasses.replace(cache, k=jnp.take(cache.k, rows, axis=1),
                                 v=jnp.take(cache.v, rows, axis=1),
                                 mask=jnp.take(cache.mask, rows, axis=0))
+    if cache.has_prefix:  # the shared prefix stays; the rows keep their groups
+        cache = dataclasses.replace(cache, row_group=jnp.take(cache.row_group, rows, axis=0))
     fields = {f: None if getattr(state, f) is None else jnp.take(getattr(state, f), rows, axis=a)
               for f, a in _ROW_FIELDS.items()}
     return dataclasses.replace(state, cache=cache, **fields)

@@ -249,6 +249,10 @@ def generate_continuous(
     if spare_slots is None:
         spare_slots = 4 * segment_steps
     require("spare_slots", spare_slots, segment_steps, " (segment_steps: a segment's room)")
+    if config.share_prompt_cache:
+        raise ValueError("generate_continuous: SamplerConfig.share_prompt_cache=True is not "
+                         "supported with continuous batching (rows join one at a time, not "
+                         "as groups over one prefix row); set it False, or use generate")
     prompts, prompt_mask = engine._check_inputs(prompts, prompt_mask, config, model_config)
     num_prompts, width = prompts.shape
     total = num_prompts * n

@@ -66,6 +66,11 @@ class SamplerConfig:
         270 s on the H200 host (2026-12-03); fine for small models.
       prefill_chunk: prefill this many prompts per pass (0: all at once); must divide the
         batch. Bounds prefill memory (attention scores) for large batches of long prompts.
+      share_prompt_cache: the ``n_samples`` rows of a prompt share one copy of its prompt's
+        keys and values (``KVCache`` prefix: each row holds only its response slots, and
+        decode attention reads the prompt once per group's rows from the same buffer) instead
+        of n copies: ``(n - 1) * P`` fewer cache slots per prompt. Same outputs (up to the
+        order of attention's float additions). Not with continuous batching.
     """
 
     max_new_tokens: int = 128
@@ -80,6 +85,7 @@ class SamplerConfig:
     kv_cache_dtype: str = "model"
     prefill_chunk: int = 0
     unroll_decode_layers: bool = False
+    share_prompt_cache: bool = False
 
     def __post_init__(self) -> None:
         name = "SamplerConfig"
@@ -97,8 +103,9 @@ class SamplerConfig:
               "an int >= 0 (0: the whole batch at once)")
         check(name, "kv_cache_dtype", self.kv_cache_dtype, self.kv_cache_dtype in KV_CACHE_DTYPES,
               f"one of {list(KV_CACHE_DTYPES)}")
-        check(name, "unroll_decode_layers", self.unroll_decode_layers,
-              isinstance(self.unroll_decode_layers, bool), "True or False")
+        for flag in ("unroll_decode_layers", "share_prompt_cache"):
+            check(name, flag, getattr(self, flag), isinstance(getattr(self, flag), bool),
+                  "True or False")
 
     @property
     def sampling(self) -> SamplingParams:
@@ -249,12 +256,35 @@ def _prefill_rows(params, prompts, prompt_mask, config, model_config, recipe):
     return tail.cache, tail.logits[:, -1], ids
 
 
+def _shared_prompt_cache(prompt_cache, n: int, max_new_tokens: int):
+    """The decode cache of ``B * n`` rows over ``prompt_cache`` (B rows, the prompts' slots) as
+    their shared prefix: each row's own slots (``max_new_tokens - 1``, at least 1) empty."""
+    c = prompt_cache
+    layers, groups, kvh, _, d = c.k.shape
+    rows, slots = groups * n, max(max_new_tokens - 1, 1)
+    return dataclasses.replace(
+        c, k=jnp.zeros((layers, rows, kvh, slots, d), c.k.dtype),
+        v=jnp.zeros((layers, rows, kvh, slots, d), c.v.dtype),
+        mask=jnp.zeros((rows, slots), bool), length=jnp.zeros((), jnp.int32),
+        prefix_k=c.k, prefix_v=c.v, prefix_mask=c.mask,
+        row_group=jnp.repeat(jnp.arange(groups, dtype=jnp.int32), n))
+
+
 def _prefill_batch(params, prompts, prompt_mask, config, model_config, recipe):
-    """All rows, ``prefill_chunk`` prompts at a time; each prompt's cache repeated n times.
+    """All rows, ``prefill_chunk`` prompts at a time; each prompt's cache repeated n times (or,
+    with ``share_prompt_cache``, kept once as the rows' shared prefix).
 
     Returns ``(cache with B*n rows, logits [B*n, V], expert ids [n_moe, B, P, k] or None)``.
     """
     batch, n = prompts.shape[0], config.n_samples
+    if config.share_prompt_cache:  # the prompts alone (max_new_tokens 1: P slots), once each
+        cache, logits, ids = _prefill_batch(params, prompts, prompt_mask,
+                                            dataclasses.replace(config, n_samples=1,
+                                                                share_prompt_cache=False,
+                                                                max_new_tokens=1),
+                                            model_config, recipe)
+        return (_shared_prompt_cache(cache, n, config.max_new_tokens),
+                jnp.repeat(logits, n, axis=0), ids)
     chunk = config.prefill_chunk or batch
     if chunk >= batch:
         cache, logits, ids = _prefill_rows(params, prompts, prompt_mask, config, model_config,

@@ -127,6 +127,7 @@ class Trainer:
             temperature=c.rollout.temperature, top_k=c.rollout.top_k, top_p=c.rollout.top_p,
             stop_token_ids=(self.tokenizer.eos_id,), pad_token_id=self.tokenizer.pad_id,
             kv_cache_dtype=c.rollout.kv_cache_dtype,
+            share_prompt_cache=c.rollout.share_prompt_cache,
         )
         self.apply_fn = make_apply_fn(self.model_config, self.trainer_recipe)
         self.logprob_fn = jax.jit(make_logprob_fn(self.apply_fn))

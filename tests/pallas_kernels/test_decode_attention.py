@@ -252,6 +252,37 @@ def test_model_decode_step_through_the_kernel_matches_the_jnp_path():
                                   np.asarray(outs["reference"].cache.k[0]))
 
 
+def test_model_decode_step_with_a_shared_prefix_through_the_kernel():
+    """A GRPO-shaped cache (``share_prompt_cache``: 2 prompts of 16 tokens as the prefix of 4
+    rows): one decode step through the kernel equals the jnp path, which equals the step on
+    the cache with each row holding its own copy of the prompt."""
+    import dataclasses as dc
+
+    from quads_jax.sampler import engine
+    from quads_jax.sampler.engine import SamplerConfig
+
+    c = tiny_config(dtype="bfloat16")
+    params = init_params(c, jax.random.key(0))
+    tok = jax.random.randint(jax.random.key(1), (2, 16), 3, c.vocab_size)
+    mask = jnp.ones((2, 16), bool).at[1, :3].set(False)
+    sc = SamplerConfig(max_new_tokens=17, n_samples=2, greedy=True, share_prompt_cache=True)
+    nxt = jnp.asarray([[5], [7], [9], [11]], jnp.int32)
+    pos = jnp.asarray([[16], [16], [13], [13]], jnp.int32)
+    outs = {}
+    for share in (True, False):
+        state = engine.prefill(params, tok, jax.random.key(2),
+                               dc.replace(sc, share_prompt_cache=share), model_config=c,
+                               prompt_mask=mask)
+        for backend in ("reference", "interpret") if share else ("reference",):
+            r = dc.replace(get_recipe("bf16"), backend=backend)
+            outs[share, backend] = forward(c, params, nxt, positions=pos, cache=state.cache,
+                                           recipe=r).logits
+    np.testing.assert_allclose(np.asarray(outs[True, "interpret"]),
+                               np.asarray(outs[True, "reference"]), atol=5e-2)
+    np.testing.assert_allclose(np.asarray(outs[True, "reference"]),
+                               np.asarray(outs[False, "reference"]), atol=5e-2)
+
+
 @pytest.mark.parametrize("cache_dtype,splits", [(jnp.bfloat16, 1), (jnp.float8_e4m3fn, 1),
                                                 (jnp.bfloat16, 4), (jnp.float8_e4m3fn, 2)])
 def test_lowers_for_cuda(cache_dtype, splits):

@@ -1,5 +1,7 @@
 """The rollout engine against the model's own full forward (tiny MoE, float32, CPU)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -173,6 +175,46 @@ def test_chunked_prefill_with_groups_equals_one_pass(model, greedy):
     with pytest.raises(ValueError, match="batch 4 is not a multiple of SamplerConfig"):
         engine.generate(params, tokens, jax.random.key(1), SamplerConfig(prefill_chunk=3),
                         model_config=cfg, prompt_mask=mask)
+
+
+@pytest.mark.parametrize("sampling", [dict(greedy=True, return_expert_ids=True),
+                                      dict(temperature=0.8)])
+def test_shared_prompt_cache_gives_the_rollout_of_copied_prompts(model, sampling):
+    """``share_prompt_cache``: a group's n rows read one copy of its prompt's keys (the cache's
+    prefix) instead of n; the rollout is the same, the cache holds (n - 1) x P fewer slots."""
+    cfg, params = model
+    tokens, mask = engine.left_pad(PROMPTS[:3])
+    sc = SamplerConfig(max_new_tokens=NEW, n_samples=3, **sampling)
+    shared = dataclasses.replace(sc, share_prompt_cache=True)
+    want = engine.generate(params, tokens, jax.random.key(4), sc, model_config=cfg,
+                           prompt_mask=mask)
+    got = engine.generate(params, tokens, jax.random.key(4), shared, model_config=cfg,
+                          prompt_mask=mask)
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6)
+
+    state = engine.prefill(params, tokens, jax.random.key(4), shared, model_config=cfg,
+                           prompt_mask=mask)
+    width = tokens.shape[1]
+    c = state.cache
+    assert c.prefix_k.shape[1:4:2] == (3, width) and c.k.shape[1:4:2] == (9, NEW - 1)
+    np.testing.assert_array_equal(np.asarray(c.row_group), np.repeat(np.arange(3), 3))
+    np.testing.assert_array_equal(np.asarray(c.prefix_mask), mask)
+
+    # Compaction keeps each row's group when finished rows leave the batch.
+    compact, sizes = generate_compacting(params, tokens, jax.random.key(4), shared,
+                                         model_config=cfg, prompt_mask=mask, segment_steps=3,
+                                         min_rows=1)
+    same = engine.generate(params, tokens, jax.random.key(4), shared, model_config=cfg,
+                           prompt_mask=mask)
+    np.testing.assert_array_equal(np.asarray(compact.tokens)[:, :width],
+                                  np.asarray(same.tokens)[:, :width])
+    with pytest.raises(ValueError, match="share_prompt_cache=True is not supported with "
+                                         "continuous batching"):
+        from quads_jax.sampler.continuous import generate_continuous
+
+        generate_continuous(params, tokens, jax.random.key(4), shared, model_config=cfg,
+                            prompt_mask=mask, batch_rows=3)
 
 
 def test_unrolled_decode_layers_equal_the_scan(model, greedy):

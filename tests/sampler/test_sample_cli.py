@@ -18,7 +18,7 @@ def hf_dir(tmp_path_factory):
 def test_cli_prints_completion_and_tokens_per_second(hf_dir, capsys):
     rc = sample.main(["--hf", hf_dir, "--prompt", "12+34=", "--precision", "nvfp4",
                       "--max-new-tokens", "6", "--greedy", "--n", "2",
-                      "--kv-cache-dtype", "float8_e4m3fn"])
+                      "--kv-cache-dtype", "float8_e4m3fn", "--share-prompt-cache"])
     out = capsys.readouterr().out
     assert rc == 0
     assert out.count("--- sample") == 2 and out.count("12+34=") == 2

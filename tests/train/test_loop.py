@@ -153,6 +153,8 @@ def test_calibration_batch_cuts_rows_to_the_shortest_and_refuses_bad_input():
         RolloutSection(kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="decode_rows=-1.*>= 0"):
         RolloutSection(decode_rows=-1)
+    with pytest.raises(ValueError, match="share_prompt_cache=True.*when decode_rows > 0"):
+        RolloutSection(decode_rows=8, share_prompt_cache=True)
 
 
 def test_stop_after_n_nonfinite_saves_checkpoint(tmp_path):
@@ -211,8 +213,9 @@ def compile_cache(tmp_path):
 def test_loop_resume_equals_straight_run(tmp_path, compile_cache):
     """RL 4 steps straight == 2 steps, stop, a new process-like Trainer resumes, 2 more:
     the same losses, rewards (so the same rollouts: RNG and data position restored) and
-    bit-identical final params."""
+    bit-identical final params. The rollouts share each group's prompt cache."""
     base = ["console=false", "tensorboard=false", "sft.steps=0", "reward.format_weight=1.0",
+            "rollout.share_prompt_cache=true",
             "rollout.max_new_tokens=2", "model.config.hidden_size=64",
             "model.config.num_hidden_layers=2", "rollout.prompts_per_step=4",
             "grpo.num_generations=8", "rl.eval_every=100", "rl.eval_prompts=4",
@@ -222,6 +225,7 @@ def test_loop_resume_equals_straight_run(tmp_path, compile_cache):
         cfg = cfglib.load(TrainConfig, ROOT / "configs" / "tiny_cpu.yaml",
                           [*base, f"run_dir={tmp_path / name}", f"rl.steps={steps}"])
         trainer = Trainer(cfg)
+        assert trainer.sampler_config.share_prompt_cache
         try:
             trainer.run()
         finally:
