@@ -59,7 +59,8 @@ def workload(cfg: ModelConfig, args) -> tuple[np.ndarray, np.ndarray, SamplerCon
     stops = tuple(int(i) for i in np.linspace(0, cfg.vocab_size - 1, count).astype(int))
     sc = SamplerConfig(max_new_tokens=args.new_tokens, n_samples=args.n_samples,
                        temperature=1.0, stop_token_ids=stops,
-                       kv_cache_dtype=args.kv_cache_dtype)
+                       kv_cache_dtype=args.kv_cache_dtype,
+                       share_prompt_cache=args.share_prompt_cache)
     return tokens, mask, sc
 
 
@@ -121,6 +122,8 @@ def parse_args(argv):
     p.add_argument("--segment-steps", type=int, default=32)
     p.add_argument("--kv-cache-dtype", choices=("bfloat16", "float8_e4m3fn"),
                    default="bfloat16")
+    p.add_argument("--share-prompt-cache", action="store_true",
+                   help="a group's rows share one copy of its prompt's KV cache")
     p.add_argument("--schedules", default="static,compacting,continuous")
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
@@ -163,6 +166,7 @@ def main(argv=None) -> int:
                 batch_rows=args.batch_rows, prompt=args.prompt, new_tokens=args.new_tokens,
                 stop_fraction=args.stop_fraction, stop_ids=len(sc.stop_token_ids),
                 segment_steps=args.segment_steps, kv_cache_dtype=args.kv_cache_dtype,
+                share_prompt_cache=args.share_prompt_cache,
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())))
     runs = schedules(params, cfg, recipe, tokens, mask, sc, args)
     for name in args.schedules.split(","):

@@ -92,7 +92,8 @@
 #   cont   rollout scheduling on one workload (scripts/bench_continuous.py; session 23,
 #          CPU-tested only): 512 responses (64 prompts x 8, prompts 128-256 tokens), lengths
 #          ~geometric (stop set 0.4 % of the vocabulary) capped at 512, on 128 decode rows,
-#          nvfp4_rac: static batches (generate), compaction and continuous batching
+#          nvfp4_rac: static batches (generate), compaction and continuous batching; then
+#          continuous batching with shared prompt caches (200 s more)
 #   share  GRPO groups sharing their prompt's KV cache (SamplerConfig.share_prompt_cache;
 #          session 23, CPU-tested only): nvfp4_rac at batch 128 = 16 prompts x 8 samples,
 #          prompt 1024, with the shared prompt cache and without, same call (traced)
@@ -305,7 +306,12 @@ for step in "$@"; do
       --precision nvfp4_rac --sequences 512 --n-samples 8 --batch-rows 128 --prompt 256 \
       --new-tokens 512 --stop-fraction 0.004 --segment-steps 32 --commit "$COMMIT" \
       --out "$OUT/cont" > "$OUT/cont.log" 2>&1
-      echo "cont rc $?"; grep -E '"schedule"|Error' "$OUT/cont.log" | cut -c1-300 ;;
+      echo "cont rc $?"; grep -E '"schedule"|Error' "$OUT/cont.log" | cut -c1-300
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -k 15 200 python3 scripts/bench_continuous.py \
+      --precision nvfp4_rac --sequences 512 --n-samples 8 --batch-rows 128 --prompt 256 \
+      --new-tokens 512 --stop-fraction 0.004 --segment-steps 32 --commit "$COMMIT" \
+      --schedules continuous --share-prompt-cache --out "$OUT/contshare" > "$OUT/contshare.log" 2>&1
+      echo "contshare rc $?"; grep -E '"schedule"|Error' "$OUT/contshare.log" | cut -c1-300 ;;
     share) rollout share 200 --batches 128 --prompts 1024 $short --precisions nvfp4_rac \
       --n-samples 8 --share-prompt-cache --profile-steps 4 --budget-s 150
       rollout noshare 200 --batches 128 --prompts 1024 $short --precisions nvfp4_rac \

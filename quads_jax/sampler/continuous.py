@@ -26,6 +26,11 @@ bandwidth, against ~0.5 s for a 32-step segment; an estimate, not yet timed). A 
 would avoid it (the page table moves, not the keys) at the price of a decode attention kernel
 that follows a page table.
 
+With ``SamplerConfig.share_prompt_cache`` the prompts live in the cache's prefix rows (one
+per group, ``2 * batch_rows / n`` of them) and a row's own slots hold only its response: a
+group joins by writing its prefix row and its rows' fields (``_join_groups``), and a prefix row
+is reused once all n rows of its group have ended.
+
 Sampling draws one key per step for the whole batch (as ``generate`` does), so sampled
 responses differ from ``generate``'s while greedy decoding gives the same tokens (up to the
 order of the float additions in attention); a given rng gives the same rollout.
@@ -74,20 +79,28 @@ def row_steps(segments: list[Segment]) -> int:
     return sum(s.rows * s.steps + s.joined for s in segments)
 
 
-def _idle_state(template: DecodeState, rows: int, slots: int) -> DecodeState:
+def _idle_state(template: DecodeState, rows: int, slots: int, groups: int = 0) -> DecodeState:
     """A batch of ``rows`` idle rows (done, empty cache) shaped like ``template`` (an abstract
-    prefill state of one prompt), with ``slots`` cache slots."""
-    def per_row(x, axis, fill):
-        shape = x.shape[:axis] + (rows,) + x.shape[axis + 1:]
+    prefill state of one prompt), with ``slots`` cache slots per row; with a shared prompt
+    cache also ``groups`` empty prefix rows."""
+    def per_row(x, axis, fill, n=rows):
+        shape = x.shape[:axis] + (n,) + x.shape[axis + 1:]
         return jnp.full(shape, fill, x.dtype)
+
+    def rows_slots(x, n, s):  # [L, n, KVH, s, D] zeros like x
+        return jnp.zeros(x.shape[:1] + (n,) + x.shape[2:3] + (s,) + x.shape[4:], x.dtype)
 
     c = template.cache
     cache = dataclasses.replace(
-        c, k=jnp.zeros(c.k.shape[:1] + (rows,) + c.k.shape[2:3] + (slots,) + c.k.shape[4:],
-                       c.k.dtype),
-        v=jnp.zeros(c.v.shape[:1] + (rows,) + c.v.shape[2:3] + (slots,) + c.v.shape[4:],
-                    c.v.dtype),
+        c, k=rows_slots(c.k, rows, slots), v=rows_slots(c.v, rows, slots),
         mask=jnp.zeros((rows, slots), bool), length=jnp.zeros((), jnp.int32))
+    if c.has_prefix:
+        width = c.prefix_k.shape[3]
+        cache = dataclasses.replace(
+            cache, prefix_k=rows_slots(c.prefix_k, groups, width),
+            prefix_v=rows_slots(c.prefix_v, groups, width),
+            prefix_mask=jnp.zeros((groups, width), bool),
+            row_group=jnp.zeros((rows,), jnp.int32))
     t = template
     ids = lambda x: None if x is None else per_row(x, 1, -1)
     return DecodeState(
@@ -178,6 +191,25 @@ def _join(state: DecodeState, joining: DecodeState, rows: jax.Array, *,
     return dataclasses.replace(state, cache=cache)
 
 
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _join_groups(state: DecodeState, joining: DecodeState, rows: jax.Array,
+                 groups: jax.Array) -> DecodeState:
+    """With a shared prompt cache: the groups of ``joining`` (a state prefilled with
+    ``share_prompt_cache``, group-major rows) written to prefix rows ``groups`` (int32 ``[g]``)
+    and their rows to ``rows`` (int32 ``[g * n]``; an index past the end drops the entry).
+    The joining rows hold no slot of their own yet, so nothing else moves."""
+    state = _join_fields(state, joining, rows)
+    cache, new = state.cache, joining.cache
+    put = lambda a, b: a.at[:, groups].set(b, mode="drop")  # noqa: E731
+    cache = dataclasses.replace(
+        cache, prefix_k=put(cache.prefix_k, new.prefix_k),
+        prefix_v=put(cache.prefix_v, new.prefix_v),
+        prefix_mask=cache.prefix_mask.at[groups].set(new.prefix_mask, mode="drop"),
+        row_group=cache.row_group.at[rows].set(groups[new.row_group], mode="drop"),
+        mask=cache.mask.at[rows].set(False, mode="drop"))
+    return dataclasses.replace(state, cache=cache)
+
+
 def _join_fields(state: DecodeState, joining: DecodeState, rows: jax.Array) -> DecodeState:
     """``state`` with the per-row fields of ``joining`` written into its rows ``rows``."""
     fields = {}
@@ -249,15 +281,16 @@ def generate_continuous(
     if spare_slots is None:
         spare_slots = 4 * segment_steps
     require("spare_slots", spare_slots, segment_steps, " (segment_steps: a segment's room)")
-    if config.share_prompt_cache:
-        raise ValueError("generate_continuous: SamplerConfig.share_prompt_cache=True is not "
-                         "supported with continuous batching (rows join one at a time, not "
-                         "as groups over one prefix row); set it False, or use generate")
     prompts, prompt_mask = engine._check_inputs(prompts, prompt_mask, config, model_config)
     num_prompts, width = prompts.shape
     total = num_prompts * n
     rows = min(batch_rows // n, num_prompts) * n
-    slots = width + config.max_new_tokens - 1 + spare_slots
+    share = config.share_prompt_cache
+    # With a shared prompt cache a row's slots hold its response alone, and a group keeps its
+    # prefix row until all its n rows have ended: twice the groups that fit, so a group that
+    # is partly done does not hold back a waiting one.
+    slots = (0 if share else width) + max(config.max_new_tokens - 1, 1) + spare_slots
+    prefix_rows = 2 * (rows // n) if share else 0
     static = dict(config=config, model_config=model_config, recipe=recipe)
     prefill_key, decode_key = jax.random.split(rng)
     host_prompts, host_mask = np.asarray(prompts), np.asarray(prompt_mask)
@@ -270,15 +303,21 @@ def generate_continuous(
     # The shapes of a one-prompt prefill (traced once per shape: jit's cache serves repeats).
     template = engine._prefill_jit.eval_shape(rollout_params, host_prompts[:1], host_mask[:1],
                                               rng, **static)
-    state = dataclasses.replace(_idle_state(template, rows, slots), rng=decode_key)
+    state = dataclasses.replace(_idle_state(template, rows, slots, prefix_rows),
+                                rng=decode_key)
     results = {f: np.full(_with_rows(getattr(template, f), total, _JOIN_FIELDS[f]),
                           -1 if f.endswith("expert_ids") else 0, getattr(template, f).dtype)
                for f in _RESULT_FIELDS if getattr(template, f) is not None}
     seq = np.full(rows, -1)  # the rollout row each batch row decodes; -1: idle
+    row_prefix = np.zeros(rows, np.int64)  # shared prompt cache: each row's prefix row
+    prefix_users = np.zeros(prefix_rows, np.int64)  # rows still reading each prefix row
     waiting, segments, step, length = 0, [], 0, 0
     while True:
         free = np.flatnonzero(seq < 0)
         groups = min(free.size // n, num_prompts - waiting)
+        free_prefix = np.flatnonzero(prefix_users == 0)
+        if share:
+            groups = min(groups, free_prefix.size)
         joining, dest = None, None
         if groups:
             bucket = _bucket(groups, 1)  # bounded compiles: prefill batches are powers of two
@@ -291,12 +330,19 @@ def generate_continuous(
             dest = _padded(free[: groups * n], bucket * n, seq.size)
             seq[free[: groups * n]] = np.arange(waiting * n, (waiting + groups) * n)
             waiting += groups
-        rebuilt = length + segment_steps > slots or (joining is not None and length < width)
+            if share:
+                state = _join_groups(state, joining, dest,
+                                     _padded(free_prefix[:groups], bucket, prefix_rows))
+                row_prefix[free[: groups * n]] = np.repeat(free_prefix[:groups], n)
+                prefix_users[free_prefix[:groups]] = n
+        rebuilt = length + segment_steps > slots or (
+            not share and joining is not None and length < width)
         if rebuilt:
-            if dest is None:
-                dest = jnp.zeros((0,), jnp.int32)
-            state = _rebuild(state, joining, dest, width=width)
-        elif joining is not None:
+            if dest is None or share:  # shared: the joining rows are in already
+                state = _rebuild(state, None, jnp.zeros((0,), jnp.int32), width=width)
+            else:
+                state = _rebuild(state, joining, dest, width=width)
+        elif joining is not None and not share:
             state = _join(state, joining, dest, width=width)
         running = int(np.sum(seq >= 0))
         state = engine._decode_jit(rollout_params, state, jnp.int32(segment_steps),
@@ -317,6 +363,8 @@ def generate_continuous(
                 src = (slice(None),) * axis + (slice(0, ended.size),)
                 results[f][dst] = value[src]
             seq[ended] = -1
+            if share:  # a prefix row frees once every row of its group has ended
+                np.subtract.at(prefix_users, row_prefix[ended], 1)
         if waiting == num_prompts:
             busy = np.flatnonzero(seq >= 0)
             if busy.size == 0:
@@ -325,6 +373,7 @@ def generate_continuous(
             if size < seq.size:
                 keep = np.concatenate([busy, np.flatnonzero(seq < 0)[: size - busy.size]])
                 state, seq = _gather_rows(state, jnp.asarray(keep, jnp.int32)), seq[keep]
+                row_prefix = row_prefix[keep]
 
     fields = dict(expert_ids=None, prompt_expert_ids=None)
     fields.update({f: jnp.asarray(v) for f, v in results.items()})

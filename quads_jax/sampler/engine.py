@@ -70,7 +70,7 @@ class SamplerConfig:
         keys and values (``KVCache`` prefix: each row holds only its response slots, and
         decode attention reads the prompt once per group's rows from the same buffer) instead
         of n copies: ``(n - 1) * P`` fewer cache slots per prompt. Same outputs (up to the
-        order of attention's float additions). Not with continuous batching.
+        order of attention's float additions); with continuous batching too.
     """
 
     max_new_tokens: int = 128

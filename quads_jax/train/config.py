@@ -88,7 +88,7 @@ class RolloutSection:
         For steps with more responses than fit in memory at once, or with long-tailed lengths.
       segment_steps: with ``decode_rows``, decode steps between refills.
       share_prompt_cache: a prompt's G responses share one copy of its prompt's KV cache
-        (``SamplerConfig.share_prompt_cache``; not with ``decode_rows``).
+        (``SamplerConfig.share_prompt_cache``), with or without ``decode_rows``.
     """
 
     prompts_per_step: int = 8
@@ -120,9 +120,6 @@ class RolloutSection:
               "an integer >= 0 (0: one batch per step)")
         check(own, "segment_steps", self.segment_steps, self.segment_steps >= 1,
               "an integer >= 1")
-        check(own, "share_prompt_cache", self.share_prompt_cache,
-              not (self.share_prompt_cache and self.decode_rows),
-              "False when decode_rows > 0 (continuous batching does not share prompt caches)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -81,6 +81,28 @@ def test_greedy_equals_generate_with_rows_refilled_and_slots_rebuilt(model, spar
         assert any(s.joined and not s.rebuilt for s in segments), segments
 
 
+def test_shared_prompt_cache_groups_join_and_equal_generate(model):
+    """With ``share_prompt_cache`` groups join by their prefix row; a prefix row is reused
+    only after all its group's rows ended; the rollout equals ``generate``'s."""
+    cfg, params = model
+    tokens, mask = engine.left_pad(PROMPTS)
+    plain = SamplerConfig(max_new_tokens=NEW, greedy=True, n_samples=2)
+    ref = np.asarray(engine.generate(params, tokens, jax.random.key(1), plain, model_config=cfg,
+                                     prompt_mask=mask).tokens)[:, tokens.shape[1]:]
+    stops = (int(ref[2, 0]), int(ref[4, 3]))  # prompts 1 and 2 end early
+    sc = SamplerConfig(max_new_tokens=NEW, greedy=True, n_samples=2, stop_token_ids=stops,
+                       return_expert_ids=True, share_prompt_cache=True)
+    want = engine.generate(params, tokens, jax.random.key(1), sc, model_config=cfg,
+                           prompt_mask=mask)
+    got, segments = generate_continuous(params, tokens, jax.random.key(1), sc, model_config=cfg,
+                                        prompt_mask=mask, batch_rows=4, segment_steps=2,
+                                        spare_slots=2, min_rows=1)
+    _assert_same_rollout(got, want)
+    assert sum(s.joined for s in segments) == 2 * len(PROMPTS)
+    assert any(s.rebuilt for s in segments)  # two spare slots: the response slots ran out
+    assert not segments[0].rebuilt  # rows join without moving anything
+
+
 def test_slot_moves_touch_the_cache_in_place(model):
     """``_rebuild`` moves slots a layer at a time and ``_join`` scatters: neither holds a copy
     of the cache (compiled temporary bytes below two layers' K and V; the output aliases the

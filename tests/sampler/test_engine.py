@@ -209,12 +209,6 @@ def test_shared_prompt_cache_gives_the_rollout_of_copied_prompts(model, sampling
                            prompt_mask=mask)
     np.testing.assert_array_equal(np.asarray(compact.tokens)[:, :width],
                                   np.asarray(same.tokens)[:, :width])
-    with pytest.raises(ValueError, match="share_prompt_cache=True is not supported with "
-                                         "continuous batching"):
-        from quads_jax.sampler.continuous import generate_continuous
-
-        generate_continuous(params, tokens, jax.random.key(4), shared, model_config=cfg,
-                            prompt_mask=mask, batch_rows=3)
 
 
 def test_unrolled_decode_layers_equal_the_scan(model, greedy):

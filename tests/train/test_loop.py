@@ -80,7 +80,7 @@ def test_static_rac_run_calibrates_at_sync(tmp_path, monkeypatch):
     """A rollout recipe with a static RAC selection trains: each weight sync calibrates on the
     training prompts (every ``calibration_every``-th sync; the syncs between reuse it), and the
     rollout leaves carry the calibrated block sets. The rollout runs on an FP8 KV cache, with
-    continuous batching on 4 decode rows (8 responses per step)."""
+    continuous batching on 4 decode rows (8 responses per step) and shared prompt caches."""
     from quads_jax.quant.rac import CalibratedWeight
     from quads_jax.train import loop
     from quads_jax.train import rollout as rollout_lib
@@ -109,7 +109,8 @@ def test_static_rac_run_calibrates_at_sync(tmp_path, monkeypatch):
                                   "rollout.calibration_prompts=5",
                                   "rollout.calibration_every=2", "checkpoint.every_steps=0",
                                   "rollout.kv_cache_dtype=float8_e4m3fn",
-                                  "rollout.decode_rows=4", "rollout.segment_steps=2"])
+                                  "rollout.decode_rows=4", "rollout.segment_steps=2",
+                                  "rollout.share_prompt_cache=true"])
     assert trainer.sampler_config.kv_cache_dtype == "float8_e4m3fn"  # the config reaches it
     assert trainer.trainer_recipe.kv_quant == "float8_e4m3fn"  # and aligns the trainer
     try:
@@ -153,8 +154,6 @@ def test_calibration_batch_cuts_rows_to_the_shortest_and_refuses_bad_input():
         RolloutSection(kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="decode_rows=-1.*>= 0"):
         RolloutSection(decode_rows=-1)
-    with pytest.raises(ValueError, match="share_prompt_cache=True.*when decode_rows > 0"):
-        RolloutSection(decode_rows=8, share_prompt_cache=True)
 
 
 def test_stop_after_n_nonfinite_saves_checkpoint(tmp_path):
