@@ -441,8 +441,14 @@ def bench_precision(name, make_params, cfg, cases, args, bandwidth, clock, out_d
             record(out_dir, dict(kind="error", precision=name, batch=batch, prompt=prompt,
                                  error=f"{type(e).__name__}: {str(e)[:400]}"))
             continue
+        # 1k context per row; with shared prompt caches a row holds its response and 1/n of
+        # its group's prompt.
+        context = 1024
+        if args.share_prompt_cache and prompt < 1024:
+            context = 1024 - prompt + -(-prompt // args.n_samples)
         row["max_batch_1k_context"] = largest_batch(
-            cfg, wb, row["decode_temp_bytes"] / batch, itemsize=kv_itemsize(args))
+            cfg, wb, row["decode_temp_bytes"] / batch, context=context,
+            itemsize=kv_itemsize(args))
         record(out_dir, dict(kind="rollout", precision=name, weight_bytes=wb, **row,
                              elapsed_s=clock.elapsed()))
 

@@ -47,13 +47,12 @@ import numpy as np
 
 from quads_jax.config import check
 from quads_jax.sampler import engine
-from quads_jax.sampler.compaction import _bucket, _gather_rows
+from quads_jax.sampler.compaction import _ROW_FIELDS, _bucket, _gather_rows
 from quads_jax.sampler.engine import DecodeState, Rollout, SamplerConfig
 
-# Per-row fields copied from a prefilled state into the rows it joins, with their row axis.
-_JOIN_FIELDS = {"last_token": 0, "prompt_length": 0, "done": 0, "finish_reason": 0,
-                "response_length": 0, "tokens": 0, "logprobs": 0, "expert_ids": 1,
-                "prompt_expert_ids": 1}
+# Per-row fields copied from a prefilled state into the rows it joins, with their row axis:
+# the ones compaction moves.
+_JOIN_FIELDS = _ROW_FIELDS
 # Fields read back when a row ends.
 _RESULT_FIELDS = ("finish_reason", "response_length", "tokens", "logprobs", "expert_ids",
                   "prompt_expert_ids")

@@ -261,7 +261,7 @@ def test_model_decode_step_with_a_shared_prefix_through_the_kernel():
     from quads_jax.sampler import engine
     from quads_jax.sampler.engine import SamplerConfig
 
-    c = tiny_config(dtype="bfloat16")
+    c = tiny_config(dtype="bfloat16", num_hidden_layers=2, mlp_only_layers=())  # one scan
     params = init_params(c, jax.random.key(0))
     tok = jax.random.randint(jax.random.key(1), (2, 16), 3, c.vocab_size)
     mask = jnp.ones((2, 16), bool).at[1, :3].set(False)
