@@ -120,6 +120,7 @@ def nvfp4_quantize(
     static_scale: jax.Array | None = None,
     source_rows: jax.Array | None = None,
     rac_selector=None,
+    row_valid: jax.Array | None = None,
 ) -> QuantizedActivations:
     """Quantize activations ``x: [M, K]`` (bf16/f16/f32, K % 16 == 0) and their RAC residual.
 
@@ -137,9 +138,13 @@ def nvfp4_quantize(
         modes quantize the gathered rows.
       rac_selector: None, or the selection kernel's call (``rac.select_residual``'s
         ``selector``; ``pallas_kernels.w4a4_grouped`` makes it).
+      row_valid: None, or bool per row of ``x``: the rows that are tokens (RAC's
+        ``online_batch`` selection scores only those; ``rac.selection_mask``).
     """
     _check_x(x, act_scale_mode, static_scale)
     if source_rows is not None and act_scale_mode != "per_token":
+        if row_valid is not None:
+            row_valid = row_valid[source_rows]
         x, source_rows = x[source_rows], None  # a per-batch or per-expert scale spans GEMM rows
     q = nvfp4.quantize_activations(x, act_scale_mode, static_scale)
     if rac_config is None:
@@ -147,7 +152,7 @@ def nvfp4_quantize(
     sel = rac.select_residual(
         x, q, rac_config, act_scale_mode=act_scale_mode, rows=source_rows,
         row_expert=row_expert, num_experts=num_experts, static_blocks=static_blocks,
-        selector=rac_selector,
+        selector=rac_selector, row_valid=row_valid,
     )
     residual = sel.masked().astype(jnp.bfloat16) if rac_config.rac_residual_format == "bf16" else sel
     return QuantizedActivations(q=q, residual=residual, mask=sel.mask, q_rows=source_rows)

@@ -140,13 +140,14 @@ def _static_rows(scale, rexp: jax.Array, e: int):
 
 
 def _grouped_acts(x, rexp, e, act_scale_mode, rac, rac_blocks, act_global_scale,
-                  source_rows=None, selector=None):
-    """Quantized activations of sorted rows; RAC's online_batch selection is per expert."""
+                  source_rows=None, selector=None, row_valid=None):
+    """Quantized activations of sorted rows; RAC's online_batch selection is per expert (over
+    the rows that are tokens, with ``row_valid``)."""
     return aq.nvfp4_quantize(
         x, act_scale_mode=act_scale_mode, rac_config=rac,
         row_expert=jnp.minimum(rexp, e - 1), num_experts=e, static_blocks=rac_blocks,
         static_scale=_static_rows(act_global_scale, rexp, e), source_rows=source_rows,
-        rac_selector=selector,
+        rac_selector=selector, row_valid=row_valid,
     )
 
 
@@ -194,6 +195,7 @@ def w4a4_grouped_matmul(
     config: W4A4MatmulConfig | None = None,
     interpret: bool = False,
     source_rows: jax.Array | None = None,
+    row_valid: jax.Array | None = None,
 ) -> jax.Array:
     """Grouped ``Y[rows of e] = Q(x) @ Q(W_e)^T`` (+ RAC): ``[M, N]`` in ``x_sorted.dtype``.
 
@@ -208,6 +210,8 @@ def w4a4_grouped_matmul(
       source_rows: None, or int32 ``[M]``: ``x_sorted`` holds distinct rows ``[R, K]`` and the
         sorted rows are ``x_sorted[source_rows]`` (a MoE token's k slots): per-token activations
         are quantized once per distinct row and gathered into the tiles (same result).
+      row_valid: None, or bool per row of ``x_sorted``: the rows that are tokens; RAC's
+        online_batch selection scores only those (``rac.selection_mask``).
     """
     config = config or W4A4MatmulConfig()
     w = as_kernel_weights(w_q, config.mma_dtype)
@@ -230,7 +234,7 @@ def w4a4_grouped_matmul(
     else:
         selector = rac_selector(rac, act_scale_mode, gs, source_rows, m, config, interpret)
         acts = _grouped_acts(x_sorted, rexp, e, act_scale_mode, rac, rac_blocks,
-                             act_global_scale, source_rows, selector)
+                             act_global_scale, source_rows, selector, row_valid)
 
         def operand_of(idx):
             return operand_rows(acts, idx, w.mma_dtype, w.k_pad, config.materialize_operands,
@@ -250,12 +254,14 @@ def w4a4_grouped_matmul_reference(
     rac: aq.RACConfig | None = None,
     rac_blocks: jax.Array | None = None,
     act_global_scale: jax.Array | None = None,
+    row_valid: jax.Array | None = None,
 ) -> jax.Array:
     """jnp reference: per-row expert weights, dequantized, float32; ``[M, N]`` in x's dtype."""
     m, e = x_sorted.shape[0], w_q.shape[0]
     gs = _check_group_sizes(group_sizes, e, m)
     rexp = row_experts(gs, m)
-    acts = _grouped_acts(x_sorted, rexp, e, act_scale_mode, rac, rac_blocks, act_global_scale)
+    acts = _grouped_acts(x_sorted, rexp, e, act_scale_mode, rac, rac_blocks, act_global_scale,
+                         row_valid=row_valid)
     wd = nvfp4.dequantize(w_q, jnp.float32)  # [E, N, K]
     a = sum(aq.dequantized_sum(acts))
     y = jax.lax.ragged_dot(a, jnp.swapaxes(wd, 1, 2), gs, precision=jax.lax.Precision.HIGHEST)

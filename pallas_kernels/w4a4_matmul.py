@@ -460,6 +460,7 @@ def w4a4_matmul(
     act_global_scale: jax.Array | None = None,
     config: W4A4MatmulConfig | None = None,
     interpret: bool = False,
+    row_valid: jax.Array | None = None,
 ) -> jax.Array:
     """``Y = Q(x) @ Q(W)^T`` (+ RAC ``Q(R_S) @ Q(W)[:, S]^T``): ``[M, N]`` in ``x.dtype``.
 
@@ -471,6 +472,8 @@ def w4a4_matmul(
         ``act_global_scale`` float32 ``[]``, calibrated).
       rac: RAC options, None = plain W4A4; rac_blocks: bool ``[K/16]`` for static selection.
       interpret: run the Mosaic GPU kernel in the CPU GPU-interpreter (needs a_via_smem).
+      row_valid: None, or bool ``[M]``: the rows that are tokens; RAC's online_batch
+        selection scores only those (``rac.selection_mask``).
     """
     config = config or W4A4MatmulConfig()
     w = as_kernel_weights(w_q, config.mma_dtype)
@@ -485,7 +488,8 @@ def w4a4_matmul(
                                                       interpret),
                          m, w, config, interpret, x.dtype)
     acts = aq.nvfp4_quantize(x, act_scale_mode=act_scale_mode, rac_config=rac,
-                             static_blocks=rac_blocks, static_scale=act_global_scale)
+                             static_blocks=rac_blocks, static_scale=act_global_scale,
+                             row_valid=row_valid)
     if decode:
         return run_dense(lambda idx: operand_rows(acts, idx, w.mma_dtype, w.k_pad,
                                                   config.materialize_operands,
@@ -505,10 +509,12 @@ def w4a4_matmul_reference(
     rac: aq.RACConfig | None = None,
     rac_blocks: jax.Array | None = None,
     act_global_scale: jax.Array | None = None,
+    row_valid: jax.Array | None = None,
 ) -> jax.Array:
     """jnp reference: dequantized operands, float32 products, ``[M, N]`` in ``x.dtype``."""
     acts = aq.nvfp4_quantize(x, act_scale_mode=act_scale_mode, rac_config=rac,
-                             static_blocks=rac_blocks, static_scale=act_global_scale)
+                             static_blocks=rac_blocks, static_scale=act_global_scale,
+                             row_valid=row_valid)
     wd = nvfp4.dequantize(w_q, jnp.float32)
     y = sum(jnp.dot(a, wd.T, precision="highest") for a in aq.dequantized_sum(acts))
     return y.astype(x.dtype)

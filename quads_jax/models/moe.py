@@ -83,12 +83,15 @@ EXPERT_AXIS = "expert"
 
 
 def moe_block(
-    config: ModelConfig, p: dict, x: jax.Array, site: str, recipe: QuantRecipe
+    config: ModelConfig, p: dict, x: jax.Array, site: str, recipe: QuantRecipe,
+    token_valid: jax.Array | None = None,
 ) -> tuple[jax.Array, Routing]:
     """Sparse MoE of tokens ``x [N, H]`` (compute dtype) -> ``([N, H], Routing)``.
 
     ``p``: ``router [E, H]``, ``experts.gate_up [E, 2I, H]`` (gate rows first),
     ``experts.down [E, H, I]``. ``site`` is the layer prefix, e.g. ``layers.3.mlp``.
+    ``token_valid``: None or bool ``[N]``, the rows that are tokens (``ops.linear``'s
+    ``row_valid``: RAC's selection ignores the others).
 
     Under a mesh (``jax.set_mesh``) whose ``expert`` axis has more than one device and divides
     E, the expert matmuls run expert-parallel (``expert_parallel``): each device multiplies
@@ -97,9 +100,10 @@ def moe_block(
     routing = route(config, p["router"], x, f"{site}.router", recipe)
     ep = expert_parallel_size(config.num_experts)
     if ep > 1:
-        y = expert_parallel(config, p["experts"], x, routing, site, recipe)
+        y = expert_parallel(config, p["experts"], x, routing, site, recipe, token_valid)
     else:
-        y = _experts(config, p["experts"], x, routing.expert_ids, routing.weights, site, recipe)
+        y = _experts(config, p["experts"], x, routing.expert_ids, routing.weights, site, recipe,
+                     token_valid=token_valid)
     return y.astype(x.dtype), routing
 
 
@@ -133,7 +137,8 @@ def sort_slots(flat_ids: jax.Array, num_experts: int):
     return order, inverse, counts
 
 
-def _experts(config, experts, x, expert_ids, weights, site, recipe, first=None):
+def _experts(config, experts, x, expert_ids, weights, site, recipe, first=None,
+             token_valid=None):
     """The top-k expert outputs of tokens ``x [N, H]``, combined: float32 ``[N, H]``.
 
     ``experts`` hold experts ``[first, first + E_local)`` (``first`` None: all of them); slots
@@ -157,10 +162,11 @@ def _experts(config, experts, x, expert_ids, weights, site, recipe, first=None):
         token_of_row = jnp.roll(token_of_row, -offset, axis=0)
     gate_up = ops.grouped_linear(
         x, experts["gate_up"], group_sizes, f"{site}.experts.gate_up", recipe,
-        source_rows=token_of_row,
+        source_rows=token_of_row, row_valid=token_valid,
     )
     out = ops.grouped_linear(
-        swiglu(gate_up), experts["down"], group_sizes, f"{site}.experts.down", recipe
+        swiglu(gate_up), experts["down"], group_sizes, f"{site}.experts.down", recipe,
+        row_valid=None if token_valid is None else jnp.asarray(token_valid)[token_of_row],
     )
     if offset is not None:
         out = jnp.roll(out, offset, axis=0)
@@ -192,7 +198,8 @@ def _token_axes(mesh, n: int) -> tuple[str, ...]:
 
 
 def expert_parallel(config: ModelConfig, experts: dict, x: jax.Array, routing: Routing,
-                    site: str, recipe: QuantRecipe) -> jax.Array:
+                    site: str, recipe: QuantRecipe,
+                    token_valid: jax.Array | None = None) -> jax.Array:
     """The expert matmuls with experts sharded over the mesh's ``expert`` axis: float32
     ``[N, H]``.
 
@@ -213,28 +220,32 @@ def expert_parallel(config: ModelConfig, experts: dict, x: jax.Array, routing: R
                            experts)
     gathered = EXPERT_AXIS in tok
 
-    def body(experts, x, ids, weights):
+    def body(experts, x, ids, weights, valid):
         if gathered:
-            x, ids, weights = (jax.lax.all_gather(a, EXPERT_AXIS, tiled=True)
-                               for a in (x, ids, weights))
+            x, ids, weights, valid = (jax.lax.all_gather(a, EXPERT_AXIS, tiled=True)
+                                      for a in (x, ids, weights, valid))
         e_local = e // jax.lax.axis_size(EXPERT_AXIS)
         first = jax.lax.axis_index(EXPERT_AXIS) * e_local
-        y = _experts(config, experts, x, ids, weights, site, recipe, first=first)
+        y = _experts(config, experts, x, ids, weights, site, recipe, first=first,
+                     token_valid=None if token_valid is None else valid)
         if gathered:
             y = jax.lax.psum_scatter(y, EXPERT_AXIS, scatter_dimension=0, tiled=True)
         else:
             y = jax.lax.psum(y, EXPERT_AXIS)
         return y
 
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(w_specs, tok_spec, tok_spec, tok_spec),
+    fn = jax.shard_map(body, mesh=mesh,
+                       in_specs=(w_specs, tok_spec, tok_spec, tok_spec, tok_spec),
                        out_specs=tok_spec)
-    return fn(experts, x, routing.expert_ids, routing.weights)
+    valid = jnp.ones(x.shape[:1], bool) if token_valid is None else token_valid
+    return fn(experts, x, routing.expert_ids, routing.weights, valid)
 
 
-def dense_mlp(p: dict, x: jax.Array, site: str, recipe: QuantRecipe) -> jax.Array:
+def dense_mlp(p: dict, x: jax.Array, site: str, recipe: QuantRecipe,
+              row_valid: jax.Array | None = None) -> jax.Array:
     """SwiGLU MLP of a dense layer: ``gate_up [2I, H]`` (gate first), ``down [H, I]``."""
-    hidden = swiglu(ops.linear(x, p["gate_up"], f"{site}.gate_up", recipe))
-    return ops.linear(hidden, p["down"], f"{site}.down", recipe)
+    hidden = swiglu(ops.linear(x, p["gate_up"], f"{site}.gate_up", recipe, row_valid=row_valid))
+    return ops.linear(hidden, p["down"], f"{site}.down", recipe, row_valid=row_valid)
 
 
 def moe_dense_reference(config: ModelConfig, p: dict, x: jax.Array) -> jax.Array:

@@ -273,10 +273,12 @@ def has_fused_qkv(params: dict) -> bool:
     return any(FUSED_QKV in g.get("attn", {}) for g in params.get("layers", ()))
 
 
-def _qkv(config: ModelConfig, p: dict, x: jax.Array, site: str, recipe: QuantRecipe):
+def _qkv(config: ModelConfig, p: dict, x: jax.Array, site: str, recipe: QuantRecipe,
+         row_valid: jax.Array | None = None):
     """The q, k, v projections of ``x [..., H]``: three GEMMs, or one on a fused weight."""
     if FUSED_QKV not in p:
-        return tuple(ops.linear(x, p[n], f"{site}.{n}", recipe) for n in QKV_SITES)
+        return tuple(ops.linear(x, p[n], f"{site}.{n}", recipe, row_valid=row_valid)
+                     for n in QKV_SITES)
     modes = {n: recipe.mode_for(f"{site}.{n}") for n in QKV_SITES}
     if set(modes.values()) != {"bf16"}:
         raise ValueError(f"{site}.{FUSED_QKV}: a fused q/k/v weight runs bf16 only, but the recipe "
@@ -287,7 +289,7 @@ def _qkv(config: ModelConfig, p: dict, x: jax.Array, site: str, recipe: QuantRec
         raise ValueError(f"{site}.{FUSED_QKV}: {p[FUSED_QKV].shape[-2]} rows; the config needs "
                          f"{nq} + 2 * {nkv} (q, k, v)")
     # Recorded (record_inputs) and dispatched as q_proj: the three sites share x and run bf16.
-    qkv = ops.linear(x, p[FUSED_QKV], f"{site}.q_proj", recipe)
+    qkv = ops.linear(x, p[FUSED_QKV], f"{site}.q_proj", recipe, row_valid=row_valid)
     return qkv[..., :nq], qkv[..., nq:nq + nkv], qkv[..., nq + nkv:]
 
 
@@ -330,11 +332,12 @@ class _Masks(NamedTuple):
     prefix_allowed: jax.Array | None = None
 
 
-def _attention(config, p, x, rope, masks: _Masks, kv, layer, site, recipe):
-    """Self-attention of ``x [B, T, H]``; ``kv`` = (k_all, v_all, length) or None."""
+def _attention(config, p, x, rope, masks: _Masks, kv, layer, site, recipe, row_valid=None):
+    """Self-attention of ``x [B, T, H]``; ``kv`` = (k_all, v_all, length) or None;
+    ``row_valid`` bool ``[B, T]`` (the projections' ``ops.linear`` ``row_valid``)."""
     b, t, _ = x.shape
     d = config.head_dim
-    q, k, v = (y.reshape(b, t, -1, d) for y in _qkv(config, p, x, site, recipe))
+    q, k, v = (y.reshape(b, t, -1, d) for y in _qkv(config, p, x, site, recipe, row_valid))
     cos, sin = rope
     q = L.apply_rope(L.rms_norm(q, p["q_norm"], config.rms_norm_eps), cos, sin)
     k = L.apply_rope(L.rms_norm(k, p["k_norm"], config.rms_norm_eps), cos, sin)
@@ -363,7 +366,7 @@ def _attention(config, p, x, rope, masks: _Masks, kv, layer, site, recipe):
                 v = jnp.concatenate([at_layer(pv)[groups], v], axis=2)
                 allowed = jnp.concatenate([masks.prefix_allowed, allowed], axis=-1)
             out = L.attend(q, k, v, allowed)
-    return ops.linear(out, p["o_proj"], f"{site}.o_proj", recipe), kv
+    return ops.linear(out, p["o_proj"], f"{site}.o_proj", recipe, row_valid=row_valid), kv
 
 
 def _layer_body(config, kind, site_layer, rope, masks, token_mask, recipe):
@@ -375,14 +378,17 @@ def _layer_body(config, kind, site_layer, rope, masks, token_mask, recipe):
         b, t, hidden = h.shape
         x = L.rms_norm(h, p["input_norm"], config.rms_norm_eps)
         attn_out, kv = _attention(config, p["attn"], x, rope, masks, kv, layer,
-                                  f"layers.{site_layer}.attn", recipe)
+                                  f"layers.{site_layer}.attn", recipe,
+                                  token_mask.reshape(b, t))
         h = h + attn_out
         x = L.rms_norm(h, p["post_attn_norm"], config.rms_norm_eps).reshape(b * t, hidden)
         if kind == "moe":
-            y, routing = moe_block(config, p["mlp"], x, f"layers.{site_layer}.mlp", recipe)
+            y, routing = moe_block(config, p["mlp"], x, f"layers.{site_layer}.mlp", recipe,
+                                   token_valid=token_mask)
             ys = (routing.expert_ids.reshape(b, t, -1), router_stats(routing, token_mask))
         else:
-            y, ys = dense_mlp(p["mlp"], x, f"layers.{site_layer}.mlp", recipe), None
+            y, ys = dense_mlp(p["mlp"], x, f"layers.{site_layer}.mlp", recipe,
+                              row_valid=token_mask), None
         return (h + y.reshape(b, t, hidden), kv), ys
 
     return body
@@ -440,7 +446,8 @@ def forward(
     _check_inputs(config, tokens, attention_mask, positions, cache)
     segments = _segments(config, params, recipe)  # validates the tree before any compute
     b, t = tokens.shape
-    mask = jnp.ones((b, t), bool) if attention_mask is None else attention_mask.astype(bool)
+    mask = jnp.ones((b, t), bool) if attention_mask is None else jnp.asarray(
+        attention_mask).astype(bool)
     if positions is None:
         positions = jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1
         if cache is not None:

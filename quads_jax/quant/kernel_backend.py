@@ -131,13 +131,14 @@ def _w4a4_kwargs(mode: str, recipe, blocks, scale) -> dict:
 
 
 def _dense(mode: str):
-    def fn(x: jax.Array, w, *, recipe, site: str, interpret: bool) -> jax.Array:
+    def fn(x: jax.Array, w, *, recipe, site: str, interpret: bool,
+           row_valid: jax.Array | None = None) -> jax.Array:
         del site
         w, blocks, scale = _unpack(w, mode, recipe)
         config = _config(interpret, w.mma_dtype)
         if mode == "w4a16_nvfp4":
             return w4a16_matmul(x, w, config=config, interpret=interpret)
-        return w4a4_matmul(x, w, config=config, interpret=interpret,
+        return w4a4_matmul(x, w, config=config, interpret=interpret, row_valid=row_valid,
                            **_w4a4_kwargs(mode, recipe, blocks, scale))
 
     return fn
@@ -167,7 +168,7 @@ def _materialized(y: jax.Array) -> jax.Array:
 
 def _grouped(mode: str):
     def fn(x: jax.Array, w, group_sizes: jax.Array, *, recipe, site: str, interpret: bool,
-           source_rows: jax.Array | None = None):
+           source_rows: jax.Array | None = None, row_valid: jax.Array | None = None):
         del site
         w, blocks, scale = _unpack(w, mode, recipe)
         config = _config(interpret, w.mma_dtype)
@@ -176,7 +177,7 @@ def _grouped(mode: str):
             y = w4a16_grouped_matmul(x, w, gs, config=config, interpret=interpret)
         else:
             y = w4a4_grouped_matmul(x, w, gs, config=config, interpret=interpret,
-                                    source_rows=source_rows,
+                                    source_rows=source_rows, row_valid=row_valid,
                                     **_w4a4_kwargs(mode, recipe, blocks, scale))
         return _materialized(y)
 

@@ -231,7 +231,8 @@ def act_quantize(
     return nvfp4.quantize_activations(x, recipe.act_scale_mode, static_scale)
 
 
-def _rac_residual_product(x, qx, qw, recipe, group_sizes, row_expert, calib) -> jax.Array:
+def _rac_residual_product(x, qx, qw, recipe, group_sizes, row_expert, calib,
+                          row_valid=None) -> jax.Array:
     sel = rac.select_residual(
         x,
         qx,
@@ -240,6 +241,7 @@ def _rac_residual_product(x, qx, qw, recipe, group_sizes, row_expert, calib) -> 
         row_expert=row_expert,
         num_experts=None if row_expert is None else qw.shape[0],
         static_blocks=None if calib is None else calib.rac_blocks,
+        row_valid=row_valid,
     )
     if recipe.rac_residual_format == "bf16":
         acc = _matmul(sel.masked().astype(jnp.bfloat16), nvfp4_unscaled(qw), group_sizes)
@@ -247,8 +249,9 @@ def _rac_residual_product(x, qx, qw, recipe, group_sizes, row_expert, calib) -> 
     return _nvfp4_product(sel.codes(), qw, group_sizes, row_expert)
 
 
-def _reference(x, w, mode, site, recipe, group_sizes) -> jax.Array:
-    """The jnp implementation of every mode; ``x [M, K]``, returns f32 ``[M, N]``."""
+def _reference(x, w, mode, site, recipe, group_sizes, row_valid=None) -> jax.Array:
+    """The jnp implementation of every mode; ``x [M, K]``, returns f32 ``[M, N]``;
+    ``row_valid`` (bool ``[M]`` or None) as ``linear``'s."""
     w, calib = _unwrap(w)
     row_expert = None if group_sizes is None else expert_of_rows(group_sizes, x.shape[0])
     if mode == "bf16":
@@ -271,7 +274,8 @@ def _reference(x, w, mode, site, recipe, group_sizes) -> jax.Array:
         qx = act_quantize(x, recipe, static_scale=static, row_expert=row_expert)
         y = _nvfp4_product(qx, qw, group_sizes, row_expert)
         if mode == "w4a4_nvfp4_rac":
-            y = y + _rac_residual_product(x, qx, qw, recipe, group_sizes, row_expert, calib)
+            y = y + _rac_residual_product(x, qx, qw, recipe, group_sizes, row_expert, calib,
+                                          row_valid)
         return y
     if mode == "w8a8_fp8":
         qw = _fp8_weight(w, site, recipe)
@@ -301,8 +305,14 @@ def _check(x, w, site: str, grouped: bool) -> None:
         )
 
 
+def _valid_kwargs(mode: str, row_valid) -> dict:
+    """``row_valid`` for the kernels of the one mode that reads it (RAC's selection)."""
+    return {} if row_valid is None or mode != "w4a4_nvfp4_rac" else {"row_valid": row_valid}
+
+
 def linear(
-    x: jax.Array, w, site: str, recipe: QuantRecipe | None = None, *, out_dtype=None
+    x: jax.Array, w, site: str, recipe: QuantRecipe | None = None, *, out_dtype=None,
+    row_valid: jax.Array | None = None,
 ) -> jax.Array:
     """``y = x @ W^T`` per the recipe's mode for ``site``.
 
@@ -311,18 +321,27 @@ def linear(
       w: ``[N, K]`` master array, ``NVFP4Tensor``, ``FP8Tensor`` or ``CalibratedWeight``.
       out_dtype: dtype of the result (None: ``x.dtype``); the f32 accumulator is cast to it
         (``lm_head`` asks for f32 logits from bf16 activations).
+      row_valid: None, or bool ``x.shape[:-1]``: the rows that are tokens (not left padding,
+        not a sequence that finished decoding). RAC's ``online_batch`` selection scores only
+        those, so a token's compensation does not depend on padding garbage; every other
+        mode ignores it (each row's result depends on that row alone).
     Returns ``[..., N]``.
     """
     recipe = recipe or _BF16_RECIPE
     _check(x, w, site, grouped=False)
     mode = recipe.mode_for(site)
     x2 = x.reshape(-1, x.shape[-1])
+    valid = None if row_valid is None else jnp.asarray(row_valid, bool).reshape(-1)
+    if valid is not None and valid.shape[0] != x2.shape[0]:
+        raise ValueError(f"site {site!r}: row_valid shape {tuple(jnp.shape(row_valid))} must "
+                         f"be x's rows {tuple(x.shape[:-1])}")
     _record(site, x2, None)
     kernel = _kernel_for(mode, "dense", recipe)
     if kernel is not None:
-        y = kernel(x2, w, recipe=recipe, site=site, interpret=recipe.backend == "interpret")
+        y = kernel(x2, w, recipe=recipe, site=site, interpret=recipe.backend == "interpret",
+                   **_valid_kwargs(mode, valid))
     else:
-        y = _reference(x2, w, mode, site, recipe, None)
+        y = _reference(x2, w, mode, site, recipe, None, valid)
     y = y.astype(x.dtype if out_dtype is None else out_dtype)
     return y.reshape(x.shape[:-1] + (y.shape[-1],))
 
@@ -335,6 +354,7 @@ def grouped_linear(
     recipe: QuantRecipe | None = None,
     *,
     source_rows: jax.Array | None = None,
+    row_valid: jax.Array | None = None,
 ) -> jax.Array:
     """Grouped ``y[m] = x[m] @ W[e(m)]^T`` for rows sorted by expert.
 
@@ -347,6 +367,9 @@ def grouped_linear(
       source_rows: None, or int32 ``[M]``: sorted row ``i`` is ``x_sorted[source_rows[i]]``
         (a MoE token's k slots share one row). Same result as passing the gathered rows; a
         kernel registered with ``source_rows=True`` quantizes each distinct row once.
+      row_valid: None, or bool per row of ``x_sorted`` (the distinct rows with
+        ``source_rows``): as ``linear``'s; RAC then selects each expert's blocks from the
+        expert's token rows only.
     Returns ``[M, N]`` in ``x_sorted.dtype``.
     """
     recipe = recipe or _BF16_RECIPE
@@ -364,14 +387,20 @@ def grouped_linear(
     group_sizes = group_sizes.astype(jnp.int32)
     kernel = _kernel_for(mode, "grouped", recipe)
     gathers = kernel is not None and (mode, "grouped") in _TAKES_SOURCE_ROWS
+    valid = None if row_valid is None else jnp.asarray(row_valid, bool)
+    if valid is not None and valid.shape != x_sorted.shape[:1]:
+        raise ValueError(f"site {site!r}: row_valid shape {tuple(valid.shape)} must be "
+                         f"({x_sorted.shape[0]},), one per row of x_sorted")
     if source_rows is not None and not gathers:
+        valid = None if valid is None else valid[source_rows]
         x_sorted, source_rows = x_sorted[source_rows], None
     if _recorders:
         _record(site, x_sorted if source_rows is None else x_sorted[source_rows], group_sizes)
     if kernel is None:
-        y = _reference(x_sorted, w, mode, site, recipe, group_sizes)
+        y = _reference(x_sorted, w, mode, site, recipe, group_sizes, valid)
     else:
         rows = {} if source_rows is None else {"source_rows": source_rows.astype(jnp.int32)}
         y = kernel(x_sorted, w, group_sizes, recipe=recipe, site=site,
-                   interpret=recipe.backend == "interpret", **rows)
+                   interpret=recipe.backend == "interpret", **rows,
+                   **_valid_kwargs(mode, valid))
     return y.astype(x_sorted.dtype)

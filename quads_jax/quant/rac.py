@@ -131,6 +131,7 @@ def selection_mask(
     row_expert: jax.Array | None = None,
     num_experts: int | None = None,
     static_blocks: jax.Array | None = None,
+    row_valid: jax.Array | None = None,
 ) -> jax.Array:
     """Mask ``[M, K/16]`` of the blocks RAC compensates in each GEMM row, per
     ``recipe.rac_selection``, from the per-row block scores of ``row_block_scores``.
@@ -142,8 +143,14 @@ def selection_mask(
         ranks each distinct row once).
       row_expert: int32 ``[M]`` expert of each GEMM row for grouped GEMMs (None: dense).
       static_blocks: bool ``[K/16]`` or ``[E, K/16]`` for ``rac_selection="static"``.
+      row_valid: None, or bool ``[R]`` per score row: rows that are tokens. ``online_batch``
+        scores the GEMM's own tokens: rows not valid (left padding, rows that finished
+        decoding) add nothing to the batch's or an expert's score (scores are >= 0, so a 0
+        is neutral for sums and maxima); their own mask is whatever the selection gives.
     """
     sel = recipe.rac_selection
+    if row_valid is not None:
+        scores = jnp.where(row_valid[:, None], scores, jnp.zeros((), scores.dtype))
     m = scores.shape[0] if rows is None else rows.shape[0]
     if sel == "static":
         if static_blocks is None:
@@ -291,6 +298,7 @@ def select_residual(
     num_experts: int | None = None,
     static_blocks: jax.Array | None = None,
     selector=None,
+    row_valid: jax.Array | None = None,
 ) -> SelectedResidual:
     """RAC's block selection and residual scales for activations ``x [R, K]`` quantized to
     ``q``: the one construction of ``Q(R_S)`` for the trainer-side reference (``ops``) and the
@@ -301,7 +309,8 @@ def select_residual(
       act_scale_mode: the activations' mode; with ``rac_residual_scale="separate"`` the
         residual gets one decode scale per GEMM row, or one for all rows under ``per_batch``;
         ``"shared"`` reuses ``q``'s.
-      rows / row_expert / num_experts / static_blocks: as ``selection_mask``.
+      rows / row_expert / num_experts / static_blocks / row_valid: as ``selection_mask``
+        (``row_valid`` per row of ``x``).
       selector: None, or a function ``(scores, amax, finite) -> (scales, reciprocals, mask,
         g)`` of the distinct rows' float32 block scores and amax and bool finiteness ``[R,
         K/16]`` that computes what the rest of this function does (float32 block scales on
@@ -312,15 +321,17 @@ def select_residual(
     r = nvfp4.residual(x, q)
     amax, finite = nvfp4.block_amax(block_view(r))  # [R, K/16, 1]
     if selector is not None:
-        s, rcp, mask, g = selector(row_block_scores(x, r, recipe.rac_score), amax[..., 0],
-                                   finite[..., 0])
+        scores = row_block_scores(x, r, recipe.rac_score)
+        if row_valid is not None:
+            scores = jnp.where(row_valid[:, None], scores, jnp.zeros((), scores.dtype))
+        s, rcp, mask, g = selector(scores, amax[..., 0], finite[..., 0])
         return SelectedResidual(r=r, scales=s.astype(jnp.float8_e4m3fn), reciprocals=rcp,
                                 mask=mask, global_scale=g, rows=rows, dtype=jnp.dtype(x.dtype))
     if rows is not None:
         amax, finite = amax[rows], finite[rows]
     mask = selection_mask(row_block_scores(x, r, recipe.rac_score), recipe, rows=rows,
                           row_expert=row_expert, num_experts=num_experts,
-                          static_blocks=static_blocks)
+                          static_blocks=static_blocks, row_valid=row_valid)
     m = mask.shape[0]
     if recipe.rac_residual_scale == "shared":
         g = jnp.asarray(q.global_scale, jnp.float32).reshape(-1)

@@ -237,7 +237,11 @@ def test_collect_site_inputs_and_static_rac_calibration():
 
     cfg = CFG32.replace(num_hidden_layers=3, mlp_only_layers=(1,))  # moe, dense, moe
     params = init_params(cfg, jax.random.key(5))
-    _, tok, mask = _batch()
+    # No padding: online_batch scores real tokens only (ops.linear's row_valid), while the
+    # collected inputs hold every row; on an all-token batch both see the same rows.
+    rows, _, _ = _batch()
+    tok, mask = padded_batch([r[:3] for r in rows], left=True)
+    assert mask.all()
     online = get_recipe("rollout_quads", backend="reference")
     run = jax.jit(collect_site_inputs, static_argnums=0, static_argnames="recipe")
     out, inputs = run(cfg, params, jnp.asarray(tok), attention_mask=jnp.asarray(mask),

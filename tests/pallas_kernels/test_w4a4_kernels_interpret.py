@@ -115,6 +115,23 @@ def test_grouped_source_rows_equal_the_gathered_rows(rac):
     np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
     with pytest.raises(ValueError, match="source_rows"):
         w4a4_grouped_matmul(x, wq, gs, config=cfg, interpret=True, source_rows=src + tokens)
+    if rac:  # tokens that are not (row_valid): the kernel path masks RAC's scores as jnp does
+        valid = jnp.arange(tokens) != 2
+        x = x.at[2].multiply(jnp.linspace(-40, 40, k).astype(x.dtype))  # garbage, not a token
+        y = w4a4_grouped_matmul(x, wq, gs, rac=racc, config=cfg, interpret=True,
+                                source_rows=src, row_valid=valid)
+        want = w4a4_grouped_matmul(x[src], wq, gs, rac=racc, config=cfg, interpret=True,
+                                   row_valid=valid[src])
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
+        rexp = jnp.minimum(row_experts(gs, src.shape[0]), e - 1)
+        acts = aq.nvfp4_quantize(x[src], rac_config=racc, row_expert=rexp, num_experts=e,
+                                 row_valid=valid[src])
+        want = _f64_product(acts, wq, rexp)
+        assert _rel(y, want) < 4e-3  # the bf16 output's rounding
+        ref = w4a4_grouped_matmul_reference(x[src], wq, gs, rac=racc, row_valid=valid[src])
+        assert _rel(ref, want) < 4e-3
+        unmasked = w4a4_grouped_matmul_reference(x[src], wq, gs, rac=racc)
+        assert not np.array_equal(np.asarray(unmasked), np.asarray(ref))  # the mask counts
 
 
 def test_w4a16_dense_and_grouped():

@@ -211,6 +211,29 @@ def test_shared_prompt_cache_gives_the_rollout_of_copied_prompts(model, sampling
                                   np.asarray(same.tokens)[:, :width])
 
 
+def test_rac_rollout_ignores_padding_and_finished_rows(model):
+    """RAC's online_batch selection scores the GEMM's tokens only (``ops.linear``'s
+    ``row_valid``): left padding and finished rows hold garbage that depends on the cache
+    layout, and must not change a token's compensation. So the NVFP4 + RAC rollout is the same
+    with prompt caches copied per row or shared (different garbage in the pad rows)."""
+    from quads_jax.quant.recipe import get_recipe
+    from quads_jax.sampler.sync import sync
+
+    cfg, params = model
+    recipe = get_recipe("rollout_quads")
+    rollout_params = sync(params, recipe, model_config=cfg)
+    tokens, mask = engine.left_pad(PROMPTS)
+    stops = (7,)
+    sc = SamplerConfig(max_new_tokens=NEW, greedy=True, n_samples=2, stop_token_ids=stops)
+    outs = [engine.generate(rollout_params, tokens, jax.random.key(0),
+                            dataclasses.replace(sc, share_prompt_cache=share),
+                            model_config=cfg, recipe=recipe, prompt_mask=mask)
+            for share in (False, True)]
+    np.testing.assert_array_equal(np.asarray(outs[0].tokens), np.asarray(outs[1].tokens))
+    np.testing.assert_allclose(np.asarray(outs[0].logprobs), np.asarray(outs[1].logprobs),
+                               atol=1e-5)
+
+
 def test_unrolled_decode_layers_equal_the_scan(model, greedy):
     cfg, params = model
     tokens, mask = engine.left_pad(PROMPTS)
