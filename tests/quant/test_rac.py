@@ -67,25 +67,28 @@ def test_online_batch_scores_only_the_valid_rows(xw):
     ``online_batch``'s selection. Valid rows then get what a batch of the valid rows alone
     gets, whatever garbage the others hold, dense and grouped."""
     x, w = xw
+    # Jitted: one compile per shape instead of a dispatch of every small op.
+    linear = jax.jit(lambda x, w, v=None: ops.linear(x, w, SITE, rec(), row_valid=v))
+    grouped = jax.jit(lambda x, w, gs, src, v: ops.grouped_linear(
+        x, w, gs, SITE, rec(), source_rows=src, row_valid=v))
     valid = jnp.arange(M) % 3 != 1
     garbage = x.at[~valid].set(1e4 * jax.random.normal(jax.random.key(9), (M, K))[~valid])
-    alone = ops.linear(x[valid], w, SITE, rec())
-    got = ops.linear(garbage, w, SITE, rec(), row_valid=valid)
+    alone = linear(x[valid], w)
+    got = linear(garbage, w, valid)
     np.testing.assert_array_equal(np.asarray(got)[np.asarray(valid)], np.asarray(alone))
-    unmasked = ops.linear(garbage, w, SITE, rec())[valid]
+    unmasked = linear(garbage, w)[valid]
     assert float(jnp.abs(unmasked - alone).max()) > 1e-4  # the garbage did move the selection
 
     # Grouped, with distinct source rows: experts 0 / 1 get sorted rows [0, 7) / [7, 12).
     wg = jnp.stack([w, w[::-1]])
     gs = jnp.asarray([7, 5], jnp.int32)
     source = jnp.asarray([0, 2, 3, 5, 6, 8, 9, 1, 4, 7, 10, 11], jnp.int32)
-    got = ops.grouped_linear(garbage, wg, gs, SITE, rec(), source_rows=source,
-                             row_valid=valid)
+    got = grouped(garbage, wg, gs, source, valid)
     keep = np.asarray(valid)[np.asarray(source)]
     per_expert = [(slice(0, 7), 0), (slice(7, 12), 1)]
     for rows, e in per_expert:
         src = np.asarray(source)[rows][keep[rows]]
-        want = ops.linear(x[src], wg[e], SITE, rec())
+        want = linear(x[src], wg[e])
         np.testing.assert_allclose(np.asarray(got)[rows][keep[rows]], np.asarray(want),
                                    rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="row_valid shape"):
