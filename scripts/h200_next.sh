@@ -95,7 +95,9 @@
 #          nvfp4_rac: static batches (generate), compaction and continuous batching; then
 #          continuous batching with shared prompt caches (200 s more)
 #   share  GRPO groups sharing their prompt's KV cache (SamplerConfig.share_prompt_cache;
-#          session 23, CPU-tested only): nvfp4_rac at batch 128 = 16 prompts x 8 samples,
+#          session 23, CPU-tested only): the decode attention kernel with the shared prefix
+#          against the copied layout (kernel_probe --attention-prefix: checks, timings and
+#          floors), then nvfp4_rac at batch 128 = 16 prompts x 8 samples,
 #          prompt 1024, with the shared prompt cache and without, same call (traced)
 #   hlo    nvfp4 at batch 128 with the decode program's optimized HLO dumped to $OUT/hlo (what
 #          the 386 small `memcpy32_post` copies per step and the MoE block's fusions are)
@@ -312,7 +314,10 @@ for step in "$@"; do
       --new-tokens 512 --stop-fraction 0.004 --segment-steps 32 --commit "$COMMIT" \
       --schedules continuous --share-prompt-cache --out "$OUT/contshare" > "$OUT/contshare.log" 2>&1
       echo "contshare rc $?"; grep -E '"schedule"|Error' "$OUT/contshare.log" | cut -c1-300 ;;
-    share) rollout share 200 --batches 128 --prompts 1024 $short --precisions nvfp4_rac \
+    share) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 120 python3 scripts/kernel_probe.py \
+      --attention-prefix --out "$OUT/sharep" > "$OUT/sharep.log" 2>&1
+      echo "sharep rc $?"; grep -E "PASS|FAIL|shared prefix|copied prompt" "$OUT/sharep.log" | cut -c1-150
+      rollout share 200 --batches 128 --prompts 1024 $short --precisions nvfp4_rac \
       --n-samples 8 --share-prompt-cache --profile-steps 4 --budget-s 150
       rollout noshare 200 --batches 128 --prompts 1024 $short --precisions nvfp4_rac \
       --n-samples 8 --profile-steps 4 --budget-s 150 ;;

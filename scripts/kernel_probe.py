@@ -15,6 +15,7 @@ flags (``--xla_allow_excess_precision`` left on: the quantizer must be right und
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -288,6 +289,62 @@ def run_final():
             except Exception as err:  # noqa: BLE001
                 bk.log(f"  grouped {name} tokens={tokens} FAILED: {type(err).__name__}: "
                        f"{str(err)[:300]}")
+
+
+def run_attention_prefix(shape=(128, 8, 4, 8, 1024, 1023, 128, 4), interpret=False):
+    """Decode attention with GRPO groups sharing their prompt's cache (``SharedPrefix``) against
+    the copied layout (each row holding its prompt): 128 rows = 16 prompts x 8, prompt 1024,
+    mid-response (512 of 1023 response slots). Floors: the KV bytes each layout must read
+    (shared: 16 x 1024 + 128 x 512 slots; copied: 128 x 1536). ``shape``: rows, n, KV heads,
+    query heads per KV head, prompt slots, response slots, head dim, layers; ``interpret``:
+    the CPU dry run of every call (timings meaningless)."""
+    from pallas_kernels.decode_attention import (
+        DecodeAttentionConfig,
+        SharedPrefix,
+        decode_attention,
+        decode_attention_reference,
+    )
+
+    b, n, kvh, g, p, r, d, layers_n = shape
+    groups = b // n
+    q = bk.rand(90, (b, kvh, g, d))
+    pk, pv = (bk.rand(seed, (layers_n, groups, kvh, p, d)) for seed in (91, 92))
+    k, v = (bk.rand(seed, (layers_n, b, kvh, r, d)) for seed in (93, 94))
+    pad = jax.random.randint(jax.random.key(95), (groups, 1), 0, 64)
+    prefix = SharedPrefix(pk, pv, jnp.arange(p)[None, :] >= pad,
+                          jnp.repeat(jnp.arange(groups, dtype=jnp.int32), n))
+    kv_len = r // 2 + 1
+    valid = jnp.broadcast_to(jnp.arange(r)[None, :] < kv_len, (b, r))
+    # The copied layout: each row's group prompt in front of its own slots.
+    rows = prefix.row_group
+    k_full = jnp.concatenate([pk[:, rows], k], axis=3)
+    v_full = jnp.concatenate([pv[:, rows], v], axis=3)
+    valid_full = jnp.concatenate([prefix.valid[rows], valid], axis=1)
+    cfg = DecodeAttentionConfig()
+    run = functools.partial(decode_attention, config=cfg, interpret=interpret)
+    bk.log("== decode attention, shared prompt caches: checks (tol 2e-2: P rounded to bf16)")
+    # Inputs as lambda defaults: bk.check passes them traced (a captured cache would be folded
+    # into the program as a constant).
+    kernel = jax.jit(lambda q=q, k=k, v=v, valid=valid, prefix=prefix: run(
+        q, k, v, jnp.int32(1), valid, jnp.int32(kv_len), prefix))
+    bk.check(f"shared prefix, {groups} groups x {n}, prompt {p}, kv_len {kv_len}", kernel,
+             lambda: decode_attention_reference(q, k, v, 1, valid, prefix=prefix),
+             (b, kvh, g, d), tol=2e-2)
+    bk.check("shared prefix = copied prompt (kernel, both layouts)", kernel,
+             lambda: run(q, k_full, v_full, jnp.int32(1), valid_full, jnp.int32(p + kv_len)),
+             (b, kvh, g, d), tol=2e-2)
+    bk.log("== decode attention, shared prompt caches: timings (4 layers rotated)")
+    slot_bytes = 2 * kvh * d * 2  # K and V, bf16, per slot
+    ws = [(k, v, jnp.int32(i), prefix) for i in range(layers_n)]
+    t, calls = bk.time_chain(lambda x, w: run(x, w[0], w[1], w[2], valid, jnp.int32(kv_len),
+                                              w[3]), q, ws, reps=4)
+    bk.record(f"decode attention shared prefix {groups}x{n} prompt={p} kv_len={kv_len}", t,
+              calls, bytes_=(groups * p + b * kv_len) * slot_bytes)
+    wf = [(k_full, v_full, jnp.int32(i)) for i in range(layers_n)]
+    t, calls = bk.time_chain(lambda x, w: run(x, w[0], w[1], w[2], valid_full,
+                                              jnp.int32(p + kv_len)), q, wf, reps=4)
+    bk.record(f"decode attention copied prompt {b} rows prompt={p} kv_len={p + kv_len}", t,
+              calls, bytes_=b * (p + kv_len) * slot_bytes)
 
 
 def run_attention():
@@ -752,6 +809,8 @@ def main(argv=None):
     p.add_argument("--launch-bound", action="store_true", help="floors + the launch-bound test")
     p.add_argument("--final", action="store_true", help="the BENCHMARKS.md set (run_final)")
     p.add_argument("--attention", action="store_true", help="floors + decode attention")
+    p.add_argument("--attention-prefix", action="store_true",
+                   help="floors + decode attention with shared prompt caches vs copied")
     p.add_argument("--n-group", action="store_true", help="floors + grouped n_group study")
     p.add_argument("--n-group-shapes", default="gate_up,down")
     p.add_argument("--trace-grouped", action="store_true", help="kernels of a grouped call")
@@ -811,6 +870,10 @@ def main(argv=None):
         if args.attention:
             bk.measure_floors()
             run_attention()
+            return 0
+        if args.attention_prefix:
+            bk.measure_floors()
+            run_attention_prefix()
             return 0
         if args.launch_bound:
             bk.measure_floors()

@@ -80,3 +80,20 @@ def test_bench_continuous_runs_every_schedule_on_one_workload(tmp_path):
     for r in runs.values():
         assert 8 <= r["response_tokens"] <= 8 * 6 and 0 < r["utilisation"] <= 1, r
     assert runs["continuous"]["segments"] >= 2
+
+
+def test_kernel_probe_shared_prefix_attention_dry_run():
+    """``kernel_probe.py --attention-prefix`` (the next GPU call's probe) on tiny shapes in
+    interpret mode: both checks pass and both layouts are timed."""
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
+    import bench_kernels as bk
+    import kernel_probe
+
+    checks, timings = len(bk.RESULTS["checks"]), len(bk.RESULTS["timings"])
+    kernel_probe.run_attention_prefix(shape=(4, 2, 2, 4, 32, 31, 32, 2), interpret=True)
+    assert [c["ok"] for c in bk.RESULTS["checks"][checks:]] == [True, True]
+    names = [r["name"] for r in bk.RESULTS["timings"][timings:]]
+    assert len(names) == 2 and "shared prefix" in names[0] and "copied prompt" in names[1]
