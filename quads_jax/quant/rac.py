@@ -55,15 +55,25 @@ def block_view(x: jax.Array) -> jax.Array:
     return x.reshape(x.shape[:-1] + (x.shape[-1] // BLOCK, BLOCK))
 
 
-def row_block_scores(x: jax.Array, r: jax.Array, score: str) -> jax.Array:
-    """Per-row block scores ``[M, K/16]`` f32 of activations ``x`` and residual ``r``."""
+def row_block_scores(x: jax.Array, r: jax.Array, score: str,
+                     row_valid: jax.Array | None = None) -> jax.Array:
+    """Per-row block scores ``[M, K/16]`` f32 of activations ``x`` and residual ``r``.
+
+    ``row_valid``: None, or bool ``[M]``: the rows that are tokens. ``online_batch`` scores
+    the GEMM's own tokens, so rows that are not (left padding, sequences that finished
+    decoding) score 0: every score is >= 0, so they add nothing to the batch's or an expert's
+    sum or maximum."""
     if score == "residual_l2":
-        return jnp.sum(jnp.square(block_view(r)), axis=-1)
-    if score == "residual_l1":
-        return jnp.sum(jnp.abs(block_view(r)), axis=-1)
-    if score == "act_amax":
-        return jnp.max(jnp.abs(block_view(x.astype(jnp.float32))), axis=-1)
-    raise ValueError(f"score={score!r}: must be residual_l2, residual_l1 or act_amax")
+        scores = jnp.sum(jnp.square(block_view(r)), axis=-1)
+    elif score == "residual_l1":
+        scores = jnp.sum(jnp.abs(block_view(r)), axis=-1)
+    elif score == "act_amax":
+        scores = jnp.max(jnp.abs(block_view(x.astype(jnp.float32))), axis=-1)
+    else:
+        raise ValueError(f"score={score!r}: must be residual_l2, residual_l1 or act_amax")
+    if row_valid is not None:
+        scores = jnp.where(row_valid[:, None], scores, jnp.zeros((), scores.dtype))
+    return scores
 
 
 def aggregate_scores(
@@ -131,7 +141,6 @@ def selection_mask(
     row_expert: jax.Array | None = None,
     num_experts: int | None = None,
     static_blocks: jax.Array | None = None,
-    row_valid: jax.Array | None = None,
 ) -> jax.Array:
     """Mask ``[M, K/16]`` of the blocks RAC compensates in each GEMM row, per
     ``recipe.rac_selection``, from the per-row block scores of ``row_block_scores``.
@@ -143,14 +152,8 @@ def selection_mask(
         ranks each distinct row once).
       row_expert: int32 ``[M]`` expert of each GEMM row for grouped GEMMs (None: dense).
       static_blocks: bool ``[K/16]`` or ``[E, K/16]`` for ``rac_selection="static"``.
-      row_valid: None, or bool ``[R]`` per score row: rows that are tokens. ``online_batch``
-        scores the GEMM's own tokens: rows not valid (left padding, rows that finished
-        decoding) add nothing to the batch's or an expert's score (scores are >= 0, so a 0
-        is neutral for sums and maxima); their own mask is whatever the selection gives.
     """
     sel = recipe.rac_selection
-    if row_valid is not None:
-        scores = jnp.where(row_valid[:, None], scores, jnp.zeros((), scores.dtype))
     m = scores.shape[0] if rows is None else rows.shape[0]
     if sel == "static":
         if static_blocks is None:
@@ -309,8 +312,8 @@ def select_residual(
       act_scale_mode: the activations' mode; with ``rac_residual_scale="separate"`` the
         residual gets one decode scale per GEMM row, or one for all rows under ``per_batch``;
         ``"shared"`` reuses ``q``'s.
-      rows / row_expert / num_experts / static_blocks / row_valid: as ``selection_mask``
-        (``row_valid`` per row of ``x``).
+      rows / row_expert / num_experts / static_blocks: as ``selection_mask``.
+      row_valid: None, or bool per row of ``x``: as ``row_block_scores``.
       selector: None, or a function ``(scores, amax, finite) -> (scales, reciprocals, mask,
         g)`` of the distinct rows' float32 block scores and amax and bool finiteness ``[R,
         K/16]`` that computes what the rest of this function does (float32 block scales on
@@ -320,18 +323,15 @@ def select_residual(
     """
     r = nvfp4.residual(x, q)
     amax, finite = nvfp4.block_amax(block_view(r))  # [R, K/16, 1]
+    scores = row_block_scores(x, r, recipe.rac_score, row_valid)
     if selector is not None:
-        scores = row_block_scores(x, r, recipe.rac_score)
-        if row_valid is not None:
-            scores = jnp.where(row_valid[:, None], scores, jnp.zeros((), scores.dtype))
         s, rcp, mask, g = selector(scores, amax[..., 0], finite[..., 0])
         return SelectedResidual(r=r, scales=s.astype(jnp.float8_e4m3fn), reciprocals=rcp,
                                 mask=mask, global_scale=g, rows=rows, dtype=jnp.dtype(x.dtype))
     if rows is not None:
         amax, finite = amax[rows], finite[rows]
-    mask = selection_mask(row_block_scores(x, r, recipe.rac_score), recipe, rows=rows,
-                          row_expert=row_expert, num_experts=num_experts,
-                          static_blocks=static_blocks, row_valid=row_valid)
+    mask = selection_mask(scores, recipe, rows=rows, row_expert=row_expert,
+                          num_experts=num_experts, static_blocks=static_blocks)
     m = mask.shape[0]
     if recipe.rac_residual_scale == "shared":
         g = jnp.asarray(q.global_scale, jnp.float32).reshape(-1)
