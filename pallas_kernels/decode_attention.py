@@ -328,13 +328,15 @@ def decode_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: ja
     kv_len = jnp.asarray(kv_len, jnp.int32).reshape(1)
     valid = valid.astype(jnp.int32)  # no operation for an int32 mask
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    block_s = min(config.block_s, 1 << (s.bit_length() - 1))  # a power of two <= S
+    def block(slots: int) -> int:  # config.block_s, or the largest power of two <= slots
+        return min(config.block_s, 1 << (slots.bit_length() - 1))
+
+    block_s = block(s)
     splits = config.slot_splits
     prefix_args, prefix_specs, prefix_kw = (), [], {}
     if prefix is not None:
         p = prefix.k.shape[3]
-        prefix_kw = dict(prefix_slots=p,
-                         prefix_block=min(config.block_s, 1 << (p.bit_length() - 1)))
+        prefix_kw = dict(prefix_slots=p, prefix_block=block(p))
         prefix_args = (prefix.row_group, prefix.valid.astype(jnp.int32), prefix.k, prefix.v)
         prefix_specs = [pl.BlockSpec(a.shape, lambda *_, n=a.ndim: (0,) * n)
                         for a in prefix_args]  # indexed in the kernel by the row's group

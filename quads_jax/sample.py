@@ -29,6 +29,7 @@ import sys
 import time
 
 import jax
+import numpy as np
 
 PRECISIONS = {
     "bf16": "bf16",
@@ -161,14 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     from quads_jax.quant.recipe import get_recipe
     from quads_jax.sampler import SamplerConfig, check_sync, sync
     from quads_jax.sampler.continuous import generate_continuous
-    from quads_jax.sampler.engine import compile_generate, left_pad
+    from quads_jax.sampler.engine import FINISH_STOP, compile_generate, left_pad
 
     try:
         texts = read_prompts(args)
-        for name in ("decode_rows", "segment_steps"):
-            value, low = getattr(args, name), 0 if name == "decode_rows" else 1
+        for flag, value, low in (("--decode-rows", args.decode_rows, 0),
+                                 ("--segment-steps", args.segment_steps, 1)):
             if value < low:
-                raise ValueError(f"--{name.replace('_', '-')}={value}: must be >= {low}")
+                raise ValueError(f"{flag}={value}: must be >= {low}")
         if args.decode_rows and args.decode_rows < args.n:
             raise ValueError(f"--decode-rows={args.decode_rows}: must hold one group of --n="
                              f"{args.n} samples (or be 0)")
@@ -204,23 +205,26 @@ def main(argv: list[str] | None = None) -> int:
         out = jax.block_until_ready(run(rollout_params, prompts, mask, rng))
         how = f"compile {t2 - t1:.1f} s"
     t3 = time.perf_counter()
-    new_tokens = int(out.response_length.sum())
+    # One read-back of the rollout, not a device read per sample and field.
+    tokens, lengths, finish_reason, prompt_index = (np.asarray(a) for a in jax.device_get(
+        (out.tokens, out.response_length, out.finish_reason, out.prompt_index)))
+    new_tokens = int(lengths.sum())
     width = out.prompt_length
-    sink = open(args.out, "w") if args.out else None
-    for row in range(out.tokens.shape[0]):
-        length = int(out.response_length[row])
-        text = tokenizer.decode([int(t) for t in out.tokens[row, width:width + length]])
-        finish = "stop" if int(out.finish_reason[row]) == 1 else "length"
-        prompt = texts[int(out.prompt_index[row])]
-        if sink is None:
+    records = []
+    for row, length in enumerate(lengths.tolist()):
+        text = tokenizer.decode(tokens[row, width:width + length].tolist())
+        finish = "stop" if finish_reason[row] == FINISH_STOP else "length"
+        prompt = texts[prompt_index[row]]
+        if args.out:
+            records.append(json.dumps(dict(prompt_index=int(prompt_index[row]), prompt=prompt,
+                                           completion=text, tokens=length, finish=finish)))
+        else:
             print(f"--- sample {row} ({length} tokens, finish={finish})")
             print(prompt + text)
-        else:
-            sink.write(json.dumps(dict(prompt_index=int(out.prompt_index[row]), prompt=prompt,
-                                       completion=text, tokens=length, finish=finish)) + "\n")
-    if sink is not None:
-        sink.close()
-        print(f"--- {out.tokens.shape[0]} samples written to {args.out}")
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("".join(r + "\n" for r in records))
+        print(f"--- {len(records)} samples written to {args.out}")
     print(f"--- {args.precision}: {new_tokens} tokens in {t3 - t2:.3f} s = "
           f"{new_tokens / max(t3 - t2, 1e-9):.1f} tokens/s (sync {t1 - t0:.2f} s, {how}, "
           f"device {jax.devices()[0].platform})")

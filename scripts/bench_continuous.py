@@ -40,7 +40,7 @@ from quads_jax.models import ModelConfig
 from quads_jax.quant.recipe import get_recipe
 from quads_jax.sampler import engine
 from quads_jax.sampler.compaction import generate_compacting
-from quads_jax.sampler.continuous import generate_continuous, row_steps
+from quads_jax.sampler.continuous import batch_row_steps, generate_continuous, row_steps
 from quads_jax.sampler.engine import SamplerConfig
 from quads_jax.sampler.sync import sync
 
@@ -80,7 +80,7 @@ def schedules(params, cfg, recipe, tokens, mask, sc, args) -> dict:
                                   recipe=recipe, prompt_mask=m)
             lengths = np.asarray(out.response_length)
             made += int(lengths.sum())
-            steps += lengths.size * int(lengths.max())
+            steps += batch_row_steps(lengths)
         return made, steps, 0
 
     def compacting(key):

@@ -78,13 +78,19 @@ def row_steps(segments: list[Segment]) -> int:
     return sum(s.rows * s.steps + s.joined for s in segments)
 
 
+def batch_row_steps(response_length) -> int:
+    """``row_steps`` of one ``generate`` batch: its rows x its longest response (the loop runs
+    until the longest row ends; the first token, sampled at prefill, counted as one)."""
+    lengths = np.asarray(response_length)
+    return lengths.size * int(lengths.max())
+
+
 def _idle_state(template: DecodeState, rows: int, slots: int, groups: int = 0) -> DecodeState:
     """A batch of ``rows`` idle rows (done, empty cache) shaped like ``template`` (an abstract
     prefill state of one prompt), with ``slots`` cache slots per row; with a shared prompt
     cache also ``groups`` empty prefix rows."""
-    def per_row(x, axis, fill, n=rows):
-        shape = x.shape[:axis] + (n,) + x.shape[axis + 1:]
-        return jnp.full(shape, fill, x.dtype)
+    def per_row(x, axis, fill):
+        return jnp.full(_with_rows(x, rows, axis), fill, x.dtype)
 
     def rows_slots(x, n, s):  # [L, n, KVH, s, D] zeros like x
         return jnp.zeros(x.shape[:1] + (n,) + x.shape[2:3] + (s,) + x.shape[4:], x.dtype)

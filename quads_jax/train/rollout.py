@@ -24,7 +24,7 @@ from quads_jax.sampler import (
     generate_continuous,
     left_pad,
 )
-from quads_jax.sampler.continuous import row_steps as continuous_row_steps
+from quads_jax.sampler.continuous import batch_row_steps, row_steps
 
 
 def prompt_width(tokenizer: Any, examples: Sequence[Example]) -> int:
@@ -116,6 +116,7 @@ def rollout_and_score(
     many rows, refilled every ``segment_steps`` (``RolloutSection``); 0: one batch."""
     prompts, prompt_mask = encode_prompts(tokenizer, examples, width)
     start = time.perf_counter()
+    segments = None
     if decode_rows:
         rollout, segments = generate_continuous(
             rollout_params, prompts, rng, sampler_config, model_config=model_config,
@@ -127,10 +128,6 @@ def rollout_and_score(
     rollout = jax.block_until_ready(rollout)
     seconds = time.perf_counter() - start
     lengths = np.asarray(rollout.response_length)
-    if decode_rows:
-        row_steps = continuous_row_steps(segments)
-    else:  # prefill samples the first token; the loop runs until the longest row ends
-        row_steps = lengths.size * int(lengths.max())
     rows = [ex for ex in examples for _ in range(sampler_config.n_samples)]
     responses = decode_responses(tokenizer, rollout)
     rewards, correct = compute_rewards(responses, rows, reward_config, task_name=task_name)
@@ -143,7 +140,7 @@ def rollout_and_score(
         truncated=np.asarray(rollout.finish_reason) == FINISH_LENGTH,
         seconds=seconds,
         new_tokens=int(lengths.sum()),
-        row_steps=row_steps,
+        row_steps=batch_row_steps(lengths) if segments is None else row_steps(segments),
     )
 
 
