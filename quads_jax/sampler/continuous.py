@@ -16,7 +16,8 @@ length)`` of their rows (``_join``: a scatter of those rows alone) and decode on
 ``length``, as the other rows do. Keys carry their rotary position, and attention is a masked
 sum over slots, so a row's slots may also move as long as their order and mask do: when the
 slots would run out (``length + segment_steps`` past the capacity; or when rows join while
-``length < P``), ``_rebuild`` moves every running row's real slots to end at the new
+``length < P``: they are written to their first slots), ``_rebuild`` moves every running
+row's real slots to end at the new
 ``length`` = the longest row's count (one slot gather, a layer at a time so the cache is not
 copied whole). The capacity is ``P + max_new_tokens - 1 + spare_slots``: a running row holds
 at most ``P + max_new_tokens - 2`` slots, so after a rebuild there is room for
@@ -141,48 +142,35 @@ def _slot_sources(mask: jax.Array, active: jax.Array) -> tuple[jax.Array, jax.Ar
     return jnp.take_along_axis(order, rank, axis=1), new_mask, length
 
 
-@functools.partial(jax.jit, static_argnames=("width",), donate_argnames=("state",))
-def _rebuild(state: DecodeState, joining: DecodeState | None, rows: jax.Array, *,
-             width: int) -> DecodeState:
-    """``state`` with the rows of ``joining`` (a state prefilled from prompts ``width`` wide)
-    written into its rows ``rows`` (int32 ``[r]``; an index past the batch drops that row),
-    then every running row's real slots moved to end at the new ``cache.length`` (module
-    docstring). Rows that are done keep no slot."""
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _rebuild(state: DecodeState) -> DecodeState:
+    """``state`` with every running row's real slots moved to end at the new ``cache.length``
+    (module docstring). Rows that are done keep no slot."""
     cache = state.cache
-    if joining is not None:
-        state = _join_fields(state, joining, rows)
-        # A joining row's prompt fills its first ``width`` slots; its old slots are dropped.
-        mask = cache.mask.at[rows].set(False, mode="drop")
-        mask = mask.at[rows, :width].set(joining.cache.mask[:, :width], mode="drop")
-        cache = dataclasses.replace(cache, mask=mask)
     source, new_mask, length = _slot_sources(cache.mask, ~state.done)
 
     def move(layer, kv):
-        moved = []
-        for old, new in zip(kv, (None, None) if joining is None else
-                            (joining.cache.k, joining.cache.v), strict=True):
-            x = old[layer]  # [B, KVH, S, D]: one layer at a time, so no full copy of the cache
-            if new is not None:
-                x = x.at[rows, :, :width].set(new[layer, :, :, :width], mode="drop")
-            x = jnp.take_along_axis(x, source[:, None, :, None], axis=2)
-            moved.append(jax.lax.dynamic_update_index_in_dim(old, x, layer, 0))
-        return tuple(moved)
+        # One layer at a time ([B, KVH, S, D]), so no full copy of the cache.
+        return tuple(jax.lax.dynamic_update_index_in_dim(
+            a, jnp.take_along_axis(a[layer], source[:, None, :, None], axis=2), layer, 0)
+            for a in kv)
 
     k, v = jax.lax.fori_loop(0, cache.k.shape[0], move, (cache.k, cache.v))
     cache = dataclasses.replace(cache, k=k, v=v, mask=new_mask, length=length)
     return dataclasses.replace(state, cache=cache)
 
 
-@functools.partial(jax.jit, static_argnames=("width",), donate_argnames=("state",))
-def _join(state: DecodeState, joining: DecodeState, rows: jax.Array, *,
-          width: int) -> DecodeState:
+@functools.partial(jax.jit, static_argnames=("width", "front"), donate_argnames=("state",))
+def _join(state: DecodeState, joining: DecodeState, rows: jax.Array, *, width: int,
+          front: bool = False) -> DecodeState:
     """``state`` with the rows of ``joining`` (prefilled from prompts ``width`` wide) written
     into its rows ``rows`` (int32 ``[r]``; an index past the batch drops that row), their
-    prompts at slots ``[length - width, length)`` (needs ``length >= width``); no other row
-    moves. The cache is updated by one scatter per array (in place: ``state`` is donated)."""
+    prompts at slots ``[length - width, length)`` (needs ``length >= width``), or with
+    ``front`` at ``[0, width)`` (for a ``_rebuild`` to move); no other row moves. The cache is
+    updated by one scatter per array (in place: ``state`` is donated)."""
     state = _join_fields(state, joining, rows)
     cache = state.cache
-    slot = cache.length - width + jnp.arange(width, dtype=jnp.int32)
+    slot = jnp.arange(width, dtype=jnp.int32) + (0 if front else cache.length - width)
     at = (rows[:, None], slot[None, :])  # [r, width] (row, slot) pairs
 
     def put(a, new):  # a [L, B, KVH, S, D], new [L, r, KVH, S', D]
@@ -342,13 +330,11 @@ def generate_continuous(
                 prefix_users[free_prefix[:groups]] = n
         rebuilt = length + segment_steps > slots or (
             not share and joining is not None and length < width)
+        if joining is not None and not share:  # shared: the groups joined above
+            # Before a rebuild, at the front of the rows' slots (the rebuild moves them).
+            state = _join(state, joining, dest, width=width, front=rebuilt)
         if rebuilt:
-            if dest is None or share:  # shared: the joining rows are in already
-                state = _rebuild(state, None, jnp.zeros((0,), jnp.int32), width=width)
-            else:
-                state = _rebuild(state, joining, dest, width=width)
-        elif joining is not None and not share:
-            state = _join(state, joining, dest, width=width)
+            state = _rebuild(state)
         running = int(np.sum(seq >= 0))
         state = engine._decode_jit(rollout_params, state, jnp.int32(segment_steps),
                                    per_row=True, **static)

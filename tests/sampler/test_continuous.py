@@ -116,10 +116,13 @@ def test_slot_moves_touch_the_cache_in_place(model):
     state = continuous._idle_state(template, 32, 64)
     layer_bytes = 2 * state.cache.k[0].nbytes
     rows = jnp.arange(2, dtype=jnp.int32)
-    for fn in (continuous._rebuild, continuous._join):
-        stats = fn.lower(state, joining, rows, width=8).compile().memory_analysis()
-        assert stats.temp_size_in_bytes < 2 * layer_bytes, (fn.__name__, stats)
-        assert stats.alias_size_in_bytes >= 2 * state.cache.k.nbytes, (fn.__name__, stats)
+    for name, lowered in (("_rebuild", continuous._rebuild.lower(state)),
+                          ("_join", continuous._join.lower(state, joining, rows, width=8)),
+                          ("_join front", continuous._join.lower(state, joining, rows, width=8,
+                                                                 front=True))):
+        stats = lowered.compile().memory_analysis()
+        assert stats.temp_size_in_bytes < 2 * layer_bytes, (name, stats)
+        assert stats.alias_size_in_bytes >= 2 * state.cache.k.nbytes, (name, stats)
 
 
 def test_sampled_groups_match_the_full_forward_and_reproduce(model):
