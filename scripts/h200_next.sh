@@ -90,10 +90,10 @@
 #   b128p  b128 (all four arms at the newest commit: fp8 with the plan kernel, bf16 with the
 #          new sort_slots), then nvfp4_rac with the plan kernel at 8 entries per program, 2 warps
 #   cont   rollout scheduling on one workload (scripts/bench_continuous.py; session 23,
-#          CPU-tested only): 512 responses (64 prompts x 8, prompts 128-256 tokens), lengths
+#          CPU-tested only): 256 responses (32 prompts x 8, prompts 128-256 tokens), lengths
 #          ~geometric (stop set 0.4 % of the vocabulary) capped at 512, on 128 decode rows,
-#          nvfp4_rac: static batches (generate), compaction and continuous batching; then
-#          continuous batching with shared prompt caches (200 s more)
+#          nvfp4_rac: static batches (generate), compaction and continuous batching (320 s);
+#          contshare: continuous batching with shared prompt caches on the same workload
 #   share  GRPO groups sharing their prompt's KV cache (SamplerConfig.share_prompt_cache;
 #          session 23, CPU-tested only): the decode attention kernel with the shared prefix
 #          against the copied layout (kernel_probe --attention-prefix: checks, timings and
@@ -304,13 +304,13 @@ for step in "$@"; do
     b128p) rollout b128 250 --quick --profile-steps 4 --precisions $ALL --budget-s 200
       rollout plan8 130 --quick --profile-steps 4 --precisions nvfp4_rac --tile-plan-block 8 \
       --tile-plan-warps 2 --budget-s 100 ;;
-    cont) XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -k 15 520 python3 scripts/bench_continuous.py \
-      --precision nvfp4_rac --sequences 512 --n-samples 8 --batch-rows 128 --prompt 256 \
+    cont) XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -k 15 320 python3 scripts/bench_continuous.py \
+      --precision nvfp4_rac --sequences 256 --n-samples 8 --batch-rows 128 --prompt 256 \
       --new-tokens 512 --stop-fraction 0.004 --segment-steps 32 --commit "$COMMIT" \
       --out "$OUT/cont" > "$OUT/cont.log" 2>&1
-      echo "cont rc $?"; grep -E '"schedule"|Error' "$OUT/cont.log" | cut -c1-300
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -k 15 200 python3 scripts/bench_continuous.py \
-      --precision nvfp4_rac --sequences 512 --n-samples 8 --batch-rows 128 --prompt 256 \
+      echo "cont rc $?"; grep -E '"schedule"|Error' "$OUT/cont.log" | cut -c1-300 ;;
+    contshare) XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -k 15 200 python3 scripts/bench_continuous.py \
+      --precision nvfp4_rac --sequences 256 --n-samples 8 --batch-rows 128 --prompt 256 \
       --new-tokens 512 --stop-fraction 0.004 --segment-steps 32 --commit "$COMMIT" \
       --schedules continuous --share-prompt-cache --out "$OUT/contshare" > "$OUT/contshare.log" 2>&1
       echo "contshare rc $?"; grep -E '"schedule"|Error' "$OUT/contshare.log" | cut -c1-300 ;;
@@ -323,6 +323,6 @@ for step in "$@"; do
       --n-samples 8 --profile-steps 4 --budget-s 150 ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
-    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop ropad hlo prof2 plan plan2 b128p cont share)"; exit 2 ;;
+    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop ropad hlo prof2 plan plan2 b128p cont contshare share)"; exit 2 ;;
   esac
 done
