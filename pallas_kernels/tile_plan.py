@@ -46,10 +46,12 @@ class TilePlanConfig:
 
     A program's work is ~10 one-hot sums of ``[block, E]``: on the H200 (2026-12-04, 8619555,
     ``kernel_probe --tile-plan``, M = 1 024, E = 128) 45.9 us at block 128, 17.9 at 64, 8.0 at
-    32 (4 warps; the jnp plan: 11.9 us in 9 kernels), so the default is 16."""
+    32 (4 warps; the jnp plan: 11.9 us in 9 kernels); 3.6-4.1 us at block 8 with 2 warps
+    against 5.0-6.9 at 16 with 4 (b9d0759), and 3.9 against 5.2 us per layer in the batch-128
+    rollout (2026-12-05, c916b59), so the default is block 8, 2 warps."""
 
-    block: int = 16
-    num_warps: int = 4
+    block: int = 8
+    num_warps: int = 2
 
     def __post_init__(self):
         b = self.block

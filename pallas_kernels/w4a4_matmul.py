@@ -116,9 +116,11 @@ class W4A4MatmulConfig:
     # (``pallas_kernels.tile_plan``) instead of ~10 small XLA kernels per layer. On the H200
     # (2026-12-04, b9d0759, batch-128 decode step, same call, with act_operand_kernel): 5.2 us
     # per layer; nvfp4_rac 15.68 against 16.23 ms, nvfp4 14.56 against 15.31 ms (both off).
+    # Block 8 with 2 warps (2026-12-05, c916b59, same machine): 3.9 us per layer in the
+    # rollout against 5.2 at block 16 / 4 warps (traced; the step's median within noise).
     tile_plan_kernel: bool = True
-    tile_plan_block: int = 16
-    tile_plan_warps: int = 4
+    tile_plan_block: int = 8
+    tile_plan_warps: int = 2
 
     def __post_init__(self):
         bm = self.block_m

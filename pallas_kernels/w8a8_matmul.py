@@ -65,8 +65,8 @@ class W8A8MatmulConfig:
     windowed_operands: bool = True
     # As W4A4MatmulConfig's (the same plan kernel; not timed in the FP8 rollout arm yet).
     tile_plan_kernel: bool = True
-    tile_plan_block: int = 16
-    tile_plan_warps: int = 4
+    tile_plan_block: int = 8
+    tile_plan_warps: int = 2
 
     def __post_init__(self):
         bm = self.block_m

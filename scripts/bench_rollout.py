@@ -495,6 +495,8 @@ def summary(out_dir: str) -> str:
 
 
 def parse_args(argv):
+    from pallas_kernels.w4a4_matmul import W4A4MatmulConfig
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true",
                    help="batch 128, prompt 256, 16 timed decode steps, 2 reps")
@@ -563,9 +565,9 @@ def parse_args(argv):
                    help="the grouped kernels' token-tile plan (NVFP4 and FP8) in one Pallas "
                    "kernel (pallas_kernels.tile_plan) or in jnp (default: "
                    "W4A4MatmulConfig.tile_plan_kernel)")
-    p.add_argument("--tile-plan-block", type=int, default=16,
+    p.add_argument("--tile-plan-block", type=int, default=W4A4MatmulConfig.tile_plan_block,
                    help="entries per program of the tile-plan kernel (a power of two >= 8)")
-    p.add_argument("--tile-plan-warps", type=int, default=4,
+    p.add_argument("--tile-plan-warps", type=int, default=W4A4MatmulConfig.tile_plan_warps,
                    help="Triton warps per program of the tile-plan kernel")
     p.add_argument("--n-samples", type=int, default=1,
                    help="rows per prompt (a GRPO group); the batch counts rows")
@@ -619,7 +621,8 @@ def main(argv=None) -> int:
             or not args.grouped_barrier or not args.windowed_operands
             or args.rac_operand_kernel is not None or args.rac_operand_padding != "zeros"
             or args.tile_plan_kernel is not None or args.act_operand_kernel is not None
-            or args.tile_plan_block != 16 or args.tile_plan_warps != 4):
+            or args.tile_plan_block != W4A4MatmulConfig.tile_plan_block
+            or args.tile_plan_warps != W4A4MatmulConfig.tile_plan_warps):
         operand_kernel = ({} if args.rac_operand_kernel is None
                           else dict(rac_operand_kernel=args.rac_operand_kernel))
         operand_kernel["rac_operand_padding"] = args.rac_operand_padding
