@@ -143,6 +143,10 @@
 # Session 23: no device was lent. Next: `b128p`, then `cont` (continuous batching) and
 # `share` (shared prompt cache), both built in session 23, `kdense`, `kdense2`, `kgroup2`,
 # `p1024`, `gcheck`.
+# Session 24 ran `b128 cont`, `share`, `kdense kgroup2` (kdense again without a row: the
+# chain's lowering, fixed in a79ea2d), `contshare p1024`, `mcheck` and b128p's plan8 (all at
+# c916b59; block 8 the default since). Next: `kdense` (to see the fix), `kdense2`, `kgroup`,
+# `gcheck`, `b256`.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
