@@ -16,6 +16,13 @@ This kernel (Pallas, Triton backend) runs one program per (row, KV head):
 - online softmax (flash-decoding) in f32, P cast to the cache dtype for the PV product, the
   output divided by the softmax sum at the end.
 
+GRPO groups sharing their prompt's cache (``SharedPrefix``) read the prefix in one of two
+ways (``DecodeAttentionConfig.prefix_mode``): each row's program reads its group's prefix
+before its own slots ("per_row"), or a first kernel reads each prefix once per tile of up to
+``prefix_rows`` rows of its group, all their query heads as one ``[R * G, D]`` operand
+("per_group", ``_prefix_kernel``), the per-row kernel then reads only the rows' own slots, and
+XLA combines the two unnormalized softmax partials (``_combine_splits``).
+
 The Triton backend is deprecated in jax 0.11 (PALLAS_NOTES section 1): this kernel is the
 second-best tool that works today; a Mosaic GPU version would follow the same plan.
 
@@ -48,6 +55,7 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 MIN_DOT_ROWS = 16  # tensor-core dots in Triton need >= 16 rows
 CACHE_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn)
 _FP8_WORDS = {4: jnp.int32, 2: jnp.int16}  # FP8 codes per word -> the word dtype
+PREFIX_MODES = ("per_row", "per_group")
 
 
 def fp8_parts(head_dim: int) -> int:
@@ -80,6 +88,18 @@ class DecodeAttentionConfig:
     # half the bytes bought 0-12 % on the H200, 2026-12-04); more bytes written and one
     # combine kernel.
     slot_splits: int = 1
+    # How rows read a shared prompt prefix (``SharedPrefix``, GRPO groups): "per_row": each
+    # (row, KV head) program reads its group's prefix before its own slots (the prefix comes
+    # from HBM once per group and from L2 for the other rows; on the H200, 2026-12-05, 16
+    # groups x 8 rows, prompt 1024: 93 us against 118 copied, 0.50 of its byte floor).
+    # "per_group": one pass per (group tile, KV head) reads the prefix once for the queries of
+    # up to ``prefix_rows`` rows of the group (``prefix_rows`` x G query rows: a tensor-core
+    # tile instead of G padded to 16), then the per-row kernel reads only the rows' own slots;
+    # XLA combines the two softmax partials (as ``slot_splits``). ``prefix_splits``: slot
+    # ranges per group tile in that pass (more programs when groups are few).
+    prefix_mode: str = "per_row"
+    prefix_rows: int = 8
+    prefix_splits: int = 1
 
     def __post_init__(self):
         if self.block_s < 16 or self.block_s & (self.block_s - 1):
@@ -93,6 +113,34 @@ class DecodeAttentionConfig:
         if not 1 <= self.slot_splits <= 64:
             raise ValueError(f"DecodeAttentionConfig.slot_splits={self.slot_splits}: must be in "
                              "[1, 64]")
+        if self.prefix_mode not in PREFIX_MODES:
+            raise ValueError(f"DecodeAttentionConfig.prefix_mode={self.prefix_mode!r}: must be "
+                             f"one of {PREFIX_MODES}")
+        r = self.prefix_rows
+        if not isinstance(r, int) or r < 1 or r & (r - 1) or r > 64:
+            raise ValueError(f"DecodeAttentionConfig.prefix_rows={r!r}: must be a power of two "
+                             "in [1, 64]")
+        if not 1 <= self.prefix_splits <= 64:
+            raise ValueError(f"DecodeAttentionConfig.prefix_splits={self.prefix_splits}: must "
+                             "be in [1, 64]")
+
+
+class PrefixTiles(NamedTuple):
+    """The rows of each group cut into tiles of ``R`` rows, for ``prefix_mode="per_group"``
+    (``prefix_tiles``): the same for every layer of a decode step, so a step builds it once.
+
+    Attributes:
+      rows: int32 ``[T, R]``: the cache row at each slot of a tile (``B`` = empty).
+      group: int32 ``[T]``: each tile's group (0 past the live tiles).
+      count: int32 ``[1]``: the live tiles (the first ``count`` of ``T``).
+      row_tile, row_pos: int32 ``[B]``: each row's tile and its slot in it.
+    """
+
+    rows: jax.Array
+    group: jax.Array
+    count: jax.Array
+    row_tile: jax.Array
+    row_pos: jax.Array
 
 
 class SharedPrefix(NamedTuple):
@@ -103,12 +151,39 @@ class SharedPrefix(NamedTuple):
       k, v: ``[L, G, KVH, P, D]`` in the cache's dtype (one row per group).
       valid: bool or int32 ``[G, P]``: the slot holds a prompt token (left padding: False).
       row_group: int32 ``[B]``: the group of each cache row.
+      tiles: None, or ``prefix_tiles(row_group, G, config.prefix_rows)`` built once for a
+        step's layers (``prefix_mode="per_group"`` builds it per call otherwise).
     """
 
     k: jax.Array
     v: jax.Array
     valid: jax.Array
     row_group: jax.Array
+    tiles: PrefixTiles | None = None
+
+
+def prefix_tiles(row_group: jax.Array, groups: int, rows_per_tile: int) -> PrefixTiles:
+    """Tiles of at most ``rows_per_tile`` rows of one group each: group g's rows (in row order)
+    fill ``ceil(count_g / R)`` consecutive tiles; ``T = min(B, G + ceil(B / R))`` bounds the
+    live tiles for any grouping. ``row_group``: int32 ``[B]`` in ``[0, groups)``."""
+    b, r = row_group.shape[0], rows_per_tile
+    t_max = max(1, min(b, groups + -(-b // r)))
+    row_group = row_group.astype(jnp.int32)
+    order = jnp.argsort(row_group, stable=True)
+    counts = jnp.zeros((groups,), jnp.int32).at[row_group].add(1)
+    group_start = jnp.cumsum(counts) - counts
+    tiles_of = -(-counts // r)
+    tile_start = jnp.cumsum(tiles_of) - tiles_of
+    sorted_group = row_group[order]
+    rank = jnp.arange(b, dtype=jnp.int32) - group_start[sorted_group]
+    tile = tile_start[sorted_group] + rank // r
+    pos = rank % r
+    return PrefixTiles(
+        rows=jnp.full((t_max, r), b, jnp.int32).at[tile, pos].set(order.astype(jnp.int32)),
+        group=jnp.zeros((t_max,), jnp.int32).at[tile].set(sorted_group),
+        count=jnp.sum(tiles_of, dtype=jnp.int32).reshape(1),
+        row_tile=jnp.zeros((b,), jnp.int32).at[order].set(tile),
+        row_pos=jnp.zeros((b,), jnp.int32).at[order].set(pos))
 
 
 def _cache_problem(k_all: jax.Array, min_slots: int) -> str | None:
@@ -192,9 +267,47 @@ def _store(o_ref, blocks: list[jax.Array]) -> None:
             o_ref[j] = blk.astype(o_ref.dtype)
 
 
+def _softmax_step(qs, k_at, v_at, valid_at, n_slots: int, block: int, parts: int,
+                  scale: float):
+    """The ``fori_loop`` body of one online-softmax step over ``block`` slots of a slot axis of
+    ``n_slots``: ``qs`` the query column sets ``[Gq, D / parts]``; ``k_at`` / ``v_at`` /
+    ``valid_at`` load a window of slots; the carry is ``(accs, m, l)``."""
+    offs = jnp.arange(block)
+
+    def body(i, carry):
+        accs, m, l = carry
+        # The last window is moved back inside the slot axis (no out-of-bounds reads,
+        # which interpret mode would clamp anyway); its slots already seen are masked out.
+        start = jnp.minimum(i * block, n_slots - block)
+        window = pl.ds(start, block)
+        k, v = k_at(window), v_at(window)  # one load each
+        ks, vs = (([k], [v]) if parts == 1
+                  else (_fp8_columns(k, parts), _fp8_columns(v, parts)))
+        ok = (valid_at(window) != 0) & (start + offs >= i * block)
+        s = sum(jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                    preferred_element_type=jnp.float32)
+                for q, k in zip(qs, ks, strict=True)) * scale  # [Gq, BS]
+        s = jnp.where(ok[None, :], s, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.where(ok[None, :], jnp.exp(s - m_new[:, None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        pc = p.astype(vs[0].dtype)
+        accs = tuple(acc * alpha[:, None] + jax.lax.dot_general(
+            pc, v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+            for acc, v in zip(accs, vs, strict=True))  # [Gq, D/parts]
+        return accs, m_new, l * alpha + jnp.sum(p, axis=1)
+
+    return body
+
+
+def _empty_carry(gq: int, dp: int, parts: int):
+    return (tuple(jnp.zeros((gq, dp), jnp.float32) for _ in range(parts)),
+            jnp.full((gq,), MASK_VALUE, jnp.float32), jnp.zeros((gq,), jnp.float32))
+
+
 def _kernel(layer_ref, kv_len_ref, q_ref, valid_ref, k_ref, v_ref, *refs,
             block_s: int, slots: int, scale: float, parts: int, splits: int,
-            prefix_block: int = 0, prefix_slots: int = 0):
+            prefix_block: int = 0, prefix_slots: int = 0, partial: bool = False):
     """``parts`` = 1: bf16 / f16 cache, q ``[Gp, D]``, one K / V block per step. ``parts`` = 4:
     FP8 cache read as int32 words ``[.., D/4]``; q and the output are ``[4, Gp, D/4]`` (part j
     holds columns ``4 i + j``), so each byte position j is one dot of K = D/4: no in-kernel
@@ -207,6 +320,9 @@ def _kernel(layer_ref, kv_len_ref, q_ref, valid_ref, k_ref, v_ref, *refs,
     ``prefix_slots`` > 0: ``refs`` starts with the shared prefix (row_group ``[B]``, prefix
     valid ``[G, P]``, prefix K and V ``[L, G, KVH, P, D]``): every slot of row b's group's
     prefix is read first (by split 0), ``prefix_block`` at a time, then the row's own slots.
+
+    ``partial``: store the unnormalized sums and m, l as with ``splits`` > 1 (the grid has a
+    split axis, of ``splits`` programs), for a combine with other partials.
     """
     refs = list(refs)
     if prefix_slots:
@@ -219,48 +335,20 @@ def _kernel(layer_ref, kv_len_ref, q_ref, valid_ref, k_ref, v_ref, *refs,
     qs = [q_ref[...]] if parts == 1 else [q_ref[j] for j in range(parts)]  # [Gp, D / parts]
     gp, dp = qs[0].shape
 
-    def blocks_of(k_at, v_at, valid_at, n_slots: int, block: int):
-        """The online-softmax step over ``block`` slots of one slot axis of ``n_slots``."""
-        offs = jnp.arange(block)
-
-        def body(i, carry):
-            accs, m, l = carry
-            # The last window is moved back inside the slot axis (no out-of-bounds reads,
-            # which interpret mode would clamp anyway); its slots already seen are masked out.
-            start = jnp.minimum(i * block, n_slots - block)
-            window = pl.ds(start, block)
-            k, v = k_at(window), v_at(window)  # one load each
-            ks, vs = (([k], [v]) if parts == 1
-                      else (_fp8_columns(k, parts), _fp8_columns(v, parts)))
-            ok = (valid_at(window) != 0) & (start + offs >= i * block)
-            s = sum(jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                                        preferred_element_type=jnp.float32)
-                    for q, k in zip(qs, ks, strict=True)) * scale  # [Gp, BS]
-            s = jnp.where(ok[None, :], s, MASK_VALUE)
-            m_new = jnp.maximum(m, jnp.max(s, axis=1))
-            p = jnp.where(ok[None, :], jnp.exp(s - m_new[:, None]), 0.0)
-            alpha = jnp.exp(m - m_new)
-            pc = p.astype(vs[0].dtype)
-            accs = tuple(acc * alpha[:, None] + jax.lax.dot_general(
-                pc, v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-                for acc, v in zip(accs, vs, strict=True))  # [Gp, D/parts]
-            return accs, m_new, l * alpha + jnp.sum(p, axis=1)
-
-        return body
-
-    carry = (tuple(jnp.zeros((gp, dp), jnp.float32) for _ in range(parts)),
-             jnp.full((gp,), MASK_VALUE, jnp.float32), jnp.zeros((gp,), jnp.float32))
+    carry = _empty_carry(gp, dp, parts)
     if prefix_slots:
         grp = group_ref[b]
-        body = blocks_of(lambda w: pk_ref[layer, grp, h, w, :],
-                         lambda w: pv_ref[layer, grp, h, w, :],
-                         lambda w: pvalid_ref[grp, w], prefix_slots, prefix_block)
+        body = _softmax_step(qs, lambda w: pk_ref[layer, grp, h, w, :],
+                             lambda w: pv_ref[layer, grp, h, w, :],
+                             lambda w: pvalid_ref[grp, w], prefix_slots, prefix_block, parts,
+                             scale)
         n_prefix = (prefix_slots + prefix_block - 1) // prefix_block
         if splits > 1:  # split 0 reads the prefix; _combine_splits weighs the splits
             n_prefix = jnp.where(pl.program_id(2) == 0, n_prefix, 0)
         carry = jax.lax.fori_loop(0, n_prefix, body, carry)
-    body = blocks_of(lambda w: k_ref[layer, b, h, w, :], lambda w: v_ref[layer, b, h, w, :],
-                     lambda w: valid_ref[w], slots, block_s)
+    body = _softmax_step(qs, lambda w: k_ref[layer, b, h, w, :],
+                         lambda w: v_ref[layer, b, h, w, :], lambda w: valid_ref[w], slots,
+                         block_s, parts, scale)
     blocks = (kv_len + block_s - 1) // block_s
     if splits == 1:
         first, last = 0, blocks
@@ -269,15 +357,42 @@ def _kernel(layer_ref, kv_len_ref, q_ref, valid_ref, k_ref, v_ref, *refs,
         first = pl.program_id(2) * per
         last = jnp.minimum(first + per, blocks)
     accs, m, l = jax.lax.fori_loop(first, jnp.maximum(first, last), body, carry)
-    if splits > 1:  # unnormalized: _combine_splits rescales and divides
-        m_ref, l_ref = stats_refs
-        m_ref[...] = m
-        l_ref[...] = l
-        _store(o_ref, list(accs))
+    if partial:  # unnormalized: _combine_splits rescales and divides
+        _store_partial(o_ref, *stats_refs, accs, m, l)
         return
     # A row with no visible slot (l = 0) gives 0, not NaN.
     denom = jnp.maximum(l, 1e-30)[:, None]
     _store(o_ref, [acc / denom for acc in accs])
+
+
+def _store_partial(o_ref, m_ref, l_ref, accs, m, l) -> None:
+    m_ref[...] = m
+    l_ref[...] = l
+    _store(o_ref, list(accs))
+
+
+def _prefix_kernel(count_ref, layer_ref, group_ref, q_ref, pvalid_ref, pk_ref, pv_ref, o_ref,
+                   m_ref, l_ref, *, block: int, slots: int, scale: float, parts: int,
+                   splits: int):
+    """``prefix_mode="per_group"``'s pass: program (t, h, c) attends the queries of group tile
+    t (its rows' G query heads of KV head h, ``[RGp, D]``, as ``q_ref``; empty slots zero)
+    to slot range c of the tile's group's prefix, read once for all of them, and stores the
+    unnormalized partial (as ``_kernel`` with ``partial``). Tiles past ``count`` read
+    nothing."""
+    t, h = pl.program_id(0), pl.program_id(1)
+    layer, grp = layer_ref[0], group_ref[t]
+    qs = [q_ref[...]] if parts == 1 else [q_ref[j] for j in range(parts)]
+    rows, dp = qs[0].shape
+    body = _softmax_step(qs, lambda w: pk_ref[layer, grp, h, w, :],
+                         lambda w: pv_ref[layer, grp, h, w, :], lambda w: pvalid_ref[grp, w],
+                         slots, block, parts, scale)
+    blocks = (slots + block - 1) // block
+    per = (blocks + splits - 1) // splits
+    first = pl.program_id(2) * per
+    last = jnp.where(t < count_ref[0], jnp.minimum(first + per, blocks), first)
+    accs, m, l = jax.lax.fori_loop(first, jnp.maximum(first, last), body,
+                                   _empty_carry(rows, dp, parts))
+    _store_partial(o_ref, m_ref, l_ref, accs, m, l)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
@@ -306,7 +421,9 @@ def decode_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: ja
     g = q.shape[2]
     gp = max(MIN_DOT_ROWS, 1 << (g - 1).bit_length())
     dot_dtype = compute_dtype(k_all.dtype)
-    qp = jnp.pad(q.astype(dot_dtype), ((0, 0), (0, 0), (0, gp - g), (0, 0)))
+    out_dtype = q.dtype
+    q = q.astype(dot_dtype)
+    qp = jnp.pad(q, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
     parts = fp8_parts(d) if k_all.dtype == jnp.float8_e4m3fn else 1
     if parts > 1:
         # jax 0.11.2's Triton lowering picks 32-bit element offsets while the array's *bytes*
@@ -321,46 +438,35 @@ def decode_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: ja
         k_all, v_all = as_words(k_all), as_words(v_all)
         if prefix is not None:
             prefix = prefix._replace(k=as_words(prefix.k), v=as_words(prefix.v))
-        qp = qp.reshape(b, kvh, gp, d // parts, parts).transpose(0, 1, 4, 2, 3)
-        q_block = (None, None, parts, gp, d // parts)
-    else:
-        q_block = (None, None, gp, d)
+    qp = _to_parts(qp, parts)
+    q_block = (None, None, *qp.shape[2:])
     kv_len = jnp.asarray(kv_len, jnp.int32).reshape(1)
     valid = valid.astype(jnp.int32)  # no operation for an int32 mask
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    def block(slots: int) -> int:  # config.block_s, or the largest power of two <= slots
-        return min(config.block_s, 1 << (slots.bit_length() - 1))
-
-    block_s = block(s)
+    group_pass = prefix is not None and config.prefix_mode == "per_group"
     splits = config.slot_splits
+    partial = splits > 1 or group_pass
     prefix_args, prefix_specs, prefix_kw = (), [], {}
-    if prefix is not None:
+    if prefix is not None and not group_pass:
         p = prefix.k.shape[3]
-        prefix_kw = dict(prefix_slots=p, prefix_block=block(p))
+        prefix_kw = dict(prefix_slots=p, prefix_block=_block(config, p))
         prefix_args = (prefix.row_group, prefix.valid.astype(jnp.int32), prefix.k, prefix.v)
         prefix_specs = [pl.BlockSpec(a.shape, lambda *_, n=a.ndim: (0,) * n)
                         for a in prefix_args]  # indexed in the kernel by the row's group
-    kernel = functools.partial(_kernel, block_s=block_s, slots=s, scale=d**-0.5, parts=parts,
-                               splits=splits, **prefix_kw)
+    kernel = functools.partial(_kernel, block_s=_block(config, s), slots=s, scale=d**-0.5,
+                               parts=parts, splits=splits, partial=partial, **prefix_kw)
     nq = len(q_block) - 2
     q_index = lambda i, j, *_: (i, j) + (0,) * nq  # noqa: E731  (a split shares its q)
-    if splits == 1:
+    if not partial:
         grid = (b, kvh)
         out_specs = pl.BlockSpec(q_block, q_index)
         out_shape = jax.ShapeDtypeStruct(qp.shape, dot_dtype)
     else:
         grid = (b, kvh, splits)
-        # Per split: the f32 sums laid out like q, and m, l [Gp].
-        out_specs = (pl.BlockSpec((None, None, None, *q_block[2:]),
-                                  lambda i, j, c: (i, j, c) + (0,) * nq),
-                     pl.BlockSpec((None, None, None, gp), lambda i, j, c: (i, j, c, 0)),
-                     pl.BlockSpec((None, None, None, gp), lambda i, j, c: (i, j, c, 0)))
-        out_shape = (jax.ShapeDtypeStruct((b, kvh, splits, *qp.shape[2:]), jnp.float32),
-                     jax.ShapeDtypeStruct((b, kvh, splits, gp), jnp.float32),
-                     jax.ShapeDtypeStruct((b, kvh, splits, gp), jnp.float32))
+        out_specs, out_shape = _partial_outputs(qp.shape, splits)
     zeros = (0,) * k_all.ndim
-    out = pl.pallas_call(
-        kernel,
+    out = _pallas_call(
+        kernel, "decode_attention", config, interpret,
         grid=grid,
         in_specs=[
             pl.BlockSpec((1,), lambda *_: (0,)),
@@ -374,16 +480,105 @@ def decode_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: ja
         ],
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=pltriton.CompilerParams(num_warps=config.num_warps,
-                                                num_stages=config.num_stages),
-        interpret=interpret,
-        name="decode_attention",
     )(layer, kv_len, qp, valid, k_all, v_all, *prefix_args)
+    if group_pass:
+        acc, m, l = out
+        own = (_unparts(acc, parts)[..., :g, :], m[..., :g], l[..., :g])
+        shared = _prefix_pass(q, prefix, layer, config=config, parts=parts,
+                              interpret=interpret)
+        out = _combine_splits(*(jnp.concatenate([x, y], axis=2)
+                                for x, y in zip(shared, own, strict=True)))
+        return out.astype(out_dtype)
     if splits > 1:
         out = _combine_splits(*out).astype(dot_dtype)
-    if parts > 1:
-        out = out.transpose(0, 1, 3, 4, 2).reshape(b, kvh, gp, d)
-    return out[:, :, :g].astype(q.dtype)
+    return _unparts(out, parts)[:, :, :g].astype(out_dtype)
+
+
+def _pallas_call(kernel, name: str, config: DecodeAttentionConfig, interpret: bool, **kw):
+    """``pl.pallas_call`` on the Triton backend with the config's warps and stages."""
+    return pl.pallas_call(kernel, compiler_params=pltriton.CompilerParams(
+        num_warps=config.num_warps, num_stages=config.num_stages), interpret=interpret,
+        name=name, **kw)
+
+
+def _block(config: DecodeAttentionConfig, slots: int) -> int:
+    """config.block_s, or the largest power of two <= slots."""
+    return min(config.block_s, 1 << (slots.bit_length() - 1))
+
+
+def _to_parts(x: jax.Array, parts: int) -> jax.Array:
+    """``[..., R, D]`` -> ``parts`` column sets ``[..., parts, R, D / parts]`` (set j holds
+    columns ``parts * i + j``: the FP8 cache's words); no change for 1."""
+    if parts == 1:
+        return x
+    *lead, r, d = x.shape
+    return jnp.moveaxis(x.reshape(*lead, r, d // parts, parts), -1, -3)
+
+
+def _unparts(x: jax.Array, parts: int) -> jax.Array:
+    """``_to_parts``' inverse: ``[..., parts, R, D / parts]`` -> ``[..., R, D]``."""
+    if parts == 1:
+        return x
+    x = jnp.moveaxis(x, -3, -1)
+    return x.reshape(*x.shape[:-2], x.shape[-2] * parts)
+
+
+def _partial_outputs(q_shape: tuple, splits: int):
+    """Out specs and shapes of a partial pass with grid ``(N, KVH, splits)`` over queries laid
+    out as ``q_shape`` ``[N, KVH, (parts,) rows, Dp]``: per split the f32 sums laid out like q,
+    and m, l ``[rows]``."""
+    n, kvh, *inner = q_shape
+    rows = inner[-2]
+    nz = len(inner)
+    specs = (pl.BlockSpec((None, None, None, *inner), lambda i, j, c: (i, j, c) + (0,) * nz),
+             pl.BlockSpec((None, None, None, rows), lambda i, j, c: (i, j, c, 0)),
+             pl.BlockSpec((None, None, None, rows), lambda i, j, c: (i, j, c, 0)))
+    shapes = (jax.ShapeDtypeStruct((n, kvh, splits, *inner), jnp.float32),
+              jax.ShapeDtypeStruct((n, kvh, splits, rows), jnp.float32),
+              jax.ShapeDtypeStruct((n, kvh, splits, rows), jnp.float32))
+    return specs, shapes
+
+
+def _prefix_pass(q: jax.Array, prefix: SharedPrefix, layer: jax.Array, *,
+                 config: DecodeAttentionConfig, parts: int, interpret: bool):
+    """``prefix_mode="per_group"``: each group's prefix read once per tile of up to
+    ``config.prefix_rows`` of its rows. ``q``: ``[B, KVH, G, D]`` in the dot dtype; ``prefix``
+    with its K / V already as the kernel reads them (FP8: words). Returns the rows' partials
+    ``(acc [B, KVH, C, G, D], m [B, KVH, C, G], l [B, KVH, C, G])``, C =
+    ``config.prefix_splits``."""
+    b, kvh, g, d = q.shape
+    groups, p = prefix.k.shape[1], prefix.k.shape[3]
+    tiles = prefix.tiles
+    if tiles is None or tiles.rows.shape[1] != config.prefix_rows:
+        tiles = prefix_tiles(prefix.row_group, groups, config.prefix_rows)
+    t, r = tiles.rows.shape
+    n_rows = r * g
+    rows_p = max(MIN_DOT_ROWS, 1 << (n_rows - 1).bit_length())
+    # The tiles' queries: slot (t, i) is row rows[t, i] (B: a zero row), its G heads in order.
+    qt = jnp.concatenate([q, jnp.zeros((1, kvh, g, d), q.dtype)])[tiles.rows]  # [T, R, KVH, G, D]
+    qt = qt.transpose(0, 2, 1, 3, 4).reshape(t, kvh, n_rows, d)
+    qt = _to_parts(jnp.pad(qt, ((0, 0), (0, 0), (0, rows_p - n_rows), (0, 0))), parts)
+    c = config.prefix_splits
+    q_block = (None, None, *qt.shape[2:])
+    nq = len(q_block) - 2
+    out_specs, out_shape = _partial_outputs(qt.shape, c)
+    full = lambda a: pl.BlockSpec(a.shape, lambda *_, n=a.ndim: (0,) * n)  # noqa: E731
+    pvalid = prefix.valid.astype(jnp.int32)
+    acc, m, l = _pallas_call(
+        functools.partial(_prefix_kernel, block=_block(config, p), slots=p,
+                          scale=d**-0.5, parts=parts, splits=c),
+        "decode_attention_prefix", config, interpret,
+        grid=(t, kvh, c),
+        in_specs=[full(tiles.count), full(layer), full(tiles.group),
+                  pl.BlockSpec(q_block, lambda i, j, _: (i, j) + (0,) * nq),
+                  full(pvalid), full(prefix.k), full(prefix.v)],
+        out_specs=out_specs,
+        out_shape=out_shape,
+    )(tiles.count, layer, tiles.group, qt, pvalid, prefix.k, prefix.v)
+    acc = _unparts(acc, parts)[..., :n_rows, :].reshape(t, kvh, c, r, g, d)
+    m, l = (x[..., :n_rows].reshape(t, kvh, c, r, g) for x in (m, l))
+    # Row b's partial: slot row_pos[b] of tile row_tile[b] (advanced indices first: [B, ...]).
+    return tuple(x[tiles.row_tile, :, :, tiles.row_pos] for x in (acc, m, l))
 
 
 def _combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:

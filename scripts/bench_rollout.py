@@ -534,6 +534,13 @@ def parse_args(argv):
     p.add_argument("--attention-slot-splits", type=int, default=1,
                    help="decode attention programs per (row, KV head) over slot ranges "
                    "(DecodeAttentionConfig.slot_splits; flash-decoding)")
+    p.add_argument("--attention-prefix-mode", choices=("per_row", "per_group"), default=None,
+                   help="how the decode attention reads shared prompt prefixes "
+                   "(DecodeAttentionConfig.prefix_mode; with --share-prompt-cache)")
+    p.add_argument("--attention-prefix-rows", type=int, default=None,
+                   help="rows of a group per prefix program (DecodeAttentionConfig.prefix_rows)")
+    p.add_argument("--attention-prefix-splits", type=int, default=None,
+                   help="slot ranges per group tile (DecodeAttentionConfig.prefix_splits)")
     p.add_argument("--w4a4-bits", choices=("nibbles", "signs_high"), default="signs_high",
                    help="the float16 NVFP4 weights' code-word bit layout made at weight sync "
                    "(kernel_backend.set_w4a4_bits)")
@@ -613,8 +620,11 @@ def main(argv=None) -> int:
     from pallas_kernels.w4a4_matmul import W4A4MatmulConfig
     from quads_jax.quant import kernel_backend
 
-    models.layers.set_decode_attention(
-        args.decode_attention, DecodeAttentionConfig(slot_splits=args.attention_slot_splits))
+    prefix_kw = {field: value for field, value in (
+        ("prefix_mode", args.attention_prefix_mode), ("prefix_rows", args.attention_prefix_rows),
+        ("prefix_splits", args.attention_prefix_splits)) if value is not None}
+    attention = DecodeAttentionConfig(slot_splits=args.attention_slot_splits, **prefix_kw)
+    models.layers.set_decode_attention(args.decode_attention, attention)
     if (args.w4a4_n_group != 1 or not args.w4a4_stack_operands or args.w4a4_mma_overlap
             or args.w4a4_mma_k != 256 or not args.materialize_operands
             or args.rac_select_kernel or args.rac_select_block_rows != 16
@@ -661,6 +671,9 @@ def main(argv=None) -> int:
                           w4a4_bits=args.w4a4_bits,
                           kv_cache_dtype=args.kv_cache_dtype,
                           attention_slot_splits=args.attention_slot_splits,
+                          attention_prefix_mode=attention.prefix_mode,
+                          attention_prefix_rows=attention.prefix_rows,
+                          attention_prefix_splits=attention.prefix_splits,
                           rac_select_kernel=args.rac_select_kernel,
                           rac_select_block_rows=args.rac_select_block_rows,
                           rac_operand_kernel=(W4A4MatmulConfig().rac_operand_kernel

@@ -99,6 +99,10 @@
 #          against the copied layout (kernel_probe --attention-prefix: checks, timings and
 #          floors), then nvfp4_rac at batch 128 = 16 prompts x 8 samples,
 #          prompt 1024, with the shared prompt cache and without, same call (traced)
+#   pgroup the decode attention's shared prefix read once per group tile (prefix_mode
+#          "per_group", session 24, CPU-tested only): kernel_probe --attention-prefix (checked
+#          against per_row, then per_row / per_group variants / copied timed), then nvfp4_rac at
+#          batch 128 = 16 x 8, prompt 1024, shared cache, per_group and per_row (same call)
 #   hlo    nvfp4 at batch 128 with the decode program's optimized HLO dumped to $OUT/hlo (what
 #          the 386 small `memcpy32_post` copies per step and the MoE block's fusions are)
 #
@@ -145,8 +149,8 @@
 # `p1024`, `gcheck`.
 # Session 24 ran `b128 cont`, `share`, `kdense kgroup2` (kdense again without a row: the
 # chain's lowering, fixed in a79ea2d), `contshare p1024`, `mcheck` and b128p's plan8 (all at
-# c916b59; block 8 the default since). Next: `kdense` (to see the fix), `kdense2`, `kgroup`,
-# `gcheck`, `b256`.
+# c916b59; block 8 the default since). Next: `pgroup` (built after the last call), `kdense`
+# (to see the fix), `kdense2`, `kgroup`, `gcheck`, `b256`.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
@@ -325,8 +329,16 @@ for step in "$@"; do
       --n-samples 8 --share-prompt-cache --profile-steps 4 --budget-s 150
       rollout noshare 200 --batches 128 --prompts 1024 $short --precisions nvfp4_rac \
       --n-samples 8 --profile-steps 4 --budget-s 150 ;;
+    pgroup) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 150 python3 scripts/kernel_probe.py \
+      --attention-prefix --out "$OUT/pgroupp" > "$OUT/pgroupp.log" 2>&1
+      echo "pgroupp rc $?"; grep -E "PASS|FAIL|shared prefix|copied prompt|Error" "$OUT/pgroupp.log" | cut -c1-150
+      rollout pgroup 200 --batches 128 --prompts 1024 $short --precisions nvfp4_rac \
+      --n-samples 8 --share-prompt-cache --attention-prefix-mode per_group --profile-steps 4 \
+      --budget-s 150
+      rollout prow 200 --batches 128 --prompts 1024 $short --precisions nvfp4_rac \
+      --n-samples 8 --share-prompt-cache --profile-steps 4 --budget-s 150 ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
-    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop ropad hlo prof2 plan plan2 b128p cont contshare share)"; exit 2 ;;
+    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop ropad hlo prof2 plan plan2 b128p cont contshare share pgroup)"; exit 2 ;;
   esac
 done

@@ -303,6 +303,7 @@ def run_attention_prefix(shape=(128, 8, 4, 8, 1024, 1023, 128, 4), interpret=Fal
         SharedPrefix,
         decode_attention,
         decode_attention_reference,
+        prefix_tiles,
     )
 
     b, n, kvh, g, p, r, d, layers_n = shape
@@ -333,13 +334,31 @@ def run_attention_prefix(shape=(128, 8, 4, 8, 1024, 1023, 128, 4), interpret=Fal
     bk.check("shared prefix = copied prompt (kernel, both layouts)", kernel,
              lambda: run(q, k_full, v_full, jnp.int32(1), valid_full, jnp.int32(p + kv_len)),
              (b, kvh, g, d), tol=2e-2)
+    # prefix_mode "per_group" (the prefix read once per tile of a group's rows), its tiles
+    # built once outside the timed calls as the model does per decode step.
+    variants = [("per_row", cfg)] + [
+        (f"per_group rows={r} splits={c}", DecodeAttentionConfig(
+            prefix_mode="per_group", prefix_rows=r, prefix_splits=c))
+        for r, c in ((8, 1), (8, 2), (8, 4), (4, 2), (16, 1))]
+    for name, vcfg in variants[1:2]:
+        tiled = prefix._replace(tiles=prefix_tiles(prefix.row_group, groups, vcfg.prefix_rows))
+        group_kernel = jax.jit(lambda q=q, k=k, v=v, valid=valid, prefix=tiled, vcfg=vcfg:
+                               decode_attention(q, k, v, jnp.int32(1), valid, jnp.int32(kv_len),
+                                                prefix, config=vcfg, interpret=interpret))
+        bk.check(f"shared prefix {name} = per_row", group_kernel, kernel, (b, kvh, g, d),
+                 tol=2e-2)
     bk.log("== decode attention, shared prompt caches: timings (4 layers rotated)")
     slot_bytes = 2 * kvh * d * 2  # K and V, bf16, per slot
-    ws = [(k, v, jnp.int32(i), prefix) for i in range(layers_n)]
-    t, calls = bk.time_chain(lambda x, w: run(x, w[0], w[1], w[2], valid, jnp.int32(kv_len),
-                                              w[3]), q, ws, reps=4)
-    bk.record(f"decode attention shared prefix {groups}x{n} prompt={p} kv_len={kv_len}", t,
-              calls, bytes_=(groups * p + b * kv_len) * slot_bytes)
+    for name, vcfg in variants if not interpret else variants[:2]:
+        tiled = prefix._replace(tiles=prefix_tiles(prefix.row_group, groups, vcfg.prefix_rows)
+                                if vcfg.prefix_mode == "per_group" else None)
+        ws = [(k, v, jnp.int32(i), tiled) for i in range(layers_n)]
+        t, calls = bk.time_chain(
+            lambda x, w, vcfg=vcfg: decode_attention(x, w[0], w[1], w[2], valid,
+                                                     jnp.int32(kv_len), w[3], config=vcfg,
+                                                     interpret=interpret), q, ws, reps=4)
+        bk.record(f"decode attention shared prefix {name} {groups}x{n} prompt={p} "
+                  f"kv_len={kv_len}", t, calls, bytes_=(groups * p + b * kv_len) * slot_bytes)
     wf = [(k_full, v_full, jnp.int32(i)) for i in range(layers_n)]
     t, calls = bk.time_chain(lambda x, w: run(x, w[0], w[1], w[2], valid_full,
                                               jnp.int32(p + kv_len)), q, wf, reps=4)

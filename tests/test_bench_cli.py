@@ -41,7 +41,8 @@ def test_bench_rollout_runs_with_kernel_overrides(tmp_path):
             "nvfp4_rac", "--no-split", "--no-ragged", "--no-materialize-operands",
             "--no-rac-operand-kernel", "--rac-operand-padding", "skip", "--tile-plan-kernel",
             "--act-operand-kernel", "--tile-plan-block", "8", "--n-samples", "2",
-            "--share-prompt-cache", "--out", str(tmp_path)]
+            "--share-prompt-cache", "--attention-prefix-mode", "per_group",
+            "--attention-prefix-rows", "2", "--out", str(tmp_path)]
     try:
         assert bench_rollout.main(argv) == 0
     finally:
@@ -56,6 +57,8 @@ def test_bench_rollout_runs_with_kernel_overrides(tmp_path):
     assert [r["rac_operand_padding"] for r in rows if r["kind"] == "device"] == ["skip"]
     assert [(r["tile_plan_kernel"], r["act_operand_kernel"], r["tile_plan_block"])
             for r in rows if r["kind"] == "device"] == [(True, True, 8)]
+    assert [(r["attention_prefix_mode"], r["attention_prefix_rows"], r["attention_prefix_splits"])
+            for r in rows if r["kind"] == "device"] == [("per_group", 2, 1)]
     assert [(r["precision"], r["n_samples"], r["share_prompt_cache"])
             for r in rows if r["kind"] == "rollout"] == [("nvfp4_rac", 2, True)]
 
@@ -84,7 +87,8 @@ def test_bench_continuous_runs_every_schedule_on_one_workload(tmp_path):
 
 def test_kernel_probe_shared_prefix_attention_dry_run():
     """``kernel_probe.py --attention-prefix`` (the next GPU call's probe) on tiny shapes in
-    interpret mode: both checks pass and both layouts are timed."""
+    interpret mode: the checks pass (per_group against per_row included) and both layouts
+    are timed, the shared one in both prefix modes."""
     import pathlib
     import sys
 
@@ -94,6 +98,7 @@ def test_kernel_probe_shared_prefix_attention_dry_run():
 
     checks, timings = len(bk.RESULTS["checks"]), len(bk.RESULTS["timings"])
     kernel_probe.run_attention_prefix(shape=(4, 2, 2, 4, 32, 31, 32, 2), interpret=True)
-    assert [c["ok"] for c in bk.RESULTS["checks"][checks:]] == [True, True]
+    assert [c["ok"] for c in bk.RESULTS["checks"][checks:]] == [True, True, True]
     names = [r["name"] for r in bk.RESULTS["timings"][timings:]]
-    assert len(names) == 2 and "shared prefix" in names[0] and "copied prompt" in names[1]
+    assert len(names) == 3 and "copied prompt" in names[2]
+    assert "shared prefix per_row" in names[0] and "shared prefix per_group" in names[1]

@@ -91,6 +91,20 @@ def set_decode_attention(impl: str, config=None) -> None:
     _decode_attention.update(impl=impl, config=config)
 
 
+def decode_prefix_tiles(row_group: jax.Array, groups: int):
+    """The decode attention kernel's ``PrefixTiles`` of a decode step's rows (int32 ``[B]``
+    groups in ``[0, groups)``) when its config reads shared prefixes per group
+    (``prefix_mode="per_group"``), else None: the same for all layers of the step, so the model
+    builds them once per step."""
+    config = _decode_attention["config"]
+    if (_decode_attention["impl"] == "jnp" or config is None
+            or config.prefix_mode != "per_group"):
+        return None
+    from pallas_kernels import decode_attention as da
+
+    return da.prefix_tiles(row_group, groups, config.prefix_rows)
+
+
 def decode_attend(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.Array,
                   valid: jax.Array, kv_len: jax.Array, backend: str,
                   prefix: tuple | None = None) -> jax.Array | None:
@@ -102,8 +116,9 @@ def decode_attend(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.A
         holding the new token); layer: int32 scalar; valid: bool or int32 ``[B, S]``; kv_len: int32
         scalar, slots ``>= kv_len`` are empty; backend: the recipe's ("auto": the kernel on a
         GPU; "interpret": the kernel in Pallas interpret mode; "reference": None);
-      prefix: None or ``(k, v [L, G, KVH, P, D], valid [G, P], row_group int32 [B])``, slots
-        each row's group shares (``decode_attention.SharedPrefix``).
+      prefix: None or ``(k, v [L, G, KVH, P, D], valid [G, P], row_group int32 [B], tiles)``,
+        slots each row's group shares (``decode_attention.SharedPrefix``; ``tiles``:
+        ``decode_prefix_tiles`` or None).
     Returns ``[B, 1, H * D]`` in ``q.dtype`` or None.
     """
     from pallas_kernels import decode_attention as da  # here: the trainer never needs Pallas

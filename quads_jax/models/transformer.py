@@ -326,8 +326,9 @@ class _Masks(NamedTuple):
     allowed: jax.Array
     decode_valid: jax.Array | None = None
     decode_len: jax.Array | None = None
-    # A cache's shared prefix: (k, v [L, G, KVH, P, D], valid int32 [G, P], row_group [B]) and,
-    # for the jnp path, what each query may see of it, bool [B, T, P].
+    # A cache's shared prefix: (k, v [L, G, KVH, P, D], valid int32 [G, P], row_group [B],
+    # the kernel's group tiles or None) and, for the jnp path, what each query may see of it,
+    # bool [B, T, P].
     prefix: tuple | None = None
     prefix_allowed: jax.Array | None = None
 
@@ -361,7 +362,7 @@ def _attention(config, p, x, rope, masks: _Masks, kv, layer, site, recipe, row_v
             at_layer = lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)  # noqa: E731
             k, v, allowed = at_layer(k_all), at_layer(v_all), masks.allowed
             if masks.prefix is not None:  # the group's prefix slots in front of the row's
-                pk, pv, _, groups = masks.prefix
+                pk, pv, _, groups = masks.prefix[:4]
                 k = jnp.concatenate([at_layer(pk)[groups], k], axis=2)
                 v = jnp.concatenate([at_layer(pv)[groups], v], axis=2)
                 allowed = jnp.concatenate([masks.prefix_allowed, allowed], axis=-1)
@@ -473,8 +474,12 @@ def forward(
     if cache is not None and cache.has_prefix:  # every prefix slot comes before every query
         prefix_rows = cache.prefix_mask[cache.row_group]  # [B, P]
         masks = masks._replace(
+            # The decode attention kernel's group tiles (prefix_mode "per_group"), built
+            # once here for every layer of the step rather than in each layer's call.
             prefix=(cache.prefix_k, cache.prefix_v, cache.prefix_mask.astype(jnp.int32),
-                    cache.row_group),
+                    cache.row_group, L.decode_prefix_tiles(cache.row_group,
+                                                           cache.prefix_k.shape[1])
+                    if t == 1 else None),
             prefix_allowed=jnp.broadcast_to(prefix_rows[:, None, :],
                                             (b, t, prefix_rows.shape[1])))
 

@@ -17,6 +17,7 @@ from pallas_kernels.decode_attention import (
     SharedPrefix,
     decode_attention,
     decode_attention_reference,
+    prefix_tiles,
 )
 from quads_jax.models import KVCache, forward, init_params
 from quads_jax.quant.recipe import get_recipe
@@ -137,6 +138,57 @@ def test_shared_prefix_matches_the_reference(p, splits, fp8):
                            atol=0.1)
 
 
+@pytest.mark.parametrize("row_group,rows,splits,slot_splits,fp8", [
+    ([0, 0, 0, 1, 1, 1], 4, 1, 1, False),     # GRPO layout, one tile per group
+    ([1, 0, 1, 1, 0, 1], 2, 2, 1, False),     # groups interleaved (compaction, joins); a group
+                                              # over two tiles; the prefix in 2 slot ranges
+    ([1, 1, 1, 1, 1, 1], 1, 1, 2, False),     # one group, a tile per row; rows' slot_splits
+    ([0, 1, 0, 1, 0, 1], 4, 1, 1, True),      # FP8 cache and prefix, read as int32 words
+])
+def test_per_group_prefix_matches_the_reference(row_group, rows, splits, slot_splits, fp8):
+    """``prefix_mode="per_group"``: the prefix read once per tile of a group's rows, the rows'
+    own slots per row, the partials combined: the reference for any grouping of the rows."""
+    from quads_jax.models.kv_cache import to_cache_dtype
+
+    d = 128 if fp8 else 32
+    q, k, v = _inputs(2, 6, 2, 24, d, 4, seed=23)
+    prefix = _prefix(2, 2, 2, 37, d, 6, seed=24)._replace(
+        row_group=jnp.asarray(row_group, jnp.int32))
+    if fp8:
+        k, v = (to_cache_dtype(a, jnp.float8_e4m3fn) for a in (k, v))
+        prefix = prefix._replace(k=to_cache_dtype(prefix.k, jnp.float8_e4m3fn),
+                                 v=to_cache_dtype(prefix.v, jnp.float8_e4m3fn))
+    valid = jnp.arange(24)[None, :] < jnp.asarray([[10], [3], [20], [0], [24], [7]])
+    cfg = DecodeAttentionConfig(block_s=16, slot_splits=slot_splits, prefix_mode="per_group",
+                                prefix_rows=rows, prefix_splits=splits)
+    want = decode_attention_reference(q, k, v, 1, valid, prefix=prefix)
+    got = decode_attention(q, k, v, jnp.int32(1), valid, jnp.int32(24), prefix, config=cfg,
+                           interpret=True)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               atol=2e-2, rtol=2e-2)
+    # The tiles built once for a step's layers give the same result as built per call.
+    tiled = prefix._replace(tiles=prefix_tiles(prefix.row_group, 2, rows))
+    again = decode_attention(q, k, v, jnp.int32(1), valid, jnp.int32(24), tiled, config=cfg,
+                             interpret=True)
+    np.testing.assert_array_equal(np.asarray(again), np.asarray(got))
+
+
+def test_prefix_tiles_cover_every_row_once():
+    rg = jnp.asarray([2, 0, 2, 2, 1, 2, 0, 2, 2], jnp.int32)
+    t = prefix_tiles(rg, 3, 2)
+    rows, group, count = np.asarray(t.rows), np.asarray(t.group), int(t.count[0])
+    # ceil(2/2) + ceil(1/2) + ceil(6/2) = 5 live tiles, T = min(9, 3 + 5) = 8.
+    assert rows.shape == (8, 2) and count == 5
+    live = rows[:count]
+    assert sorted(live[live < 9].tolist()) == list(range(9)) and (rows[count:] == 9).all()
+    for ti in range(count):  # every tile holds rows of its own group only, in row order
+        members = live[ti][live[ti] < 9]
+        assert (np.asarray(rg)[members] == group[ti]).all() and (np.diff(members) > 0).all()
+    np.testing.assert_array_equal(rows[np.asarray(t.row_tile), np.asarray(t.row_pos)],
+                                  np.arange(9))
+
+
 def test_shared_prefix_equals_the_prompt_copied_into_every_row():
     """The layout it replaces: each row holding its group's prompt in front of its own slots
     (what ``generate`` builds without ``share_prompt_cache``) gives the same output."""
@@ -252,14 +304,26 @@ def test_model_decode_step_through_the_kernel_matches_the_jnp_path():
                                   np.asarray(outs["reference"].cache.k[0]))
 
 
-def test_model_decode_step_with_a_shared_prefix_through_the_kernel():
+@pytest.mark.parametrize("mode", ["per_row", "per_group"])
+def test_model_decode_step_with_a_shared_prefix_through_the_kernel(mode):
     """A GRPO-shaped cache (``share_prompt_cache``: 2 prompts of 16 tokens as the prefix of 4
-    rows): one decode step through the kernel equals the jnp path, which equals the step on
-    the cache with each row holding its own copy of the prompt."""
+    rows): one decode step through the kernel (either prefix mode; per_group with the step's
+    tiles built once by the model) equals the jnp path, which equals the step on the cache with
+    each row holding its own copy of the prompt."""
     import dataclasses as dc
 
+    from quads_jax.models import layers
     from quads_jax.sampler import engine
     from quads_jax.sampler.engine import SamplerConfig
+
+    layers.set_decode_attention("kernel", DecodeAttentionConfig(prefix_mode=mode, prefix_rows=2))
+    try:
+        _model_step_with_prefix(engine, SamplerConfig, dc)
+    finally:
+        layers.set_decode_attention("kernel")
+
+
+def _model_step_with_prefix(engine, SamplerConfig, dc):
 
     c = tiny_config(dtype="bfloat16", num_hidden_layers=2, mlp_only_layers=())  # one scan
     params = init_params(c, jax.random.key(0))
@@ -297,8 +361,11 @@ def test_lowers_for_cuda(cache_dtype, splits):
     assert "xla.gpu.triton" in exp.mlir_module()
 
 
-@pytest.mark.parametrize("cache_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
-def test_shared_prefix_lowers_for_cuda(cache_dtype):
+@pytest.mark.parametrize("cache_dtype,mode", [(jnp.bfloat16, "per_row"),
+                                               (jnp.float8_e4m3fn, "per_row"),
+                                               (jnp.bfloat16, "per_group"),
+                                               (jnp.float8_e4m3fn, "per_group")])
+def test_shared_prefix_lowers_for_cuda(cache_dtype, mode):
     q = jax.ShapeDtypeStruct((16, 4, 8, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((2, 16, 4, 1023, 128), cache_dtype)
     pkv = jax.ShapeDtypeStruct((2, 2, 4, 256, 128), cache_dtype)
@@ -306,11 +373,13 @@ def test_shared_prefix_lowers_for_cuda(cache_dtype):
                           jax.ShapeDtypeStruct((16,), jnp.int32))
     valid = jax.ShapeDtypeStruct((16, 1023), jnp.bool_)
     i = jax.ShapeDtypeStruct((), jnp.int32)
+    fn = functools.partial(decode_attention, config=DecodeAttentionConfig(
+        prefix_mode=mode, prefix_splits=2 if mode == "per_group" else 1))
     with jax.sharding.use_abstract_mesh(H200):
-        exp = export.export(jax.jit(decode_attention), platforms=["cuda"], disabled_checks=[
+        exp = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
             export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
                 q, kv, kv, i, valid, i, prefix)
-    assert "xla.gpu.triton" in exp.mlir_module()
+    assert exp.mlir_module().count("xla.gpu.triton") >= (2 if mode == "per_group" else 1)
 
 
 def test_bad_input_is_refused():
@@ -336,6 +405,12 @@ def test_bad_input_is_refused():
         decode_attention(q, k[:, :, :, :8], v[:, :, :, :8], 0, valid[:, :8], 8, interpret=True)
     with pytest.raises(ValueError, match="block_s=24"):
         DecodeAttentionConfig(block_s=24)
+    with pytest.raises(ValueError, match=r"prefix_mode='shared': must be one of \('per_row'"):
+        DecodeAttentionConfig(prefix_mode="shared")
+    with pytest.raises(ValueError, match="prefix_rows=6: must be a power of two in"):
+        DecodeAttentionConfig(prefix_rows=6)
+    with pytest.raises(ValueError, match="prefix_splits=0: must be in"):
+        DecodeAttentionConfig(prefix_splits=0)
     prefix = _prefix(1, 1, 2, 20, 16, 2, seed=6)
     with pytest.raises(ValueError, match=r"prefix row_group int32\[3\] must be int32 \[B\]"):
         decode_attention(q, k, v, 0, valid, 32, prefix._replace(
