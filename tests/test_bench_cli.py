@@ -102,3 +102,25 @@ def test_kernel_probe_shared_prefix_attention_dry_run():
     names = [r["name"] for r in bk.RESULTS["timings"][timings:]]
     assert len(names) == 3 and "copied prompt" in names[2]
     assert "shared prefix per_row" in names[0] and "shared prefix per_group" in names[1]
+
+
+def test_bench_kernels_smoke_dense_rows_run_on_the_cpu():
+    """``bench_kernels.py --smoke``'s dense table (the tile GEMM and the Triton kernels around
+    it replaced by their jnp paths) on one tiny shape: every row is timed. It broke unseen when
+    the operand and tile-plan kernels became defaults (Triton cannot run on the CPU)."""
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
+    import bench_kernels as bk
+
+    saved = dict(bk.BEST)
+    rows = len(bk.RESULTS["timings"])
+    try:
+        bk.enable_smoke()
+        bk.bench_dense(shapes=((256, 128),), extra=False)
+    finally:
+        bk.BEST.update(saved)
+        bk.SMOKE = False
+    names = [r["name"] for r in bk.RESULTS["timings"][rows:]]
+    assert len(names) == 5 and names[0].startswith("w4a4 [auto] M=16 K=256 N=128"), names
