@@ -67,7 +67,8 @@
 #   kv8    the decode attention kernel on an FP8 E4M3 cache (session 19, CPU-tested only):
 #          GPU-checked against the reference and timed (kernel_probe --attention), then the four
 #          arms at batch 128 with --kv-cache-dtype float8_e4m3fn (compare with b128)
-#   attn   kv8's decode attention probe alone (checks, then bf16 / FP8 timings and FP8 configs)
+#   attn   kv8's decode attention probe alone (checks, then bf16 / FP8 timings, bf16 configs:
+#          num_stages, block_s, num_warps; FP8 configs; 240 s)
 #   kv8s   nvfp4_rac and nvfp4 on the FP8 cache with the decode attention split over 2 slot
 #          ranges per (row, KV head) (slot_splits, flash-decoding) and without, same call
 #          (run `attn` first: its timings include the slot_splits variants)
@@ -149,8 +150,9 @@
 # `p1024`, `gcheck`.
 # Session 24 ran `b128 cont`, `share`, `kdense kgroup2` (kdense again without a row: the
 # chain's lowering, fixed in a79ea2d), `contshare p1024`, `mcheck` and b128p's plan8 (all at
-# c916b59; block 8 the default since). Next: `pgroup` (built after the last call), `kdense`
-# (to see the fix), `kdense2`, `kgroup`, `gcheck`, `b256`.
+# c916b59; block 8 the default since). Next: `pgroup` (built after the last call), `attn`
+# (the bf16 configs: the kernel is at ~0.53 of its floor in the rollout), `kdense` (to see the
+# fix), `kdense2`, `kgroup`, `gcheck`, `b256`.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
@@ -266,7 +268,7 @@ for step in "$@"; do
       rollout sh128 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \
       --w4a4-bits signs_high --budget-s 110
       rollout nb128 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 --budget-s 110 ;;
-    attn) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 150 python3 scripts/kernel_probe.py \
+    attn) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 240 python3 scripts/kernel_probe.py \
       --attention --out "$OUT/attn" > "$OUT/attn.log" 2>&1
       echo "attn rc $?"; grep -E "attention|FAIL|PASS|Error" "$OUT/attn.log" | cut -c1-140 ;;
     kv8) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 150 python3 scripts/kernel_probe.py \

@@ -413,7 +413,20 @@ def run_attention():
     ws8 = [(k8, v8, jnp.int32(i)) for i in range(layers_n)]
     for kv_len in (768 * s // 1279, s):
         valid = (slot >= first) & (slot < kv_len)
+        # bf16 at the rollout's shape is at ~0.53 of its KV-byte floor in the traced rollout
+        # (52.7 us per layer for 99.6 MB at 3.55 TB/s, 2026-12-05) and the FP8 cache's half
+        # bytes did not help: latency, not bytes. The bf16 variants below vary what sets the
+        # bytes in flight per SM (stages, block, warps).
         for name, w, item, cfg in (("", ws, 2, DecodeAttentionConfig()),
+                                   ("num_stages=2 ", ws, 2, DecodeAttentionConfig(num_stages=2)),
+                                   ("num_stages=4 ", ws, 2, DecodeAttentionConfig(num_stages=4)),
+                                   ("num_stages=5 ", ws, 2, DecodeAttentionConfig(num_stages=5)),
+                                   ("block_s=64 ", ws, 2, DecodeAttentionConfig(block_s=64)),
+                                   ("block_s=64 num_warps=8 ", ws, 2,
+                                    DecodeAttentionConfig(block_s=64, num_warps=8)),
+                                   ("block_s=16 num_stages=4 ", ws, 2,
+                                    DecodeAttentionConfig(block_s=16, num_stages=4)),
+                                   ("num_warps=2 ", ws, 2, DecodeAttentionConfig(num_warps=2)),
                                    ("FP8 cache ", ws8, 1, DecodeAttentionConfig()),
                                    ("FP8 cache block_s=64 ", ws8, 1,
                                     DecodeAttentionConfig(block_s=64)),
