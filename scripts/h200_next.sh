@@ -31,6 +31,9 @@
 #          14336 with its 10 rows: that one alone is kdense0); kdense2: 4096 x 57344
 #   kgroup the grouped table of `kern` at 1 and 16 tokens (--part grouped --trace; 270 s);
 #          kgroup2 at 64 and 256 tokens
+#   kpre   issue 4's prefill rows (bench_kernels --part prefill --trace: dense W4A4 +-RAC
+#          against XLA BF16 at M = 8192, K x N = 4096 x 14336; grouped at 1 024 tokens x top-8 against
+#          ragged_dot_mgpu; never run as isolated kernels)
 #   cmdbuf nvfp4 and nvfp4_rac at batch 128 with XLA's command buffers (CUDA graphs) asked for
 #          explicitly (the session-13 HLO had none; compare with b128 of the same call)
 #   gabl   the grouped tile kernel alone at the decode step's shapes, traced: variants
@@ -152,7 +155,7 @@
 # chain's lowering, fixed in a79ea2d), `contshare p1024`, `mcheck` and b128p's plan8 (all at
 # c916b59; block 8 the default since). Next: `pgroup` (built after the last call), `attn`
 # (the bf16 configs: the kernel is at ~0.53 of its floor in the rollout), `kdense` (to see the
-# fix), `kdense2`, `kgroup`, `gcheck`, `b256`.
+# fix), `kdense2`, `kpre`, `kgroup`, `gcheck`, `b256`.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
@@ -211,6 +214,9 @@ for step in "$@"; do
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 270 python3 scripts/bench_kernels.py \
       --part grouped --tokens $tokens --trace --out "$OUT/$step" > "$OUT/$step.log" 2>&1
       echo "$step rc $?"; grep -E "grouped|floor|bw" "$OUT/$step.log" | cut -c1-240 ;;
+    kpre) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 270 python3 scripts/bench_kernels.py \
+      --part prefill --trace --out "$OUT/kpre" > "$OUT/kpre.log" 2>&1
+      echo "kpre rc $?"; grep -E "prefill|grouped|floor|bw" "$OUT/kpre.log" | cut -c1-240 ;;
     cmdbuf) XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL --xla_gpu_graph_min_graph_size=2" \
       rollout cmdbuf 220 --quick --precisions nvfp4,nvfp4_rac --budget-s 170 ;;
     gabl) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 280 python3 scripts/kernel_probe.py \
@@ -341,6 +347,6 @@ for step in "$@"; do
       --n-samples 8 --share-prompt-cache --profile-steps 4 --budget-s 150 ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
-    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop ropad hlo prof2 plan plan2 b128p cont contshare share pgroup)"; exit 2 ;;
+    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop ropad hlo prof2 plan plan2 b128p cont contshare share pgroup kpre)"; exit 2 ;;
   esac
 done
