@@ -124,6 +124,10 @@ def parse_args(argv):
                    default="bfloat16")
     p.add_argument("--share-prompt-cache", action="store_true",
                    help="a group's rows share one copy of its prompt's KV cache")
+    p.add_argument("--attention-prefix-mode", choices=("per_row", "per_group"),
+                   default="per_row",
+                   help="how the decode attention kernel reads shared prompt prefixes "
+                   "(DecodeAttentionConfig.prefix_mode)")
     p.add_argument("--schedules", default="static,compacting,continuous")
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
@@ -140,6 +144,18 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from pallas_kernels.decode_attention import DecodeAttentionConfig
+    from quads_jax.models import layers
+
+    layers.set_decode_attention("kernel", DecodeAttentionConfig(
+        prefix_mode=args.attention_prefix_mode))
+    try:
+        return run(args)
+    finally:
+        layers.set_decode_attention("kernel")
+
+
+def run(args) -> int:
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "continuous.jsonl")
     open(path, "w").close()
@@ -167,6 +183,7 @@ def main(argv=None) -> int:
                 stop_fraction=args.stop_fraction, stop_ids=len(sc.stop_token_ids),
                 segment_steps=args.segment_steps, kv_cache_dtype=args.kv_cache_dtype,
                 share_prompt_cache=args.share_prompt_cache,
+                attention_prefix_mode=args.attention_prefix_mode,
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())))
     runs = schedules(params, cfg, recipe, tokens, mask, sc, args)
     for name in args.schedules.split(","):

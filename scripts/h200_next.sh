@@ -97,7 +97,8 @@
 #          CPU-tested only): 256 responses (32 prompts x 8, prompts 128-256 tokens), lengths
 #          ~geometric (stop set 0.4 % of the vocabulary) capped at 512, on 128 decode rows,
 #          nvfp4_rac: static batches (generate), compaction and continuous batching (320 s);
-#          contshare: continuous batching with shared prompt caches on the same workload
+#          contshare: continuous batching with shared prompt caches on the same workload;
+#          contgroup: the same with the decode attention's per_group prefix pass
 #   share  GRPO groups sharing their prompt's KV cache (SamplerConfig.share_prompt_cache;
 #          session 23, CPU-tested only): the decode attention kernel with the shared prefix
 #          against the copied layout (kernel_probe --attention-prefix: checks, timings and
@@ -330,6 +331,12 @@ for step in "$@"; do
       --new-tokens 512 --stop-fraction 0.004 --segment-steps 32 --commit "$COMMIT" \
       --schedules continuous --share-prompt-cache --out "$OUT/contshare" > "$OUT/contshare.log" 2>&1
       echo "contshare rc $?"; grep -E '"schedule"|Error' "$OUT/contshare.log" | cut -c1-300 ;;
+    contgroup) XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -k 15 200 python3 scripts/bench_continuous.py \
+      --precision nvfp4_rac --sequences 256 --n-samples 8 --batch-rows 128 --prompt 256 \
+      --new-tokens 512 --stop-fraction 0.004 --segment-steps 32 --commit "$COMMIT" \
+      --schedules continuous --share-prompt-cache --attention-prefix-mode per_group \
+      --out "$OUT/contgroup" > "$OUT/contgroup.log" 2>&1
+      echo "contgroup rc $?"; grep -E '"schedule"|Error' "$OUT/contgroup.log" | cut -c1-300 ;;
     share) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 120 python3 scripts/kernel_probe.py \
       --attention-prefix --out "$OUT/sharep" > "$OUT/sharep.log" 2>&1
       echo "sharep rc $?"; grep -E "PASS|FAIL|shared prefix|copied prompt" "$OUT/sharep.log" | cut -c1-150
@@ -347,6 +354,6 @@ for step in "$@"; do
       --n-samples 8 --share-prompt-cache --profile-steps 4 --budget-s 150 ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
-    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop ropad hlo prof2 plan plan2 b128p cont contshare share pgroup kpre)"; exit 2 ;;
+    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop ropad hlo prof2 plan plan2 b128p cont contshare contgroup share pgroup kpre)"; exit 2 ;;
   esac
 done
