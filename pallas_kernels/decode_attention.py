@@ -96,10 +96,11 @@ class DecodeAttentionConfig:
     # up to ``prefix_rows`` rows of the group (``prefix_rows`` x G query rows: a tensor-core
     # tile instead of G padded to 16), then the per-row kernel reads only the rows' own slots;
     # XLA combines the two softmax partials (as ``slot_splits``). ``prefix_splits``: slot
-    # ranges per group tile in that pass (more programs when groups are few).
+    # ranges per group tile in that pass: 16 groups x 4 KV heads are only 64 programs on 132
+    # SMs, each streaming its whole prefix, so 4 by default (a guess until timed on the GPU).
     prefix_mode: str = "per_row"
     prefix_rows: int = 8
-    prefix_splits: int = 1
+    prefix_splits: int = 4
 
     def __post_init__(self):
         if self.block_s < 16 or self.block_s & (self.block_s - 1):

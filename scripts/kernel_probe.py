@@ -339,7 +339,7 @@ def run_attention_prefix(shape=(128, 8, 4, 8, 1024, 1023, 128, 4), interpret=Fal
     variants = [("per_row", cfg)] + [
         (f"per_group rows={r} splits={c}", DecodeAttentionConfig(
             prefix_mode="per_group", prefix_rows=r, prefix_splits=c))
-        for r, c in ((8, 1), (8, 2), (8, 4), (4, 2), (16, 1))]
+        for r, c in ((8, 1), (8, 2), (8, 4), (8, 8), (4, 4), (16, 4))]
     for name, vcfg in variants[1:2]:
         tiled = prefix._replace(tiles=prefix_tiles(prefix.row_group, groups, vcfg.prefix_rows))
         group_kernel = jax.jit(lambda q=q, k=k, v=v, valid=valid, prefix=tiled, vcfg=vcfg:

@@ -58,7 +58,7 @@ def test_bench_rollout_runs_with_kernel_overrides(tmp_path):
     assert [(r["tile_plan_kernel"], r["act_operand_kernel"], r["tile_plan_block"])
             for r in rows if r["kind"] == "device"] == [(True, True, 8)]
     assert [(r["attention_prefix_mode"], r["attention_prefix_rows"], r["attention_prefix_splits"])
-            for r in rows if r["kind"] == "device"] == [("per_group", 2, 1)]
+            for r in rows if r["kind"] == "device"] == [("per_group", 2, 4)]
     assert [(r["precision"], r["n_samples"], r["share_prompt_cache"])
             for r in rows if r["kind"] == "rollout"] == [("nvfp4_rac", 2, True)]
 
