@@ -304,26 +304,16 @@ def test_model_decode_step_through_the_kernel_matches_the_jnp_path():
                                   np.asarray(outs["reference"].cache.k[0]))
 
 
-@pytest.mark.parametrize("mode", ["per_row", "per_group"])
-def test_model_decode_step_with_a_shared_prefix_through_the_kernel(mode):
+def test_model_decode_step_with_a_shared_prefix_through_the_kernel():
     """A GRPO-shaped cache (``share_prompt_cache``: 2 prompts of 16 tokens as the prefix of 4
-    rows): one decode step through the kernel (either prefix mode; per_group with the step's
-    tiles built once by the model) equals the jnp path, which equals the step on the cache with
-    each row holding its own copy of the prompt."""
+    rows): one decode step through the kernel, in either prefix mode (per_group with the
+    step's tiles built once by the model), equals the jnp path, which equals the step on the
+    cache with each row holding its own copy of the prompt."""
     import dataclasses as dc
 
     from quads_jax.models import layers
     from quads_jax.sampler import engine
     from quads_jax.sampler.engine import SamplerConfig
-
-    layers.set_decode_attention("kernel", DecodeAttentionConfig(prefix_mode=mode, prefix_rows=2))
-    try:
-        _model_step_with_prefix(engine, SamplerConfig, dc)
-    finally:
-        layers.set_decode_attention("kernel")
-
-
-def _model_step_with_prefix(engine, SamplerConfig, dc):
 
     c = tiny_config(dtype="bfloat16", num_hidden_layers=2, mlp_only_layers=())  # one scan
     params = init_params(c, jax.random.key(0))
@@ -332,19 +322,25 @@ def _model_step_with_prefix(engine, SamplerConfig, dc):
     sc = SamplerConfig(max_new_tokens=17, n_samples=2, greedy=True, share_prompt_cache=True)
     nxt = jnp.asarray([[5], [7], [9], [11]], jnp.int32)
     pos = jnp.asarray([[16], [16], [13], [13]], jnp.int32)
-    outs = {}
-    for share in (True, False):
+
+    def step(share, backend):
         state = engine.prefill(params, tok, jax.random.key(2),
                                dc.replace(sc, share_prompt_cache=share), model_config=c,
                                prompt_mask=mask)
-        for backend in ("reference", "interpret") if share else ("reference",):
-            r = dc.replace(get_recipe("bf16"), backend=backend)
-            outs[share, backend] = forward(c, params, nxt, positions=pos, cache=state.cache,
-                                           recipe=r).logits
-    np.testing.assert_allclose(np.asarray(outs[True, "interpret"]),
-                               np.asarray(outs[True, "reference"]), atol=5e-2)
-    np.testing.assert_allclose(np.asarray(outs[True, "reference"]),
-                               np.asarray(outs[False, "reference"]), atol=5e-2)
+        r = dc.replace(get_recipe("bf16"), backend=backend)
+        return np.asarray(forward(c, params, nxt, positions=pos, cache=state.cache,
+                                  recipe=r).logits)
+
+    reference = step(True, "reference")
+    np.testing.assert_allclose(reference, step(False, "reference"), atol=5e-2)
+    try:
+        for mode in ("per_row", "per_group"):
+            layers.set_decode_attention("kernel", DecodeAttentionConfig(prefix_mode=mode,
+                                                                        prefix_rows=2))
+            np.testing.assert_allclose(step(True, "interpret"), reference, atol=5e-2,
+                                       err_msg=mode)
+    finally:
+        layers.set_decode_attention("kernel")
 
 
 @pytest.mark.parametrize("cache_dtype,splits", [(jnp.bfloat16, 1), (jnp.float8_e4m3fn, 1),
