@@ -20,8 +20,8 @@ GRPO groups sharing their prompt's cache (``SharedPrefix``) read the prefix in o
 ways (``DecodeAttentionConfig.prefix_mode``): each row's program reads its group's prefix
 before its own slots ("per_row"), or a first kernel reads each prefix once per tile of up to
 ``prefix_rows`` rows of its group, all their query heads as one ``[R * G, D]`` operand
-("per_group", ``_prefix_kernel``), the per-row kernel then reads only the rows' own slots, and
-XLA combines the two unnormalized softmax partials (``_combine_splits``).
+("per_group", ``_prefix_kernel``), and the per-row kernel starts from its row's prefix
+partials (merged into its online-softmax state) and reads only the row's own slots.
 
 The Triton backend is deprecated in jax 0.11 (PALLAS_NOTES section 1): this kernel is the
 second-best tool that works today; a Mosaic GPU version would follow the same plan.
@@ -94,8 +94,8 @@ class DecodeAttentionConfig:
     # groups x 8 rows, prompt 1024: 93 us against 118 copied, 0.50 of its byte floor).
     # "per_group": one pass per (group tile, KV head) reads the prefix once for the queries of
     # up to ``prefix_rows`` rows of the group (``prefix_rows`` x G query rows: a tensor-core
-    # tile instead of G padded to 16), then the per-row kernel reads only the rows' own slots;
-    # XLA combines the two softmax partials (as ``slot_splits``). ``prefix_splits``: slot
+    # tile instead of G padded to 16), then the per-row kernel merges its row's prefix partials
+    # into its softmax state and reads only the row's own slots. ``prefix_splits``: slot
     # ranges per group tile in that pass: 16 groups x 4 KV heads are only 64 programs on 132
     # SMs, each streaming its whole prefix, so 4 by default (a guess until timed on the GPU).
     prefix_mode: str = "per_row"
@@ -308,7 +308,8 @@ def _empty_carry(gq: int, dp: int, parts: int):
 
 def _kernel(layer_ref, kv_len_ref, q_ref, valid_ref, k_ref, v_ref, *refs,
             block_s: int, slots: int, scale: float, parts: int, splits: int,
-            prefix_block: int = 0, prefix_slots: int = 0, partial: bool = False):
+            prefix_block: int = 0, prefix_slots: int = 0, partial: bool = False,
+            group_partials: int = 0, heads: int = 0):
     """``parts`` = 1: bf16 / f16 cache, q ``[Gp, D]``, one K / V block per step. ``parts`` = 4:
     FP8 cache read as int32 words ``[.., D/4]``; q and the output are ``[4, Gp, D/4]`` (part j
     holds columns ``4 i + j``), so each byte position j is one dot of K = D/4: no in-kernel
@@ -324,11 +325,21 @@ def _kernel(layer_ref, kv_len_ref, q_ref, valid_ref, k_ref, v_ref, *refs,
 
     ``partial``: store the unnormalized sums and m, l as with ``splits`` > 1 (the grid has a
     split axis, of ``splits`` programs), for a combine with other partials.
+
+    ``group_partials`` = C > 0 (``prefix_mode="per_group"``): ``refs`` starts with row_tile,
+    row_pos ``[B]`` and ``_prefix_kernel``'s outputs (acc ``[T, KVH, C, (parts,) 2 RGp, Dp]``,
+    m, l ``[T, KVH, C, 2 RGp]``): the row's ``Gp`` rows from row ``row_pos * heads`` of its
+    tile are merged into the carry first (by split 0): its ``heads`` query heads' prefix
+    partials, then rows of no meaning (the tile's next row, or unwritten), which only ever
+    reach the padding rows ``>= heads`` (every step is row-wise) that the caller drops.
     """
     refs = list(refs)
     if prefix_slots:
         group_ref, pvalid_ref, pk_ref, pv_ref = refs[:4]
         refs = refs[4:]
+    if group_partials:
+        tile_ref, pos_ref, pacc_ref, pm_ref, pl_ref = refs[:5]
+        refs = refs[5:]
     o_ref, *stats_refs = refs
     b, h = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
@@ -347,6 +358,14 @@ def _kernel(layer_ref, kv_len_ref, q_ref, valid_ref, k_ref, v_ref, *refs,
         if splits > 1:  # split 0 reads the prefix; _combine_splits weighs the splits
             n_prefix = jnp.where(pl.program_id(2) == 0, n_prefix, 0)
         carry = jax.lax.fori_loop(0, n_prefix, body, carry)
+    if group_partials:
+        tile, rows = tile_ref[b], pl.ds(pos_ref[b] * heads, gp)
+        first_split = True if splits == 1 else pl.program_id(2) == 0
+        for c in range(group_partials):
+            pm = jnp.where(first_split, pm_ref[tile, h, c, rows], MASK_VALUE)
+            pacc = ([pacc_ref[tile, h, c, rows, :]] if parts == 1
+                    else [pacc_ref[tile, h, c, j, rows, :] for j in range(parts)])
+            carry = _merge(carry, (pacc, pm, pl_ref[tile, h, c, rows]))
     body = _softmax_step(qs, lambda w: k_ref[layer, b, h, w, :],
                          lambda w: v_ref[layer, b, h, w, :], lambda w: valid_ref[w], slots,
                          block_s, parts, scale)
@@ -364,6 +383,17 @@ def _kernel(layer_ref, kv_len_ref, q_ref, valid_ref, k_ref, v_ref, *refs,
     # A row with no visible slot (l = 0) gives 0, not NaN.
     denom = jnp.maximum(l, 1e-30)[:, None]
     _store(o_ref, [acc / denom for acc in accs])
+
+
+def _merge(carry, other):
+    """Two online-softmax states ``(accs, m, l)`` as one (``_combine_splits`` in a kernel). A
+    state with m = MASK_VALUE weighs 0 (its l and accs are never read then)."""
+    (accs, m, l), (accs2, m2, l2) = carry, other
+    m_new = jnp.maximum(m, m2)
+    a, a2 = jnp.exp(m - m_new), jnp.exp(m2 - m_new)
+    a2 = jnp.where(m2 > MASK_VALUE, a2, 0.0)
+    return (tuple(x * a[:, None] + y * a2[:, None] for x, y in zip(accs, accs2, strict=True)),
+            m_new, l * a + jnp.where(m2 > MASK_VALUE, l2, 0.0) * a2)
 
 
 def _store_partial(o_ref, m_ref, l_ref, accs, m, l) -> None:
@@ -393,7 +423,16 @@ def _prefix_kernel(count_ref, layer_ref, group_ref, q_ref, pvalid_ref, pk_ref, p
     last = jnp.where(t < count_ref[0], jnp.minimum(first + per, blocks), first)
     accs, m, l = jax.lax.fori_loop(first, jnp.maximum(first, last), body,
                                    _empty_carry(rows, dp, parts))
-    _store_partial(o_ref, m_ref, l_ref, accs, m, l)
+    # The outputs have 2 x rows rows: the row kernel reads Gp rows from any row's first head,
+    # so the last row's window runs past the tile's rows; the second half stays unwritten.
+    written = pl.ds(0, rows)
+    m_ref[written] = m
+    l_ref[written] = l
+    for j, acc in enumerate(accs):
+        if parts == 1:
+            o_ref[written, :] = acc
+        else:
+            o_ref[j, written, :] = acc
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
@@ -444,16 +483,20 @@ def decode_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: ja
     kv_len = jnp.asarray(kv_len, jnp.int32).reshape(1)
     valid = valid.astype(jnp.int32)  # no operation for an int32 mask
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    group_pass = prefix is not None and config.prefix_mode == "per_group"
     splits = config.slot_splits
-    partial = splits > 1 or group_pass
-    prefix_args, prefix_specs, prefix_kw = (), [], {}
-    if prefix is not None and not group_pass:
+    partial = splits > 1
+    prefix_args, prefix_kw = (), {}
+    if prefix is not None and config.prefix_mode == "per_group":
+        tiles, partials = _prefix_pass(q, prefix, layer, config=config, parts=parts,
+                                       interpret=interpret)
+        prefix_kw = dict(group_partials=config.prefix_splits, heads=g)
+        prefix_args = (tiles.row_tile, tiles.row_pos, *partials)
+    elif prefix is not None:
         p = prefix.k.shape[3]
         prefix_kw = dict(prefix_slots=p, prefix_block=_block(config, p))
         prefix_args = (prefix.row_group, prefix.valid.astype(jnp.int32), prefix.k, prefix.v)
-        prefix_specs = [pl.BlockSpec(a.shape, lambda *_, n=a.ndim: (0,) * n)
-                        for a in prefix_args]  # indexed in the kernel by the row's group
+    # Indexed in the kernel by the row's group (tile).
+    prefix_specs = [pl.BlockSpec(a.shape, lambda *_, n=a.ndim: (0,) * n) for a in prefix_args]
     kernel = functools.partial(_kernel, block_s=_block(config, s), slots=s, scale=d**-0.5,
                                parts=parts, splits=splits, partial=partial, **prefix_kw)
     nq = len(q_block) - 2
@@ -482,14 +525,6 @@ def decode_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: ja
         out_specs=out_specs,
         out_shape=out_shape,
     )(layer, kv_len, qp, valid, k_all, v_all, *prefix_args)
-    if group_pass:
-        acc, m, l = out
-        own = (_unparts(acc, parts)[..., :g, :], m[..., :g], l[..., :g])
-        shared = _prefix_pass(q, prefix, layer, config=config, parts=parts,
-                              interpret=interpret)
-        out = _combine_splits(*(jnp.concatenate([x, y], axis=2)
-                                for x, y in zip(shared, own, strict=True)))
-        return out.astype(out_dtype)
     if splits > 1:
         out = _combine_splits(*out).astype(dot_dtype)
     return _unparts(out, parts)[:, :, :g].astype(out_dtype)
@@ -544,9 +579,9 @@ def _prefix_pass(q: jax.Array, prefix: SharedPrefix, layer: jax.Array, *,
                  config: DecodeAttentionConfig, parts: int, interpret: bool):
     """``prefix_mode="per_group"``: each group's prefix read once per tile of up to
     ``config.prefix_rows`` of its rows. ``q``: ``[B, KVH, G, D]`` in the dot dtype; ``prefix``
-    with its K / V already as the kernel reads them (FP8: words). Returns the rows' partials
-    ``(acc [B, KVH, C, G, D], m [B, KVH, C, G], l [B, KVH, C, G])``, C =
-    ``config.prefix_splits``."""
+    with its K / V already as the kernel reads them (FP8: words). Returns the tiles and the
+    tiles' partials ``(acc [T, KVH, C, (parts,) 2 RGp, Dp], m, l [T, KVH, C, 2 RGp])``, C =
+    ``config.prefix_splits``: tile slot i's query head j at row ``i G + j``."""
     b, kvh, g, d = q.shape
     groups, p = prefix.k.shape[1], prefix.k.shape[3]
     tiles = prefix.tiles
@@ -562,10 +597,11 @@ def _prefix_pass(q: jax.Array, prefix: SharedPrefix, layer: jax.Array, *,
     c = config.prefix_splits
     q_block = (None, None, *qt.shape[2:])
     nq = len(q_block) - 2
-    out_specs, out_shape = _partial_outputs(qt.shape, c)
+    out_specs, out_shape = _partial_outputs(
+        (*qt.shape[:-2], 2 * rows_p, qt.shape[-1]), c)
     full = lambda a: pl.BlockSpec(a.shape, lambda *_, n=a.ndim: (0,) * n)  # noqa: E731
     pvalid = prefix.valid.astype(jnp.int32)
-    acc, m, l = _pallas_call(
+    partials = _pallas_call(
         functools.partial(_prefix_kernel, block=_block(config, p), slots=p,
                           scale=d**-0.5, parts=parts, splits=c),
         "decode_attention_prefix", config, interpret,
@@ -576,10 +612,7 @@ def _prefix_pass(q: jax.Array, prefix: SharedPrefix, layer: jax.Array, *,
         out_specs=out_specs,
         out_shape=out_shape,
     )(tiles.count, layer, tiles.group, qt, pvalid, prefix.k, prefix.v)
-    acc = _unparts(acc, parts)[..., :n_rows, :].reshape(t, kvh, c, r, g, d)
-    m, l = (x[..., :n_rows].reshape(t, kvh, c, r, g) for x in (m, l))
-    # Row b's partial: slot row_pos[b] of tile row_tile[b] (advanced indices first: [B, ...]).
-    return tuple(x[tiles.row_tile, :, :, tiles.row_pos] for x in (acc, m, l))
+    return tiles, partials
 
 
 def _combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
