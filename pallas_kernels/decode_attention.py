@@ -308,8 +308,8 @@ def _empty_carry(gq: int, dp: int, parts: int):
 
 def _kernel(layer_ref, kv_len_ref, q_ref, valid_ref, k_ref, v_ref, *refs,
             block_s: int, slots: int, scale: float, parts: int, splits: int,
-            prefix_block: int = 0, prefix_slots: int = 0, partial: bool = False,
-            group_partials: int = 0, heads: int = 0):
+            prefix_block: int = 0, prefix_slots: int = 0, group_partials: int = 0,
+            heads: int = 0):
     """``parts`` = 1: bf16 / f16 cache, q ``[Gp, D]``, one K / V block per step. ``parts`` = 4:
     FP8 cache read as int32 words ``[.., D/4]``; q and the output are ``[4, Gp, D/4]`` (part j
     holds columns ``4 i + j``), so each byte position j is one dot of K = D/4: no in-kernel
@@ -322,9 +322,6 @@ def _kernel(layer_ref, kv_len_ref, q_ref, valid_ref, k_ref, v_ref, *refs,
     ``prefix_slots`` > 0: ``refs`` starts with the shared prefix (row_group ``[B]``, prefix
     valid ``[G, P]``, prefix K and V ``[L, G, KVH, P, D]``): every slot of row b's group's
     prefix is read first (by split 0), ``prefix_block`` at a time, then the row's own slots.
-
-    ``partial``: store the unnormalized sums and m, l as with ``splits`` > 1 (the grid has a
-    split axis, of ``splits`` programs), for a combine with other partials.
 
     ``group_partials`` = C > 0 (``prefix_mode="per_group"``): ``refs`` starts with row_tile,
     row_pos ``[B]`` and ``_prefix_kernel``'s outputs (acc ``[T, KVH, C, (parts,) 2 RGp, Dp]``,
@@ -377,8 +374,11 @@ def _kernel(layer_ref, kv_len_ref, q_ref, valid_ref, k_ref, v_ref, *refs,
         first = pl.program_id(2) * per
         last = jnp.minimum(first + per, blocks)
     accs, m, l = jax.lax.fori_loop(first, jnp.maximum(first, last), body, carry)
-    if partial:  # unnormalized: _combine_splits rescales and divides
-        _store_partial(o_ref, *stats_refs, accs, m, l)
+    if splits > 1:  # unnormalized: _combine_splits rescales and divides
+        m_ref, l_ref = stats_refs
+        m_ref[...] = m
+        l_ref[...] = l
+        _store(o_ref, list(accs))
         return
     # A row with no visible slot (l = 0) gives 0, not NaN.
     denom = jnp.maximum(l, 1e-30)[:, None]
@@ -387,7 +387,7 @@ def _kernel(layer_ref, kv_len_ref, q_ref, valid_ref, k_ref, v_ref, *refs,
 
 def _merge(carry, other):
     """Two online-softmax states ``(accs, m, l)`` as one (``_combine_splits`` in a kernel). A
-    state with m = MASK_VALUE weighs 0 (its l and accs are never read then)."""
+    state with m = MASK_VALUE weighs 0 (its l is ignored; its accs must still be finite)."""
     (accs, m, l), (accs2, m2, l2) = carry, other
     m_new = jnp.maximum(m, m2)
     a, a2 = jnp.exp(m - m_new), jnp.exp(m2 - m_new)
@@ -396,19 +396,13 @@ def _merge(carry, other):
             m_new, l * a + jnp.where(m2 > MASK_VALUE, l2, 0.0) * a2)
 
 
-def _store_partial(o_ref, m_ref, l_ref, accs, m, l) -> None:
-    m_ref[...] = m
-    l_ref[...] = l
-    _store(o_ref, list(accs))
-
-
 def _prefix_kernel(count_ref, layer_ref, group_ref, q_ref, pvalid_ref, pk_ref, pv_ref, o_ref,
                    m_ref, l_ref, *, block: int, slots: int, scale: float, parts: int,
                    splits: int):
     """``prefix_mode="per_group"``'s pass: program (t, h, c) attends the queries of group tile
     t (its rows' G query heads of KV head h, ``[RGp, D]``, as ``q_ref``; empty slots zero)
     to slot range c of the tile's group's prefix, read once for all of them, and stores the
-    unnormalized partial (as ``_kernel`` with ``partial``). Tiles past ``count`` read
+    unnormalized partial (as ``_kernel`` with ``splits`` > 1). Tiles past ``count`` read
     nothing."""
     t, h = pl.program_id(0), pl.program_id(1)
     layer, grp = layer_ref[0], group_ref[t]
@@ -484,7 +478,6 @@ def decode_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: ja
     valid = valid.astype(jnp.int32)  # no operation for an int32 mask
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     splits = config.slot_splits
-    partial = splits > 1
     prefix_args, prefix_kw = (), {}
     if prefix is not None and config.prefix_mode == "per_group":
         tiles, partials = _prefix_pass(q, prefix, layer, config=config, parts=parts,
@@ -498,10 +491,10 @@ def decode_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: ja
     # Indexed in the kernel by the row's group (tile).
     prefix_specs = [pl.BlockSpec(a.shape, lambda *_, n=a.ndim: (0,) * n) for a in prefix_args]
     kernel = functools.partial(_kernel, block_s=_block(config, s), slots=s, scale=d**-0.5,
-                               parts=parts, splits=splits, partial=partial, **prefix_kw)
+                               parts=parts, splits=splits, **prefix_kw)
     nq = len(q_block) - 2
     q_index = lambda i, j, *_: (i, j) + (0,) * nq  # noqa: E731  (a split shares its q)
-    if not partial:
+    if splits == 1:
         grid = (b, kvh)
         out_specs = pl.BlockSpec(q_block, q_index)
         out_shape = jax.ShapeDtypeStruct(qp.shape, dot_dtype)
