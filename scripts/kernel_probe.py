@@ -348,6 +348,7 @@ def run_attention_prefix(shape=(128, 8, 4, 8, 1024, 1023, 128, 4), interpret=Fal
         bk.check(f"shared prefix {name} = per_row", group_kernel, kernel, (b, kvh, g, d),
                  tol=2e-2)
     bk.log("== decode attention, shared prompt caches: timings (4 layers rotated)")
+    chain = dict(reps=1, runs=1) if interpret else dict(reps=4)  # the dry run: one pass
     slot_bytes = 2 * kvh * d * 2  # K and V, bf16, per slot
     for name, vcfg in variants if not interpret else variants[:2]:
         tiled = prefix._replace(tiles=prefix_tiles(prefix.row_group, groups, vcfg.prefix_rows)
@@ -356,12 +357,12 @@ def run_attention_prefix(shape=(128, 8, 4, 8, 1024, 1023, 128, 4), interpret=Fal
         t, calls = bk.time_chain(
             lambda x, w, vcfg=vcfg: decode_attention(x, w[0], w[1], w[2], valid,
                                                      jnp.int32(kv_len), w[3], config=vcfg,
-                                                     interpret=interpret), q, ws, reps=4)
+                                                     interpret=interpret), q, ws, **chain)
         bk.record(f"decode attention shared prefix {name} {groups}x{n} prompt={p} "
                   f"kv_len={kv_len}", t, calls, bytes_=(groups * p + b * kv_len) * slot_bytes)
     wf = [(k_full, v_full, jnp.int32(i)) for i in range(layers_n)]
     t, calls = bk.time_chain(lambda x, w: run(x, w[0], w[1], w[2], valid_full,
-                                              jnp.int32(p + kv_len)), q, wf, reps=4)
+                                              jnp.int32(p + kv_len)), q, wf, **chain)
     bk.record(f"decode attention copied prompt {b} rows prompt={p} kv_len={p + kv_len}", t,
               calls, bytes_=b * (p + kv_len) * slot_bytes)
 
