@@ -488,8 +488,7 @@ def decode_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: ja
         p = prefix.k.shape[3]
         prefix_kw = dict(prefix_slots=p, prefix_block=_block(config, p))
         prefix_args = (prefix.row_group, prefix.valid.astype(jnp.int32), prefix.k, prefix.v)
-    # Indexed in the kernel by the row's group (tile).
-    prefix_specs = [pl.BlockSpec(a.shape, lambda *_, n=a.ndim: (0,) * n) for a in prefix_args]
+    prefix_specs = [_whole(a) for a in prefix_args]  # indexed by the row's group (tile)
     kernel = functools.partial(_kernel, block_s=_block(config, s), slots=s, scale=d**-0.5,
                                parts=parts, splits=splits, **prefix_kw)
     nq = len(q_block) - 2
@@ -501,7 +500,6 @@ def decode_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: ja
     else:
         grid = (b, kvh, splits)
         out_specs, out_shape = _partial_outputs(qp.shape, splits)
-    zeros = (0,) * k_all.ndim
     out = _pallas_call(
         kernel, "decode_attention", config, interpret,
         grid=grid,
@@ -511,8 +509,8 @@ def decode_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: ja
             pl.BlockSpec(q_block, q_index),
             pl.BlockSpec((None, s), lambda i, *_: (i, 0)),
             # The stacked cache is indexed in the kernel (layer and row are runtime values).
-            pl.BlockSpec(k_all.shape, lambda *_: zeros),
-            pl.BlockSpec(v_all.shape, lambda *_: zeros),
+            _whole(k_all),
+            _whole(v_all),
             *prefix_specs,
         ],
         out_specs=out_specs,
@@ -528,6 +526,11 @@ def _pallas_call(kernel, name: str, config: DecodeAttentionConfig, interpret: bo
     return pl.pallas_call(kernel, compiler_params=pltriton.CompilerParams(
         num_warps=config.num_warps, num_stages=config.num_stages), interpret=interpret,
         name=name, **kw)
+
+
+def _whole(a: jax.Array) -> pl.BlockSpec:
+    """The whole array as every program's block (the kernel indexes it by runtime values)."""
+    return pl.BlockSpec(a.shape, lambda *_, n=a.ndim: (0,) * n)
 
 
 def _block(config: DecodeAttentionConfig, slots: int) -> int:
@@ -575,7 +578,7 @@ def _prefix_pass(q: jax.Array, prefix: SharedPrefix, layer: jax.Array, *,
     with its K / V already as the kernel reads them (FP8: words). Returns the tiles and the
     tiles' partials ``(acc [T, KVH, C, (parts,) 2 RGp, Dp], m, l [T, KVH, C, 2 RGp])``, C =
     ``config.prefix_splits``: tile slot i's query head j at row ``i G + j``."""
-    b, kvh, g, d = q.shape
+    _, kvh, g, d = q.shape
     groups, p = prefix.k.shape[1], prefix.k.shape[3]
     tiles = prefix.tiles
     if tiles is None or tiles.rows.shape[1] != config.prefix_rows:
@@ -592,16 +595,15 @@ def _prefix_pass(q: jax.Array, prefix: SharedPrefix, layer: jax.Array, *,
     nq = len(q_block) - 2
     out_specs, out_shape = _partial_outputs(
         (*qt.shape[:-2], 2 * rows_p, qt.shape[-1]), c)
-    full = lambda a: pl.BlockSpec(a.shape, lambda *_, n=a.ndim: (0,) * n)  # noqa: E731
     pvalid = prefix.valid.astype(jnp.int32)
     partials = _pallas_call(
         functools.partial(_prefix_kernel, block=_block(config, p), slots=p,
                           scale=d**-0.5, parts=parts, splits=c),
         "decode_attention_prefix", config, interpret,
         grid=(t, kvh, c),
-        in_specs=[full(tiles.count), full(layer), full(tiles.group),
+        in_specs=[_whole(tiles.count), _whole(layer), _whole(tiles.group),
                   pl.BlockSpec(q_block, lambda i, j, _: (i, j) + (0,) * nq),
-                  full(pvalid), full(prefix.k), full(prefix.v)],
+                  _whole(pvalid), _whole(prefix.k), _whole(prefix.v)],
         out_specs=out_specs,
         out_shape=out_shape,
     )(tiles.count, layer, tiles.group, qt, pvalid, prefix.k, prefix.v)
