@@ -36,6 +36,7 @@ import time
 import jax
 import numpy as np
 
+from pallas_kernels.decode_attention import PREFIX_MODES, DecodeAttentionConfig
 from quads_jax.models import ModelConfig
 from quads_jax.quant.recipe import get_recipe
 from quads_jax.sampler import engine
@@ -124,8 +125,8 @@ def parse_args(argv):
                    default="bfloat16")
     p.add_argument("--share-prompt-cache", action="store_true",
                    help="a group's rows share one copy of its prompt's KV cache")
-    p.add_argument("--attention-prefix-mode", choices=("per_row", "per_group"),
-                   default="per_row",
+    p.add_argument("--attention-prefix-mode", choices=PREFIX_MODES,
+                   default=DecodeAttentionConfig.prefix_mode,
                    help="how the decode attention kernel reads shared prompt prefixes "
                    "(DecodeAttentionConfig.prefix_mode)")
     p.add_argument("--schedules", default="static,compacting,continuous")
@@ -144,7 +145,6 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from pallas_kernels.decode_attention import DecodeAttentionConfig
     from quads_jax.models import layers
 
     layers.set_decode_attention("kernel", DecodeAttentionConfig(

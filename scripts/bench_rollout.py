@@ -495,6 +495,7 @@ def summary(out_dir: str) -> str:
 
 
 def parse_args(argv):
+    from pallas_kernels.decode_attention import PREFIX_MODES
     from pallas_kernels.w4a4_matmul import W4A4MatmulConfig
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -534,7 +535,7 @@ def parse_args(argv):
     p.add_argument("--attention-slot-splits", type=int, default=1,
                    help="decode attention programs per (row, KV head) over slot ranges "
                    "(DecodeAttentionConfig.slot_splits; flash-decoding)")
-    p.add_argument("--attention-prefix-mode", choices=("per_row", "per_group"), default=None,
+    p.add_argument("--attention-prefix-mode", choices=PREFIX_MODES, default=None,
                    help="how the decode attention reads shared prompt prefixes "
                    "(DecodeAttentionConfig.prefix_mode; with --share-prompt-cache)")
     p.add_argument("--attention-prefix-rows", type=int, default=None,
