@@ -11,8 +11,9 @@ This kernel (Pallas, Triton backend) runs one program per (row, KV head):
   so no per-layer copy of the cache is made;
 - it loops only over the slots written so far (``kv_len``, a runtime scalar), so early decode
   steps do not pay for the whole preallocated context;
-- the G = H / KVH query heads of one KV head share each K and V block (GQA), padded to the
-  16 rows a tensor-core dot needs;
+- the G = H / KVH query heads of one KV head share each K and V block (GQA), read as a
+  window of the 16 rows a tensor-core dot needs, the rows past its own G masked to zero on
+  load and on store;
 - online softmax (flash-decoding) in f32, P cast to the cache dtype for the PV product, the
   output divided by the softmax sum at the end.
 
@@ -31,12 +32,11 @@ an FP8 cache, half the bytes a decode step reads, is converted to bf16 block by 
 kernel), valid bool or int32 ``[B, S]`` (slot holds a token the query may see), layer and
 kv_len int32 scalars; output ``[B, KVH, G, D]`` in q's dtype.
 
-Around the kernel call a decode step (where it runs once per layer) pays for the query's
-padding to ``Gp`` rows and the output's slice back to G: XLA runs each as a small kernel of its
-own (3.1 and 1.4 us per layer on the H200, 2026-12-03; ``jnp.pad`` did not fuse into the RoPE
-fusion that makes the query any better than the scatter it replaced). An int32 ``valid`` is
-taken as is (the model converts its mask once per step) and ``kv_len`` is clamped in the
-kernel, so neither costs a kernel per layer.
+Nothing runs around the kernel call in a decode step (where it runs once per layer): the
+query is read and the output written in their ``[B, H, D]`` layout through masked windows
+(a padded copy of q to ``Gp`` rows and the output's slice back to G were a small XLA kernel
+each, 3.1 and 1.4 us per layer on the H200, 2026-12-03), an int32 ``valid`` is taken as is
+(the model converts its mask once per step) and ``kv_len`` is clamped in the kernel.
 """
 
 from __future__ import annotations
@@ -308,8 +308,8 @@ def _empty_carry(gq: int, dp: int, parts: int):
 
 def _kernel(layer_ref, kv_len_ref, q_ref, valid_ref, k_ref, v_ref, *refs,
             block_s: int, slots: int, scale: float, parts: int, splits: int,
-            prefix_block: int = 0, prefix_slots: int = 0, group_partials: int = 0,
-            heads: int = 0):
+            heads: int, q_rows: int, prefix_block: int = 0, prefix_slots: int = 0,
+            group_partials: int = 0):
     """``parts`` = 1: bf16 / f16 cache, q ``[Gp, D]``, one K / V block per step. ``parts`` = 4:
     FP8 cache read as int32 words ``[.., D/4]``; q and the output are ``[4, Gp, D/4]`` (part j
     holds columns ``4 i + j``), so each byte position j is one dot of K = D/4: no in-kernel
@@ -341,8 +341,10 @@ def _kernel(layer_ref, kv_len_ref, q_ref, valid_ref, k_ref, v_ref, *refs,
     b, h = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
     kv_len = jnp.minimum(jnp.maximum(kv_len_ref[0], 0), slots)  # here: no XLA kernel of its own
-    qs = [q_ref[...]] if parts == 1 else [q_ref[j] for j in range(parts)]  # [Gp, D / parts]
-    gp, dp = qs[0].shape
+    gp, dp = q_rows, q_ref.shape[-1]
+    qs = [pltriton.load(_head_rows(q_ref, b, h, j, heads, gp, parts),
+                        mask=_rows_below(heads, gp, dp), other=0)
+          for j in range(parts)]  # [Gp, D / parts], rows >= heads zero
 
     carry = _empty_carry(gp, dp, parts)
     if prefix_slots:
@@ -382,7 +384,21 @@ def _kernel(layer_ref, kv_len_ref, q_ref, valid_ref, k_ref, v_ref, *refs,
         return
     # A row with no visible slot (l = 0) gives 0, not NaN.
     denom = jnp.maximum(l, 1e-30)[:, None]
-    _store(o_ref, [acc / denom for acc in accs])
+    for j, acc in enumerate(accs):
+        pltriton.store(_head_rows(o_ref, b, h, j, heads, gp, parts),
+                       (acc / denom).astype(o_ref.dtype), mask=_rows_below(heads, gp, dp))
+
+
+def _head_rows(ref, b: jax.Array, h: jax.Array, part: int, heads: int, gp: int, parts: int):
+    """Row b's ``Gp`` rows from KV head h's first query head (column set ``part``) of a ``[B,
+    KVH * parts * G, Dp]`` query or output: the G heads, then the next head's rows or past the
+    array's end, which ``_rows_below`` masks (no padded copy of q, no slice of the output)."""
+    return ref.at[b, pl.ds((h * parts + part) * heads, gp), :]
+
+
+def _rows_below(heads: int, gp: int, dp: int) -> jax.Array:
+    """bool ``[Gp, Dp]``: the rows of a ``_head_rows`` window that are the head's own."""
+    return jax.lax.broadcasted_iota(jnp.int32, (gp, dp), 0) < heads
 
 
 def _merge(carry, other):
@@ -457,7 +473,6 @@ def decode_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: ja
     dot_dtype = compute_dtype(k_all.dtype)
     out_dtype = q.dtype
     q = q.astype(dot_dtype)
-    qp = jnp.pad(q, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
     parts = fp8_parts(d) if k_all.dtype == jnp.float8_e4m3fn else 1
     if parts > 1:
         # jax 0.11.2's Triton lowering picks 32-bit element offsets while the array's *bytes*
@@ -472,8 +487,8 @@ def decode_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: ja
         k_all, v_all = as_words(k_all), as_words(v_all)
         if prefix is not None:
             prefix = prefix._replace(k=as_words(prefix.k), v=as_words(prefix.v))
-    qp = _to_parts(qp, parts)
-    q_block = (None, None, *qp.shape[2:])
+    qd = _to_parts(q, parts)  # [B, KVH, (parts,) G, Dp]
+    q_rows = qd.reshape(b, -1, qd.shape[-1])  # each program reads its head's rows (_head_rows)
     kv_len = jnp.asarray(kv_len, jnp.int32).reshape(1)
     valid = valid.astype(jnp.int32)  # no operation for an int32 mask
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
@@ -482,7 +497,7 @@ def decode_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: ja
     if prefix is not None and config.prefix_mode == "per_group":
         tiles, partials = _prefix_pass(q, prefix, layer, config=config, parts=parts,
                                        interpret=interpret)
-        prefix_kw = dict(group_partials=config.prefix_splits, heads=g)
+        prefix_kw = dict(group_partials=config.prefix_splits)
         prefix_args = (tiles.row_tile, tiles.row_pos, *partials)
     elif prefix is not None:
         p = prefix.k.shape[3]
@@ -490,23 +505,21 @@ def decode_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: ja
         prefix_args = (prefix.row_group, prefix.valid.astype(jnp.int32), prefix.k, prefix.v)
     prefix_specs = [_whole(a) for a in prefix_args]  # indexed by the row's group (tile)
     kernel = functools.partial(_kernel, block_s=_block(config, s), slots=s, scale=d**-0.5,
-                               parts=parts, splits=splits, **prefix_kw)
-    nq = len(q_block) - 2
-    q_index = lambda i, j, *_: (i, j) + (0,) * nq  # noqa: E731  (a split shares its q)
-    if splits == 1:
+                               parts=parts, splits=splits, heads=g, q_rows=gp, **prefix_kw)
+    if splits == 1:  # written in place of q's rows: no padded output to slice
         grid = (b, kvh)
-        out_specs = pl.BlockSpec(q_block, q_index)
-        out_shape = jax.ShapeDtypeStruct(qp.shape, dot_dtype)
+        out_specs = _whole(q_rows)
+        out_shape = jax.ShapeDtypeStruct(q_rows.shape, dot_dtype)
     else:
         grid = (b, kvh, splits)
-        out_specs, out_shape = _partial_outputs(qp.shape, splits)
+        out_specs, out_shape = _partial_outputs((*qd.shape[:-2], gp, qd.shape[-1]), splits)
     out = _pallas_call(
         kernel, "decode_attention", config, interpret,
         grid=grid,
         in_specs=[
             pl.BlockSpec((1,), lambda *_: (0,)),
             pl.BlockSpec((1,), lambda *_: (0,)),
-            pl.BlockSpec(q_block, q_index),
+            _whole(q_rows),
             pl.BlockSpec((None, s), lambda i, *_: (i, 0)),
             # The stacked cache is indexed in the kernel (layer and row are runtime values).
             _whole(k_all),
@@ -515,10 +528,10 @@ def decode_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: ja
         ],
         out_specs=out_specs,
         out_shape=out_shape,
-    )(layer, kv_len, qp, valid, k_all, v_all, *prefix_args)
+    )(layer, kv_len, q_rows, valid, k_all, v_all, *prefix_args)
     if splits > 1:
-        out = _combine_splits(*out).astype(dot_dtype)
-    return _unparts(out, parts)[:, :, :g].astype(out_dtype)
+        out = _combine_splits(*out).astype(dot_dtype)[..., :g, :]
+    return _unparts(out.reshape(qd.shape), parts).astype(out_dtype)
 
 
 def _pallas_call(kernel, name: str, config: DecodeAttentionConfig, interpret: bool, **kw):
