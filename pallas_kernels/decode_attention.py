@@ -55,7 +55,7 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 MIN_DOT_ROWS = 16  # tensor-core dots in Triton need >= 16 rows
 CACHE_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn)
 _FP8_WORDS = {4: jnp.int32, 2: jnp.int16}  # FP8 codes per word -> the word dtype
-PREFIX_MODES = ("per_row", "per_group")
+PREFIX_MODES = ("auto", "per_row", "per_group")
 
 
 def fp8_parts(head_dim: int) -> int:
@@ -73,13 +73,17 @@ def compute_dtype(cache_dtype) -> jnp.dtype:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeAttentionConfig:
-    """block_s: cache slots per loop step (power of two); num_warps / num_stages: Triton's.
+    """block_s: cache slots per loop step (power of two) of a bf16 / f16 cache, fp8_block_s
+    of an FP8 cache; num_warps / num_stages: Triton's.
 
-    Defaults: the fastest measured on the H200 at the 30B decode shape (2026-12-02, batch 128,
-    768 of 1279 slots: block_s 32 / 64 / 128 took 72 / 83 / 80 us per layer, num_warps=8
-    90 us; scripts/kernel_probe.py --attention)."""
+    Defaults: the fastest measured on the H200 at the 30B decode shape (batch 128, 4 KV heads,
+    scripts/kernel_probe.py --attention). bf16, 2026-12-05 at 768 / 1279 slots: block_s 32 with
+    4 warps and 3 stages 71.2 / 104.4 us; 2, 4 or 5 stages, 2 warps, block 16 or 64 (4 or 8
+    warps) 74-89 / 105-128 us. FP8, the same call: block_s 64 64.8 / 91.7 us against 67.3 /
+    107.1 at 32."""
 
     block_s: int = 32
+    fp8_block_s: int = 64
     num_warps: int = 4
     num_stages: int = 3
     # slot_splits > 1 (flash-decoding): each (row, KV head) runs as that many programs over
@@ -90,17 +94,22 @@ class DecodeAttentionConfig:
     slot_splits: int = 1
     # How rows read a shared prompt prefix (``SharedPrefix``, GRPO groups): "per_row": each
     # (row, KV head) program reads its group's prefix before its own slots (the prefix comes
-    # from HBM once per group and from L2 for the other rows; on the H200, 2026-12-05, 16
-    # groups x 8 rows, prompt 1024: 93 us against 118 copied, 0.50 of its byte floor).
-    # "per_group": one pass per (group tile, KV head) reads the prefix once for the queries of
-    # up to ``prefix_rows`` rows of the group (``prefix_rows`` x G query rows: a tensor-core
-    # tile instead of G padded to 16), then the per-row kernel merges its row's prefix partials
-    # into its softmax state and reads only the row's own slots. ``prefix_splits``: slot
-    # ranges per group tile in that pass: 16 groups x 4 KV heads are only 64 programs on 132
-    # SMs, each streaming its whole prefix, so 4 by default (a guess until timed on the GPU).
-    prefix_mode: str = "per_row"
+    # from HBM once per group and from L2 for the other rows). "per_group": one pass per
+    # (group tile, KV head) reads the prefix once for the queries of up to ``prefix_rows`` rows
+    # of the group (``prefix_rows`` x G query rows: a tensor-core tile instead of G padded to
+    # 16), then the per-row kernel merges its row's prefix partials into its softmax state and
+    # reads only the row's own slots; ``prefix_splits`` slot ranges per group tile (16 groups x
+    # 4 KV heads are only 64 programs on 132 SMs). "auto": per_group for prefixes of at least
+    # ``prefix_group_min_slots`` slots, else per_row. On the H200 (2026-12-05, 16 groups x 8
+    # rows): at prompt 1024 per_group took 92.5 us against 103.1 per_row in the kernel probe
+    # (prefix_splits 1 / 2 / 8: 97.3 / 94.3 / 104.4; prefix_rows 4 or 16: 103 us) and the
+    # nvfp4_rac decode step 14.66 against 15.32 ms; at prompts of 128-256 tokens continuous
+    # batching ran 4 381 tok/s with per_group against 4 716 with per_row the session before
+    # (its extra pass per layer costs more than the short prefix it saves).
+    prefix_mode: str = "auto"
     prefix_rows: int = 8
     prefix_splits: int = 4
+    prefix_group_min_slots: int = 512
 
     def __post_init__(self):
         if self.block_s < 16 or self.block_s & (self.block_s - 1):
@@ -124,6 +133,17 @@ class DecodeAttentionConfig:
         if not 1 <= self.prefix_splits <= 64:
             raise ValueError(f"DecodeAttentionConfig.prefix_splits={self.prefix_splits}: must "
                              "be in [1, 64]")
+        if self.fp8_block_s < 16 or self.fp8_block_s & (self.fp8_block_s - 1):
+            raise ValueError(f"DecodeAttentionConfig.fp8_block_s={self.fp8_block_s}: must be a "
+                             "power of two >= 16")
+        if self.prefix_group_min_slots < 0:
+            raise ValueError("DecodeAttentionConfig.prefix_group_min_slots="
+                             f"{self.prefix_group_min_slots}: must be >= 0")
+
+    def per_group(self, prefix_slots: int) -> bool:
+        """Whether a shared prefix of ``prefix_slots`` slots is read per group tile."""
+        return self.prefix_mode == "per_group" or (
+            self.prefix_mode == "auto" and prefix_slots >= self.prefix_group_min_slots)
 
 
 class PrefixTiles(NamedTuple):
@@ -494,18 +514,19 @@ def decode_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: ja
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     splits = config.slot_splits
     prefix_args, prefix_kw = (), {}
-    if prefix is not None and config.prefix_mode == "per_group":
+    if prefix is not None and config.per_group(prefix.k.shape[3]):
         tiles, partials = _prefix_pass(q, prefix, layer, config=config, parts=parts,
                                        interpret=interpret)
         prefix_kw = dict(group_partials=config.prefix_splits)
         prefix_args = (tiles.row_tile, tiles.row_pos, *partials)
     elif prefix is not None:
         p = prefix.k.shape[3]
-        prefix_kw = dict(prefix_slots=p, prefix_block=_block(config, p))
+        prefix_kw = dict(prefix_slots=p, prefix_block=_block(config, p, parts > 1))
         prefix_args = (prefix.row_group, prefix.valid.astype(jnp.int32), prefix.k, prefix.v)
     prefix_specs = [_whole(a) for a in prefix_args]  # indexed by the row's group (tile)
-    kernel = functools.partial(_kernel, block_s=_block(config, s), slots=s, scale=d**-0.5,
-                               parts=parts, splits=splits, heads=g, q_rows=gp, **prefix_kw)
+    kernel = functools.partial(_kernel, block_s=_block(config, s, parts > 1), slots=s,
+                               scale=d**-0.5, parts=parts, splits=splits, heads=g, q_rows=gp,
+                               **prefix_kw)
     if splits == 1:  # written in place of q's rows: no padded output to slice
         grid = (b, kvh)
         out_specs = _whole(q_rows)
@@ -546,9 +567,9 @@ def _whole(a: jax.Array) -> pl.BlockSpec:
     return pl.BlockSpec(a.shape, lambda *_, n=a.ndim: (0,) * n)
 
 
-def _block(config: DecodeAttentionConfig, slots: int) -> int:
-    """config.block_s, or the largest power of two <= slots."""
-    return min(config.block_s, 1 << (slots.bit_length() - 1))
+def _block(config: DecodeAttentionConfig, slots: int, fp8: bool) -> int:
+    """The config's block for the cache dtype, or the largest power of two <= slots."""
+    return min(config.fp8_block_s if fp8 else config.block_s, 1 << (slots.bit_length() - 1))
 
 
 def _to_parts(x: jax.Array, parts: int) -> jax.Array:
@@ -610,7 +631,7 @@ def _prefix_pass(q: jax.Array, prefix: SharedPrefix, layer: jax.Array, *,
         (*qt.shape[:-2], 2 * rows_p, qt.shape[-1]), c)
     pvalid = prefix.valid.astype(jnp.int32)
     partials = _pallas_call(
-        functools.partial(_prefix_kernel, block=_block(config, p), slots=p,
+        functools.partial(_prefix_kernel, block=_block(config, p, parts > 1), slots=p,
                           scale=d**-0.5, parts=parts, splits=c),
         "decode_attention_prefix", config, interpret,
         grid=(t, kvh, c),

@@ -97,7 +97,7 @@
 #          CPU-tested only): 256 responses (32 prompts x 8, prompts 128-256 tokens), lengths
 #          ~geometric (stop set 0.4 % of the vocabulary) capped at 512, on 128 decode rows,
 #          nvfp4_rac: static batches (generate), compaction and continuous batching (320 s);
-#          contshare: continuous batching with shared prompt caches on the same workload;
+#          contshare: continuous batching with shared prompt caches on the same workload (per_row);
 #          contgroup: the same with the decode attention's per_group prefix pass
 #   share  GRPO groups sharing their prompt's KV cache (SamplerConfig.share_prompt_cache;
 #          session 23, CPU-tested only): the decode attention kernel with the shared prefix
@@ -157,6 +157,11 @@
 # c916b59; block 8 the default since). Next: `pgroup` (built after the last call), `attn`
 # (the bf16 configs: the kernel is at ~0.53 of its floor in the rollout), `kdense` (to see the
 # fix), `kdense2`, `kpre`, `kgroup`, `gcheck`, `b256`.
+# Session 25 ran `prof2 attn`, `pgroup`, `kdense kpre`, `kdense2 kdense0` and `contgroup` (all
+# at 67a2735; per_group won at prompt 1024 and lost at 128-256: "auto" the default since; FP8
+# caches at 64 slots per block). Next: `contshare` and `contgroup` in one call (the same
+# machine), `b128` (all four arms at the newest commit), `kv8` (the FP8 block), `kgroup`,
+# `gcheck`, `b256`.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
@@ -329,7 +334,8 @@ for step in "$@"; do
     contshare) XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -k 15 200 python3 scripts/bench_continuous.py \
       --precision nvfp4_rac --sequences 256 --n-samples 8 --batch-rows 128 --prompt 256 \
       --new-tokens 512 --stop-fraction 0.004 --segment-steps 32 --commit "$COMMIT" \
-      --schedules continuous --share-prompt-cache --out "$OUT/contshare" > "$OUT/contshare.log" 2>&1
+      --schedules continuous --share-prompt-cache --attention-prefix-mode per_row \
+      --out "$OUT/contshare" > "$OUT/contshare.log" 2>&1
       echo "contshare rc $?"; grep -E '"schedule"|Error' "$OUT/contshare.log" | cut -c1-300 ;;
     contgroup) XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -k 15 200 python3 scripts/bench_continuous.py \
       --precision nvfp4_rac --sequences 256 --n-samples 8 --batch-rows 128 --prompt 256 \
@@ -351,7 +357,8 @@ for step in "$@"; do
       --n-samples 8 --share-prompt-cache --attention-prefix-mode per_group --profile-steps 4 \
       --budget-s 150
       rollout prow 200 --batches 128 --prompts 1024 $short --precisions nvfp4_rac \
-      --n-samples 8 --share-prompt-cache --profile-steps 4 --budget-s 150 ;;
+      --n-samples 8 --share-prompt-cache --attention-prefix-mode per_row --profile-steps 4 \
+      --budget-s 150 ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
     *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop ropad hlo prof2 plan plan2 b128p cont contshare contgroup share pgroup kpre)"; exit 2 ;;

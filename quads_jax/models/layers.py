@@ -91,17 +91,18 @@ def set_decode_attention(impl: str, config=None) -> None:
     _decode_attention.update(impl=impl, config=config)
 
 
-def decode_prefix_tiles(row_group: jax.Array, groups: int):
+def decode_prefix_tiles(row_group: jax.Array, groups: int, prefix_slots: int):
     """The decode attention kernel's ``PrefixTiles`` of a decode step's rows (int32 ``[B]``
-    groups in ``[0, groups)``) when its config reads shared prefixes per group
-    (``prefix_mode="per_group"``), else None: the same for all layers of the step, so the model
-    builds them once per step."""
-    config = _decode_attention["config"]
-    if (_decode_attention["impl"] == "jnp" or config is None
-            or config.prefix_mode != "per_group"):
+    groups in ``[0, groups)``) when its config reads a shared prefix of ``prefix_slots`` slots
+    per group (``DecodeAttentionConfig.per_group``), else None: the same for all layers of the
+    step, so the model builds them once per step."""
+    if _decode_attention["impl"] == "jnp":
         return None
     from pallas_kernels import decode_attention as da
 
+    config = _decode_attention["config"] or da.DecodeAttentionConfig()
+    if not config.per_group(prefix_slots):
+        return None
     return da.prefix_tiles(row_group, groups, config.prefix_rows)
 
 

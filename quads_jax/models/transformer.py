@@ -474,11 +474,11 @@ def forward(
     if cache is not None and cache.has_prefix:  # every prefix slot comes before every query
         prefix_rows = cache.prefix_mask[cache.row_group]  # [B, P]
         masks = masks._replace(
-            # The decode attention kernel's group tiles (prefix_mode "per_group"), built
+            # The decode attention kernel's group tiles (a prefix read per group), built
             # once here for every layer of the step rather than in each layer's call.
             prefix=(cache.prefix_k, cache.prefix_v, cache.prefix_mask.astype(jnp.int32),
-                    cache.row_group, L.decode_prefix_tiles(cache.row_group,
-                                                           cache.prefix_k.shape[1])
+                    cache.row_group, L.decode_prefix_tiles(
+                        cache.row_group, cache.prefix_k.shape[1], cache.prefix_k.shape[3])
                     if t == 1 else None),
             prefix_allowed=jnp.broadcast_to(prefix_rows[:, None, :],
                                             (b, t, prefix_rows.shape[1])))

@@ -174,6 +174,26 @@ def test_per_group_prefix_matches_the_reference(row_group, rows, splits, slot_sp
     np.testing.assert_array_equal(np.asarray(again), np.asarray(got))
 
 
+def test_auto_prefix_mode_reads_long_prefixes_per_group():
+    """The default ("auto") reads a prefix of >= prefix_group_min_slots slots per group tile
+    and a shorter one per row; the model builds group tiles only when they are used."""
+    from quads_jax.models import layers
+
+    auto = DecodeAttentionConfig()
+    assert auto.prefix_mode == "auto"
+    assert [auto.per_group(p) for p in (16, 511, 512, 4096)] == [False, False, True, True]
+    assert not DecodeAttentionConfig(prefix_mode="per_row").per_group(4096)
+    assert DecodeAttentionConfig(prefix_mode="per_group").per_group(16)
+    row_group = jnp.array([0, 0, 1, 1], jnp.int32)
+    try:
+        layers.set_decode_attention("kernel", DecodeAttentionConfig(prefix_group_min_slots=64))
+        assert layers.decode_prefix_tiles(row_group, 2, 63) is None
+        tiles = layers.decode_prefix_tiles(row_group, 2, 64)
+        assert tiles is not None and int(tiles.count[0]) == 2
+    finally:
+        layers.set_decode_attention("kernel")
+
+
 def test_prefix_tiles_cover_every_row_once():
     rg = jnp.asarray([2, 0, 2, 2, 1, 2, 0, 2, 2], jnp.int32)
     t = prefix_tiles(rg, 3, 2)
@@ -401,8 +421,12 @@ def test_bad_input_is_refused():
         decode_attention(q, k[:, :, :, :8], v[:, :, :, :8], 0, valid[:, :8], 8, interpret=True)
     with pytest.raises(ValueError, match="block_s=24"):
         DecodeAttentionConfig(block_s=24)
-    with pytest.raises(ValueError, match=r"prefix_mode='shared': must be one of \('per_row'"):
+    with pytest.raises(ValueError, match=r"prefix_mode='shared': must be one of \('auto'"):
         DecodeAttentionConfig(prefix_mode="shared")
+    with pytest.raises(ValueError, match="fp8_block_s=48: must be a power of two"):
+        DecodeAttentionConfig(fp8_block_s=48)
+    with pytest.raises(ValueError, match="prefix_group_min_slots=-1: must be >= 0"):
+        DecodeAttentionConfig(prefix_group_min_slots=-1)
     with pytest.raises(ValueError, match="prefix_rows=6: must be a power of two in"):
         DecodeAttentionConfig(prefix_rows=6)
     with pytest.raises(ValueError, match="prefix_splits=0: must be in"):
