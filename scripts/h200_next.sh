@@ -17,8 +17,8 @@
 #          the decode programs' optimized HLO ($OUT/hlo.tgz) to name each fusion of the trace
 #   prof2  prof's trace and HLO for nvfp4 and nvfp4_rac only, the top 160 kernels each (every
 #          kernel of a layer: what the MoE block's XLA side is now)
-#   nobar  nvfp4 and nvfp4_rac at batch 128 without the optimization barrier after the grouped
-#          kernels (compare with the b128 / prof rows of the same commit)
+#   nobar  nvfp4_rac and nvfp4 at batch 128 without the optimization barrier after the grouped
+#          kernels and with it, same call, traced
 #   unroll nvfp4 and bf16 at batch 128 with the decode step's layers unrolled (no per-layer
 #          dynamic slices of the stacked weights; compare with prof / b128 of the same commit)
 #   kern   the kernel tables of issue 4 (bench_kernels --part decode,grouped: dense decode and
@@ -159,9 +159,10 @@
 # fix), `kdense2`, `kpre`, `kgroup`, `gcheck`, `b256`.
 # Session 25 ran `prof2 attn`, `pgroup`, `kdense kpre`, `kdense2 kdense0` and `contgroup` (all
 # at 67a2735; per_group won at prompt 1024 and lost at 128-256: "auto" the default since; FP8
-# caches at 64 slots per block). Next: `contshare` and `contgroup` in one call (the same
-# machine), `b128` (all four arms at the newest commit), `kv8` (the FP8 block), `kgroup`,
-# `gcheck`, `b256`.
+# caches at 64 slots per block). Next: `nobar` (the barrier after the grouped kernels keeps
+# their read-back gathers as kernels of their own, 7.8 us per layer; last measured in the old
+# layout), `contshare` and `contgroup` in one call (the same machine), `b128` (all four arms at
+# the newest commit), `kv8` (the FP8 block), `kgroup`, `gcheck`, `b256`.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
@@ -205,8 +206,9 @@ for step in "$@"; do
       --precisions nvfp4,nvfp4_rac --budget-s 160
       (cd /tmp/hlo_prof && tar czf "$OUT/hlo.tgz" $(ls | grep -E "after_optimizations.txt$"))
       ls -la "$OUT" ;;
-    nobar) rollout nobar 220 --quick --no-grouped-barrier --precisions nvfp4,nvfp4_rac \
-      --budget-s 170 ;;
+    nobar) rollout nobar 200 --quick --profile-steps 4 --no-grouped-barrier \
+      --precisions nvfp4_rac,nvfp4 --budget-s 150
+      rollout bar 200 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 --budget-s 150 ;;
     unroll) rollout unroll 280 --quick --unroll-decode --precisions nvfp4,bf16 --budget-s 220 ;;
     kern) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 540 python3 scripts/bench_kernels.py \
       --part decode,grouped --out "$OUT/kern" > "$OUT/kern.log" 2>&1

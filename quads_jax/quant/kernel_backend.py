@@ -161,8 +161,10 @@ def _materialized(y: jax.Array) -> jax.Array:
     element: on the H200 that fusion took 53 us per layer in the nvfp4 decode step, where the
     bf16 arm's unsort of a materialized result took 4 us (2026-12-03, docs/bench/rollout.md).
     Since the kernels store token-major tiles the read-back is a plain row gather, which the
-    barrier now forces into a buffer of its own (5.1 us per layer for down): whether the
-    barrier still pays is open (``set_grouped_barrier``; ``bench_rollout --no-grouped-barrier``)."""
+    barrier now forces into a buffer of its own (4.2 us per layer for down, 3.6 for gate_up,
+    2026-12-05; the down rows are then gathered again by the MoE block's unsort): whether the
+    barrier still pays is open, last measured in 2026-12-03's layout
+    (``set_grouped_barrier``; ``bench_rollout --no-grouped-barrier``, h200_next ``nobar``)."""
     return jax.lax.optimization_barrier(y) if _GROUPED_BARRIER["on"] else y
 
 
