@@ -18,7 +18,7 @@
 #   prof2  prof's trace and HLO for nvfp4 and nvfp4_rac only, the top 160 kernels each (every
 #          kernel of a layer: what the MoE block's XLA side is now)
 #   nobar  nvfp4_rac and nvfp4 at batch 128 without the optimization barrier after the grouped
-#          kernels and with it, same call, traced
+#          kernels and with it, same call, traced; nobar1: nvfp4_rac only, 8 steps (~2 minutes)
 #   unroll nvfp4 and bf16 at batch 128 with the decode step's layers unrolled (no per-layer
 #          dynamic slices of the stacked weights; compare with prof / b128 of the same commit)
 #   kern   the kernel tables of issue 4 (bench_kernels --part decode,grouped: dense decode and
@@ -206,6 +206,10 @@ for step in "$@"; do
       --precisions nvfp4,nvfp4_rac --budget-s 160
       (cd /tmp/hlo_prof && tar czf "$OUT/hlo.tgz" $(ls | grep -E "after_optimizations.txt$"))
       ls -la "$OUT" ;;
+    nobar1) rollout nobar1 110 --batches 128 --prompts 256 --decode-steps 8 --reps 1 \
+      --prefill-reps 1 --profile-steps 2 --no-grouped-barrier --precisions nvfp4_rac --budget-s 80
+      rollout bar1 110 --batches 128 --prompts 256 --decode-steps 8 --reps 1 --prefill-reps 1 \
+      --profile-steps 2 --precisions nvfp4_rac --budget-s 80 ;;
     nobar) rollout nobar 200 --quick --profile-steps 4 --no-grouped-barrier \
       --precisions nvfp4_rac,nvfp4 --budget-s 150
       rollout bar 200 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 --budget-s 150 ;;
@@ -363,6 +367,6 @@ for step in "$@"; do
       --budget-s 150 ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
-    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop ropad hlo prof2 plan plan2 b128p cont contshare contgroup share pgroup kpre)"; exit 2 ;;
+    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 nobar1 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop ropad hlo prof2 plan plan2 b128p cont contshare contgroup share pgroup kpre)"; exit 2 ;;
   esac
 done
