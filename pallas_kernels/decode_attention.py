@@ -330,14 +330,16 @@ def _kernel(layer_ref, kv_len_ref, q_ref, valid_ref, k_ref, v_ref, *refs,
             block_s: int, slots: int, scale: float, parts: int, splits: int,
             heads: int, q_rows: int, prefix_block: int = 0, prefix_slots: int = 0,
             group_partials: int = 0):
-    """``parts`` = 1: bf16 / f16 cache, q ``[Gp, D]``, one K / V block per step. ``parts`` = 4:
-    FP8 cache read as int32 words ``[.., D/4]``; q and the output are ``[4, Gp, D/4]`` (part j
-    holds columns ``4 i + j``), so each byte position j is one dot of K = D/4: no in-kernel
-    interleave (which Triton does not lower) is needed.
+    """q and (``splits`` = 1) the output: the whole ``[B, KVH * parts * G, D / parts]`` arrays;
+    program (b, h) reads and writes its ``heads`` = G rows as a ``q_rows`` = Gp row window
+    (``_head_rows``, the rows past G masked). ``parts`` = 1: bf16 / f16 cache, one K / V block
+    per step. ``parts`` = 4: FP8 cache read as int32 words ``[.., D/4]``; q and the output hold
+    4 column sets per head (set j: columns ``4 i + j``), so each byte position j is one dot of
+    K = D/4: no in-kernel interleave (which Triton does not lower) is needed.
 
     ``splits`` > 1: program (b, h, c) runs slot blocks ``[c n, (c + 1) n)`` of the ``N`` to read
-    (``n = ceil(N / splits)``) and stores its unnormalized f32 sums and its running max and
-    sum (``stats_refs``: m, l ``[Gp]``) for ``_combine_splits``.
+    (``n = ceil(N / splits)``) and stores its unnormalized f32 sums ``[(parts,) Gp, D / parts]``
+    and its running max and sum (``stats_refs``: m, l ``[Gp]``) for ``_combine_splits``.
 
     ``prefix_slots`` > 0: ``refs`` starts with the shared prefix (row_group ``[B]``, prefix
     valid ``[G, P]``, prefix K and V ``[L, G, KVH, P, D]``): every slot of row b's group's
