@@ -171,16 +171,28 @@ def rac_selector(rac, act_scale_mode: str, group_sizes: jax.Array, source_rows, 
     return select
 
 
-def check_source_rows(source_rows, num_rows: int) -> jax.Array:
-    """``source_rows`` must be an int vector; returns it as int32 ``[M]``."""
+def check_source_rows(source_rows, num_rows: int, name: str = "source_rows",
+                      of: str = "rows of x") -> jax.Array:
+    """``source_rows`` (or the index called ``name``) must be an int vector with values in
+    ``[0, num_rows)`` (checked when concrete); returns it as int32."""
     sr = jnp.asarray(source_rows)
     if sr.ndim != 1 or not jnp.issubdtype(sr.dtype, jnp.integer):
-        raise ValueError(f"source_rows: {sr.dtype}{list(sr.shape)}; need an int vector [M]")
-    if not isinstance(sr, jax.core.Tracer) and sr.size and (
-            int(sr.min()) < 0 or int(sr.max()) >= num_rows):
-        raise ValueError(f"source_rows: values in [{int(sr.min())}, {int(sr.max())}]; need "
-                         f"[0, {num_rows}) (rows of x)")
+        raise ValueError(f"{name}: {sr.dtype}{list(sr.shape)}; need an int vector")
+    if not isinstance(sr, jax.core.Tracer) and sr.size:
+        values = np.asarray(sr)  # numpy: a concrete index inside a jit trace stays concrete
+        lo, hi = int(values.min()), int(values.max())
+        if lo < 0 or hi >= num_rows:
+            raise ValueError(f"{name}: values in [{lo}, {hi}]; need [0, {num_rows}) ({of})")
     return sr.astype(jnp.int32)
+
+
+def output_row_slots(row_slot: jax.Array, output_rows: jax.Array | None, m: int) -> jax.Array:
+    """The tile slot of each row of the result: ``row_slot`` (int32 ``[M]``), or with
+    ``output_rows`` (the GEMM rows wanted, in order) ``row_slot[output_rows]``: the kernel's
+    read-back and the caller's reordering as one gather (a MoE block's unsort)."""
+    if output_rows is None:
+        return row_slot
+    return row_slot[check_source_rows(output_rows, m, "output_rows", "rows of the GEMM")]
 
 
 def w4a4_grouped_matmul(
@@ -196,8 +208,10 @@ def w4a4_grouped_matmul(
     interpret: bool = False,
     source_rows: jax.Array | None = None,
     row_valid: jax.Array | None = None,
+    output_rows: jax.Array | None = None,
 ) -> jax.Array:
-    """Grouped ``Y[rows of e] = Q(x) @ Q(W_e)^T`` (+ RAC): ``[M, N]`` in ``x_sorted.dtype``.
+    """Grouped ``Y[rows of e] = Q(x) @ Q(W_e)^T`` (+ RAC): ``[M, N]`` in ``x_sorted.dtype``
+    (``[M', N]`` with ``output_rows``).
 
     Args:
       x_sorted: ``[M, K]`` bf16 rows sorted by expert.
@@ -212,6 +226,8 @@ def w4a4_grouped_matmul(
         are quantized once per distinct row and gathered into the tiles (same result).
       row_valid: None, or bool per row of ``x_sorted``: the rows that are tokens; RAC's
         online_batch selection scores only those (``rac.selection_mask``).
+      output_rows: None, or int32 ``[M']`` in ``[0, M)``: return ``Y[output_rows]``, read back
+        from the kernel's tiles in that order (one gather instead of two).
     """
     config = config or W4A4MatmulConfig()
     w = as_kernel_weights(w_q, config.mma_dtype)
@@ -241,8 +257,9 @@ def w4a4_grouped_matmul(
                                 config.rac_operands_config(), interpret)
     tiles, slot_g = token_tiles(operand_of, row_index, row0, window_rows,
                                 config.windowed_operands)
-    return run_tiles(tiles, slot_g, row_slot, w, tile_expert, num_tiles, config, interpret,
-                     x_sorted.dtype, live_tiles=expected_tiles(m, e, block_m))
+    return run_tiles(tiles, slot_g, output_row_slots(row_slot, output_rows, m), w, tile_expert,
+                     num_tiles, config, interpret, x_sorted.dtype,
+                     live_tiles=expected_tiles(m, e, block_m))
 
 
 def w4a4_grouped_matmul_reference(

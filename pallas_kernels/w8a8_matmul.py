@@ -30,6 +30,7 @@ from pallas_kernels.w4a4_grouped import (
     check_source_rows,
     expected_tiles,
     grouped_block_m,
+    output_row_slots,
     tile_plan,
 )
 from pallas_kernels.w4a4_matmul import (
@@ -158,7 +159,8 @@ def w8a8_matmul(x: jax.Array, w_q, *, act_granularity: str = "token",
 def w8a8_grouped_matmul(x_sorted: jax.Array, w_q, group_sizes: jax.Array, *,
                         act_granularity: str = "token", config: W8A8MatmulConfig | None = None,
                         interpret: bool = False,
-                        source_rows: jax.Array | None = None) -> jax.Array:
+                        source_rows: jax.Array | None = None,
+                        output_rows: jax.Array | None = None) -> jax.Array:
     """Grouped ``Y[rows of e] = Q8(x) @ Q8(W_e)^T``: ``[M, N]``; rows past the groups are 0.
 
     Args:
@@ -167,6 +169,8 @@ def w8a8_grouped_matmul(x_sorted: jax.Array, w_q, group_sizes: jax.Array, *,
       source_rows: None, or int32 ``[M]`` with ``x_sorted`` the distinct rows: the sorted rows
         are ``x_sorted[source_rows]``; per-token scales are then computed once per distinct
         row (as ``w4a4_grouped_matmul``; same result).
+      output_rows: None, or int32 ``[M']`` in ``[0, M)``: return ``Y[output_rows]`` (as
+        ``w4a4_grouped_matmul``).
     """
     config = config or W8A8MatmulConfig()
     w = as_fp8_weights(w_q)
@@ -182,7 +186,10 @@ def w8a8_grouped_matmul(x_sorted: jax.Array, w_q, group_sizes: jax.Array, *,
     gs = _check_group_sizes(group_sizes, e, m)
     qx = fp8.quantize(x_sorted, granularity=act_granularity)
     block_m = config.block_m or grouped_block_m(m, e)
-    plan = tile_plan(gs, m, block_m, config.tile_plan_config(), interpret)
+    row_index, tile_expert, num_tiles, row_slot, row0, window_rows = tile_plan(
+        gs, m, block_m, config.tile_plan_config(), interpret)
+    plan = (row_index, tile_expert, num_tiles, output_row_slots(row_slot, output_rows, m), row0,
+            window_rows)
     return _run(qx, w, plan, config, interpret, x_sorted.dtype,
                 source_rows, live_tiles=expected_tiles(m, e, block_m))
 

@@ -430,6 +430,12 @@ def run_moe_checks():
                     jax.jit(lambda x=x, gs=gs, src=src, r=r: w4a4_grouped_matmul(
                         x, ww, gs, rac=r, config=kcfg(), source_rows=src)),
                     lambda r=r: deq_ref(x[src], wq, r, gs), (src.shape[0], n))
+    # The down GEMM's read-back in slot order (``output_rows``, the MoE block's unsort).
+    unsort = jnp.argsort(order).astype(jnp.int32)
+    ok &= check(f"grouped w4a4 output_rows (unsorted) E=128 tokens={tokens} top-8",
+                jax.jit(lambda x=x, gs=gs, src=src, unsort=unsort: w4a4_grouped_matmul(
+                    x, ww, gs, config=kcfg(), source_rows=src, output_rows=unsort)),
+                lambda: deq_ref(x[src], wq, None, gs)[unsort], (src.shape[0], n))
     return ok
 
 

@@ -164,15 +164,17 @@ def _experts(config, experts, x, expert_ids, weights, site, recipe, first=None,
         x, experts["gate_up"], group_sizes, f"{site}.experts.gate_up", recipe,
         source_rows=token_of_row, row_valid=token_valid,
     )
+    # Unsorted by the down GEMM's read-back itself (``output_rows``: slot s is sorted row
+    # inverse[s], before the expert-parallel rotation): one gather of the kernel's tiles that
+    # XLA can fuse into the weighted sum below, where sorting back after the read-back took a
+    # second gather (and a scatter of the [N*k, H] rows would be a pass of its own).
+    unsort = inverse if offset is None else (inverse - offset) % inverse.shape[0]
     out = ops.grouped_linear(
         swiglu(gate_up), experts["down"], group_sizes, f"{site}.experts.down", recipe,
         row_valid=None if token_valid is None else jnp.asarray(token_valid)[token_of_row],
+        output_rows=unsort,
     )
-    if offset is not None:
-        out = jnp.roll(out, offset, axis=0)
-    # Unsort with a gather: XLA fuses it into the weighted sum below, while a scatter of the
-    # [N*k, H] rows would be a pass of its own.
-    slots = out[inverse].reshape(n, k, h)
+    slots = out.reshape(n, k, h)
     w = weights.astype(x.dtype).astype(jnp.float32)  # HF casts to the model dtype
     return jnp.sum(slots.astype(jnp.float32) * w[..., None], axis=1)
 

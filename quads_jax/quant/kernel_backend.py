@@ -170,16 +170,18 @@ def _materialized(y: jax.Array) -> jax.Array:
 
 def _grouped(mode: str):
     def fn(x: jax.Array, w, group_sizes: jax.Array, *, recipe, site: str, interpret: bool,
-           source_rows: jax.Array | None = None, row_valid: jax.Array | None = None):
+           source_rows: jax.Array | None = None, row_valid: jax.Array | None = None,
+           output_rows: jax.Array | None = None):
         del site
         w, blocks, scale = _unpack(w, mode, recipe)
         config = _config(interpret, w.mma_dtype)
         gs = jnp.asarray(group_sizes, jnp.int32)
-        if mode == "w4a16_nvfp4":  # registered without source_rows: gets the gathered rows
+        if mode == "w4a16_nvfp4":  # registered without source_rows / output_rows
             y = w4a16_grouped_matmul(x, w, gs, config=config, interpret=interpret)
         else:
             y = w4a4_grouped_matmul(x, w, gs, config=config, interpret=interpret,
                                     source_rows=source_rows, row_valid=row_valid,
+                                    output_rows=output_rows,
                                     **_w4a4_kwargs(mode, recipe, blocks, scale))
         return _materialized(y)
 
@@ -204,16 +206,19 @@ def _fp8_dense(x: jax.Array, w, *, recipe, site: str, interpret: bool) -> jax.Ar
 
 
 def _fp8_grouped(x: jax.Array, w, group_sizes: jax.Array, *, recipe, site: str,
-                 interpret: bool, source_rows: jax.Array | None = None) -> jax.Array:
+                 interpret: bool, source_rows: jax.Array | None = None,
+                 output_rows: jax.Array | None = None) -> jax.Array:
     del site
     return _materialized(w8a8_grouped_matmul(
         x, _fp8_weights(w, recipe), jnp.asarray(group_sizes, jnp.int32),
         act_granularity=recipe.fp8_act_granularity, config=_fp8_config(interpret),
-        interpret=interpret, source_rows=source_rows))
+        interpret=interpret, source_rows=source_rows, output_rows=output_rows))
 
 
 ops.register_kernel("w8a8_fp8", "dense", _fp8_dense)
-ops.register_kernel("w8a8_fp8", "grouped", _fp8_grouped, source_rows=True)
+ops.register_kernel("w8a8_fp8", "grouped", _fp8_grouped, source_rows=True,
+                    output_rows=True)
 for _mode in ("w4a4_nvfp4", "w4a4_nvfp4_rac", "w4a16_nvfp4"):
     ops.register_kernel(_mode, "dense", _dense(_mode))
-    ops.register_kernel(_mode, "grouped", _grouped(_mode), source_rows=_mode != "w4a16_nvfp4")
+    ops.register_kernel(_mode, "grouped", _grouped(_mode), source_rows=_mode != "w4a16_nvfp4",
+                        output_rows=_mode != "w4a16_nvfp4")

@@ -50,6 +50,7 @@ from quads_jax.quant.recipe import FP8_WEIGHT_MODES, MODES, NVFP4_WEIGHT_MODES, 
 KERNEL_KINDS = ("dense", "grouped")
 _KERNELS: dict[tuple[str, str], Callable] = {}
 _TAKES_SOURCE_ROWS: set[tuple[str, str]] = set()  # grouped kernels that gather rows themselves
+_TAKES_OUTPUT_ROWS: set[tuple[str, str]] = set()  # grouped kernels that reorder their result
 _KERNEL_MODULE = "quads_jax.quant.kernel_backend"
 _kernel_module_loaded = False
 _recorders: list[list] = []  # active ``record_inputs`` contexts
@@ -57,21 +58,26 @@ _BF16_RECIPE = QuantRecipe(name="bf16")
 
 
 # ------------------------------------------------------------------------------ kernel registry
-def register_kernel(mode: str, kind: str, fn: Callable, *, source_rows: bool = False) -> None:
+def register_kernel(mode: str, kind: str, fn: Callable, *, source_rows: bool = False,
+                    output_rows: bool = False) -> None:
     """Register a kernel for ``mode`` (one of recipe.MODES) and ``kind`` (dense | grouped).
 
     ``source_rows``: a grouped kernel that takes ``source_rows=`` (``grouped_linear``'s distinct
-    rows plus their index); others get the gathered rows."""
+    rows plus their index); others get the gathered rows. ``output_rows``: a grouped kernel
+    that takes ``output_rows=`` and returns those rows of its result, in that order; others'
+    results are gathered after."""
     if mode not in MODES:
         raise ValueError(f"register_kernel: mode={mode!r} must be one of {MODES}")
     if kind not in KERNEL_KINDS:
         raise ValueError(f"register_kernel: kind={kind!r} must be one of {KERNEL_KINDS}")
-    if source_rows and kind != "grouped":
-        raise ValueError("register_kernel: source_rows=True is for grouped kernels only")
+    for flag, on in (("source_rows", source_rows), ("output_rows", output_rows)):
+        if on and kind != "grouped":
+            raise ValueError(f"register_kernel: {flag}=True is for grouped kernels only")
     _KERNELS[(mode, kind)] = fn
-    _TAKES_SOURCE_ROWS.discard((mode, kind))
-    if source_rows:
-        _TAKES_SOURCE_ROWS.add((mode, kind))
+    for registry, on in ((_TAKES_SOURCE_ROWS, source_rows), (_TAKES_OUTPUT_ROWS, output_rows)):
+        registry.discard((mode, kind))
+        if on:
+            registry.add((mode, kind))
 
 
 def registered_kernels() -> tuple[tuple[str, str], ...]:
@@ -355,6 +361,7 @@ def grouped_linear(
     *,
     source_rows: jax.Array | None = None,
     row_valid: jax.Array | None = None,
+    output_rows: jax.Array | None = None,
 ) -> jax.Array:
     """Grouped ``y[m] = x[m] @ W[e(m)]^T`` for rows sorted by expert.
 
@@ -370,7 +377,10 @@ def grouped_linear(
       row_valid: None, or bool per row of ``x_sorted`` (the distinct rows with
         ``source_rows``): as ``linear``'s; RAC then selects each expert's blocks from the
         expert's token rows only.
-    Returns ``[M, N]`` in ``x_sorted.dtype``.
+      output_rows: None, or int ``[M']`` in ``[0, M)``: return ``y[output_rows]`` (a MoE
+        block's unsort); a kernel registered with ``output_rows=True`` reads its result back
+        in that order, one gather instead of two.
+    Returns ``[M, N]`` (``[M', N]`` with ``output_rows``) in ``x_sorted.dtype``.
     """
     recipe = recipe or _BF16_RECIPE
     _check(x_sorted, w, site, grouped=True)
@@ -379,10 +389,11 @@ def grouped_linear(
             f"site {site!r}: group_sizes shape {tuple(group_sizes.shape)} must be "
             f"({w.shape[0]},), one per expert of the weight"
         )
-    if source_rows is not None and (source_rows.ndim != 1
-                                    or not jnp.issubdtype(source_rows.dtype, jnp.integer)):
-        raise ValueError(f"site {site!r}: source_rows {source_rows.dtype}"
-                         f"{list(source_rows.shape)} must be an int vector [M]")
+    for name, index in (("source_rows", source_rows), ("output_rows", output_rows)):
+        if index is not None and (index.ndim != 1
+                                  or not jnp.issubdtype(index.dtype, jnp.integer)):
+            raise ValueError(f"site {site!r}: {name} {index.dtype}{list(index.shape)} must be "
+                             "an int vector")
     mode = recipe.mode_for(site)
     group_sizes = group_sizes.astype(jnp.int32)
     kernel = _kernel_for(mode, "grouped", recipe)
@@ -396,11 +407,16 @@ def grouped_linear(
         x_sorted, source_rows = x_sorted[source_rows], None
     if _recorders:
         _record(site, x_sorted if source_rows is None else x_sorted[source_rows], group_sizes)
+    reorders = kernel is not None and (mode, "grouped") in _TAKES_OUTPUT_ROWS
     if kernel is None:
         y = _reference(x_sorted, w, mode, site, recipe, group_sizes, valid)
     else:
         rows = {} if source_rows is None else {"source_rows": source_rows.astype(jnp.int32)}
+        if output_rows is not None and reorders:
+            rows["output_rows"] = output_rows.astype(jnp.int32)
         y = kernel(x_sorted, w, group_sizes, recipe=recipe, site=site,
                    interpret=recipe.backend == "interpret", **rows,
                    **_valid_kwargs(mode, valid))
+    if output_rows is not None and not reorders:
+        y = y[output_rows]
     return y.astype(x_sorted.dtype)

@@ -95,6 +95,14 @@ def test_grouped_w4a4_zero_and_uneven_groups(sizes, extra, rac, n, ng, stack):
     gathered = w4a4_grouped_matmul(x, wq, gs, rac=racc, interpret=True,
                                    config=dataclasses.replace(cfg, windowed_operands=False))
     np.testing.assert_array_equal(np.asarray(gathered), np.asarray(y))
+    if extra == 2:  # output_rows: the rows read back in that order, padding rows and repeats
+        perm = np.asarray([m - 1, 5, 0, 12, 5, 3, m - 2], np.int32)
+        reordered = w4a4_grouped_matmul(x, wq, gs, rac=racc, config=cfg, interpret=True,
+                                        output_rows=jnp.asarray(perm))
+        np.testing.assert_array_equal(np.asarray(reordered), np.asarray(y)[perm])
+        with pytest.raises(ValueError, match=r"output_rows: values in \[0, 15\]; need \[0, 15\)"):
+            w4a4_grouped_matmul(x, wq, gs, config=cfg, interpret=True,
+                                output_rows=jnp.arange(m + 1, dtype=jnp.int32))
 
 
 @pytest.mark.parametrize("rac", [False, True])

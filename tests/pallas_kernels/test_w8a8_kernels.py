@@ -52,6 +52,11 @@ def test_grouped_interpret_matches_reference_with_empty_and_uneven_groups():
                             interpret=True)
     assert _rel(y, w8a8_reference(x, w, gs)) < 1e-5
     np.testing.assert_array_equal(np.asarray(y[25:]), 0.0)
+    # output_rows: the result's rows read back in that order (repeats and padding rows too).
+    perm = jnp.asarray([27, 3, 0, 24, 3, 5, 6, 26], jnp.int32)
+    y2 = w8a8_grouped_matmul(x, w, gs, config=W8A8MatmulConfig(num_sms=4, block_m=8),
+                             interpret=True, output_rows=perm)
+    np.testing.assert_array_equal(np.asarray(y2), np.asarray(y)[np.asarray(perm)])
 
 
 @pytest.mark.parametrize("act", ["token", "tensor"])

@@ -143,6 +143,7 @@ def test_grouped_source_rows_equal_the_gathered_rows(data, mode, monkeypatch):
 
     monkeypatch.setattr(ops, "_KERNELS", {})
     monkeypatch.setattr(ops, "_TAKES_SOURCE_ROWS", set())
+    monkeypatch.setattr(ops, "_TAKES_OUTPUT_ROWS", set())
     monkeypatch.setattr(ops, "_kernel_module_loaded", True)
     interp = dataclasses.replace(recipe, backend="interpret")
     for takes in (True, False):
@@ -151,6 +152,40 @@ def test_grouped_source_rows_equal_the_gathered_rows(data, mode, monkeypatch):
     assert seen == [(xb.shape[0], True), (src.shape[0], False)]
     with pytest.raises(ValueError, match="grouped kernels only"):
         ops.register_kernel(mode, "dense", kernel, source_rows=True)
+
+
+def test_grouped_output_rows_reorder_the_result(data, monkeypatch):
+    """``output_rows``: ``y[output_rows]``, whether the kernel reads its result back in that
+    order (registered with ``output_rows=True``) or ``grouped_linear`` gathers after it."""
+    x, _, we = data
+    recipe = recipe_for("bf16")
+    gs = jnp.asarray([4, 0, 5, 0], jnp.int32)
+    xb = x[:9].astype(jnp.bfloat16)
+    perm = jnp.asarray([8, 0, 3, 3, 7], jnp.int32)
+    full = ops.grouped_linear(xb, we, gs, SITE, recipe)
+    np.testing.assert_array_equal(
+        ops.grouped_linear(xb, we, gs, SITE, recipe, output_rows=perm), full[perm])
+    seen = []
+
+    def kernel(x, w, group_sizes, *, recipe, site, interpret, output_rows=None):
+        seen.append(output_rows is not None)
+        y = jnp.arange(x.shape[0], dtype=jnp.float32)[:, None] * jnp.ones((1, w.shape[1]))
+        return y if output_rows is None else y[output_rows]
+
+    monkeypatch.setattr(ops, "_KERNELS", {})
+    monkeypatch.setattr(ops, "_TAKES_SOURCE_ROWS", set())
+    monkeypatch.setattr(ops, "_TAKES_OUTPUT_ROWS", set())
+    monkeypatch.setattr(ops, "_kernel_module_loaded", True)
+    interp = dataclasses.replace(recipe, backend="interpret")
+    for takes in (True, False):
+        ops.register_kernel("bf16", "grouped", kernel, output_rows=takes)
+        y = ops.grouped_linear(xb, we, gs, SITE, interp, output_rows=perm)
+        np.testing.assert_array_equal(np.asarray(y[:, 0], np.float32), [8, 0, 3, 3, 7])
+    assert seen == [True, False]
+    with pytest.raises(ValueError, match="output_rows int32.* must be an int vector"):
+        ops.grouped_linear(xb, we, gs, SITE, recipe, output_rows=perm[None])
+    with pytest.raises(ValueError, match="grouped kernels only"):
+        ops.register_kernel("bf16", "dense", kernel, output_rows=True)
 
 
 def test_w4a4_bf16_operands_are_exact(data):
