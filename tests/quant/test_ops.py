@@ -123,6 +123,16 @@ def test_grouped_equals_per_expert_loop(data, mode):
         start += n
 
 
+def _empty_kernel_registry(monkeypatch, recipe):
+    """No registered kernels for this test (restored after it); returns ``recipe`` with the
+    interpret backend, which runs registered kernels."""
+    monkeypatch.setattr(ops, "_KERNELS", {})
+    monkeypatch.setattr(ops, "_TAKES_SOURCE_ROWS", set())
+    monkeypatch.setattr(ops, "_TAKES_OUTPUT_ROWS", set())
+    monkeypatch.setattr(ops, "_kernel_module_loaded", True)
+    return dataclasses.replace(recipe, backend="interpret")
+
+
 @pytest.mark.parametrize("mode", ["bf16", "w4a4_nvfp4_rac"])
 def test_grouped_source_rows_equal_the_gathered_rows(data, mode, monkeypatch):
     """``source_rows``: the distinct rows plus their index give the gathered rows' result; a
@@ -141,11 +151,7 @@ def test_grouped_source_rows_equal_the_gathered_rows(data, mode, monkeypatch):
         seen.append((x.shape[0], source_rows is not None))
         return jnp.zeros((src.shape[0], w.shape[1]), jnp.float32)
 
-    monkeypatch.setattr(ops, "_KERNELS", {})
-    monkeypatch.setattr(ops, "_TAKES_SOURCE_ROWS", set())
-    monkeypatch.setattr(ops, "_TAKES_OUTPUT_ROWS", set())
-    monkeypatch.setattr(ops, "_kernel_module_loaded", True)
-    interp = dataclasses.replace(recipe, backend="interpret")
+    interp = _empty_kernel_registry(monkeypatch, recipe)
     for takes in (True, False):
         ops.register_kernel(mode, "grouped", kernel, source_rows=takes)
         ops.grouped_linear(xb, we, gs, SITE, interp, source_rows=src)
@@ -172,11 +178,7 @@ def test_grouped_output_rows_reorder_the_result(data, monkeypatch):
         y = jnp.arange(x.shape[0], dtype=jnp.float32)[:, None] * jnp.ones((1, w.shape[1]))
         return y if output_rows is None else y[output_rows]
 
-    monkeypatch.setattr(ops, "_KERNELS", {})
-    monkeypatch.setattr(ops, "_TAKES_SOURCE_ROWS", set())
-    monkeypatch.setattr(ops, "_TAKES_OUTPUT_ROWS", set())
-    monkeypatch.setattr(ops, "_kernel_module_loaded", True)
-    interp = dataclasses.replace(recipe, backend="interpret")
+    interp = _empty_kernel_registry(monkeypatch, recipe)
     for takes in (True, False):
         ops.register_kernel("bf16", "grouped", kernel, output_rows=takes)
         y = ops.grouped_linear(xb, we, gs, SITE, interp, output_rows=perm)
