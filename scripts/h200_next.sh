@@ -8,7 +8,8 @@
 # Steps (about 3-4 minutes each; at most two per call):
 #   check  the GPU checks of every kernel path (bench_kernels --part check, then check-grouped)
 #   gcheck the grouped W4A4 / W4A16 and the FP8 checks alone (check-grouped)
-#   mcheck the decode MoE operand path: 256 tokens top-8 with source_rows, +-RAC (check-moe)
+#   mcheck the decode MoE operand path: 256 tokens top-8 with source_rows, +-RAC, and the
+#          read-back in slot order (output_rows) (check-moe)
 #   b128   the four arms at batch 128 / prompt 256, traced (the reference row)
 #   b32    the four arms at batch 32 / prompt 256
 #   b256   the four arms at batch 256 / prompt 256 (rows still missing in docs/BENCHMARKS.md)
@@ -159,10 +160,12 @@
 # fix), `kdense2`, `kpre`, `kgroup`, `gcheck`, `b256`.
 # Session 25 ran `prof2 attn`, `pgroup`, `kdense kpre`, `kdense2 kdense0` and `contgroup` (all
 # at 67a2735; per_group won at prompt 1024 and lost at 128-256: "auto" the default since; FP8
-# caches at 64 slots per block). Next: `nobar` (the barrier after the grouped kernels keeps
-# their read-back gathers as kernels of their own, 7.8 us per layer; last measured in the old
-# layout), `contshare` and `contgroup` in one call (the same machine), `b128` (all four arms at
-# the newest commit), `kv8` (the FP8 block), `kgroup`, `gcheck`, `b256`.
+# caches at 64 slots per block). Built after the last call: the down GEMM read back in slot
+# order (output_rows, d510abb). Next: `mcheck` (its GPU check) with `nobar` (the barrier after
+# the grouped kernels keeps their read-back gathers as kernels of their own, 7.8 us per layer;
+# last measured in the old layout), `contshare` and `contgroup` in one call (the same machine),
+# `b128` (all four arms at the newest commit), `kv8` (the FP8 block), `kgroup`, `gcheck`,
+# `b256`.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
