@@ -186,13 +186,19 @@ def check_source_rows(source_rows, num_rows: int, name: str = "source_rows",
     return sr.astype(jnp.int32)
 
 
-def output_row_slots(row_slot: jax.Array, output_rows: jax.Array | None, m: int) -> jax.Array:
-    """The tile slot of each row of the result: ``row_slot`` (int32 ``[M]``), or with
-    ``output_rows`` (the GEMM rows wanted, in order) ``row_slot[output_rows]``: the kernel's
-    read-back and the caller's reordering as one gather (a MoE block's unsort)."""
+def check_output_rows(output_rows, m: int) -> jax.Array | None:
+    """None, or ``output_rows`` as int32 (an int vector in ``[0, M)``, checked when concrete)."""
     if output_rows is None:
-        return row_slot
-    return row_slot[check_source_rows(output_rows, m, "output_rows", "rows of the GEMM")]
+        return None
+    return check_source_rows(output_rows, m, "output_rows", "rows of the GEMM")
+
+
+def output_row_slots(row_slot: jax.Array, output_rows: jax.Array | None) -> jax.Array:
+    """The tile slot of each row of the result: ``row_slot`` (int32 ``[M]``), or with
+    ``output_rows`` (the GEMM rows wanted, in order; ``check_output_rows``)
+    ``row_slot[output_rows]``: the kernel's read-back and the caller's reordering as one
+    gather (a MoE block's unsort)."""
+    return row_slot if output_rows is None else row_slot[output_rows]
 
 
 def w4a4_grouped_matmul(
@@ -239,6 +245,7 @@ def w4a4_grouped_matmul(
     m = x_sorted.shape[0] if source_rows is None else source_rows.shape[0]
     e = w.num_experts
     gs = _check_group_sizes(group_sizes, e, m)
+    output_rows = check_output_rows(output_rows, m)
     block_m = config.block_m or grouped_block_m(m, e)
     (row_index, tile_expert, num_tiles, row_slot, row0, window_rows,
      rexp) = plan_and_row_experts(gs, m, block_m, config.tile_plan_config(), interpret)
@@ -257,7 +264,7 @@ def w4a4_grouped_matmul(
                                 config.rac_operands_config(), interpret)
     tiles, slot_g = token_tiles(operand_of, row_index, row0, window_rows,
                                 config.windowed_operands)
-    return run_tiles(tiles, slot_g, output_row_slots(row_slot, output_rows, m), w, tile_expert,
+    return run_tiles(tiles, slot_g, output_row_slots(row_slot, output_rows), w, tile_expert,
                      num_tiles, config, interpret, x_sorted.dtype,
                      live_tiles=expected_tiles(m, e, block_m))
 

@@ -27,6 +27,7 @@ from pallas_kernels.layout import N_TILE
 from pallas_kernels.nvfp4_tiles_mgpu import _num_sms
 from pallas_kernels.w4a4_grouped import (
     _check_group_sizes,
+    check_output_rows,
     check_source_rows,
     expected_tiles,
     grouped_block_m,
@@ -184,11 +185,12 @@ def w8a8_grouped_matmul(x_sorted: jax.Array, w_q, group_sizes: jax.Array, *,
     m = x_sorted.shape[0] if source_rows is None else source_rows.shape[0]
     e = w.num_experts
     gs = _check_group_sizes(group_sizes, e, m)
+    output_rows = check_output_rows(output_rows, m)
     qx = fp8.quantize(x_sorted, granularity=act_granularity)
     block_m = config.block_m or grouped_block_m(m, e)
     row_index, tile_expert, num_tiles, row_slot, row0, window_rows = tile_plan(
         gs, m, block_m, config.tile_plan_config(), interpret)
-    plan = (row_index, tile_expert, num_tiles, output_row_slots(row_slot, output_rows, m), row0,
+    plan = (row_index, tile_expert, num_tiles, output_row_slots(row_slot, output_rows), row0,
             window_rows)
     return _run(qx, w, plan, config, interpret, x_sorted.dtype,
                 source_rows, live_tiles=expected_tiles(m, e, block_m))
