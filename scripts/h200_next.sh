@@ -183,6 +183,14 @@ rollout() {  # rollout TAG SECONDS ARGS...
     --out "$OUT/$tag" "$@" > "$OUT/$tag.log" 2>&1
   echo "$tag rc $?"; grep -E "^\||busy|^ +[0-9.]+ ms" "$OUT/$tag.log" | cut -c1-120
 }
+continuous() {  # continuous TAG SECONDS ARGS...: the `cont` workload (bench_continuous.py)
+  local tag=$1 limit=$2; shift 2
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -k 15 "$limit" python3 scripts/bench_continuous.py \
+    --precision nvfp4_rac --sequences 256 --n-samples 8 --batch-rows 128 --prompt 256 \
+    --new-tokens 512 --stop-fraction 0.004 --segment-steps 32 --commit "$COMMIT" \
+    --out "$OUT/$tag" "$@" > "$OUT/$tag.log" 2>&1
+  echo "$tag rc $?"; grep -E '"schedule"|Error' "$OUT/$tag.log" | cut -c1-300
+}
 check() {  # check PART SECONDS
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 "$2" python3 scripts/bench_kernels.py \
     --part "$1" --out "$OUT/$1" > "$OUT/$1.log" 2>&1
@@ -335,23 +343,11 @@ for step in "$@"; do
     b128p) rollout b128 250 --quick --profile-steps 4 --precisions $ALL --budget-s 200
       rollout plan8 130 --quick --profile-steps 4 --precisions nvfp4_rac --tile-plan-block 8 \
       --tile-plan-warps 2 --budget-s 100 ;;
-    cont) XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -k 15 320 python3 scripts/bench_continuous.py \
-      --precision nvfp4_rac --sequences 256 --n-samples 8 --batch-rows 128 --prompt 256 \
-      --new-tokens 512 --stop-fraction 0.004 --segment-steps 32 --commit "$COMMIT" \
-      --out "$OUT/cont" > "$OUT/cont.log" 2>&1
-      echo "cont rc $?"; grep -E '"schedule"|Error' "$OUT/cont.log" | cut -c1-300 ;;
-    contshare) XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -k 15 200 python3 scripts/bench_continuous.py \
-      --precision nvfp4_rac --sequences 256 --n-samples 8 --batch-rows 128 --prompt 256 \
-      --new-tokens 512 --stop-fraction 0.004 --segment-steps 32 --commit "$COMMIT" \
-      --schedules continuous --share-prompt-cache --attention-prefix-mode per_row \
-      --out "$OUT/contshare" > "$OUT/contshare.log" 2>&1
-      echo "contshare rc $?"; grep -E '"schedule"|Error' "$OUT/contshare.log" | cut -c1-300 ;;
-    contgroup) XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -k 15 200 python3 scripts/bench_continuous.py \
-      --precision nvfp4_rac --sequences 256 --n-samples 8 --batch-rows 128 --prompt 256 \
-      --new-tokens 512 --stop-fraction 0.004 --segment-steps 32 --commit "$COMMIT" \
-      --schedules continuous --share-prompt-cache --attention-prefix-mode per_group \
-      --out "$OUT/contgroup" > "$OUT/contgroup.log" 2>&1
-      echo "contgroup rc $?"; grep -E '"schedule"|Error' "$OUT/contgroup.log" | cut -c1-300 ;;
+    cont) continuous cont 320 ;;
+    contshare) continuous contshare 200 --schedules continuous --share-prompt-cache \
+      --attention-prefix-mode per_row ;;
+    contgroup) continuous contgroup 200 --schedules continuous --share-prompt-cache \
+      --attention-prefix-mode per_group ;;
     share) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 120 python3 scripts/kernel_probe.py \
       --attention-prefix --out "$OUT/sharep" > "$OUT/sharep.log" 2>&1
       echo "sharep rc $?"; grep -E "PASS|FAIL|shared prefix|copied prompt" "$OUT/sharep.log" | cut -c1-150
