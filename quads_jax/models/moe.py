@@ -96,10 +96,16 @@ def moe_block(
     Under a mesh (``jax.set_mesh``) whose ``expert`` axis has more than one device and divides
     E, the expert matmuls run expert-parallel (``expert_parallel``): each device multiplies
     only its own experts' weights, so the weights are never gathered, whatever kernel runs.
+    Where a grouped kernel runs (a GPU) and the tokens are split over the mesh's batch axes,
+    the same ``shard_map`` keeps each device on its own tokens: XLA's partitioner cannot split
+    a kernel's custom call, and would gather every token onto every device instead.
     """
     routing = route(config, p["router"], x, f"{site}.router", recipe)
     ep = expert_parallel_size(config.num_experts)
-    if ep > 1:
+    mesh = jax.sharding.get_abstract_mesh()
+    local_tokens = (not mesh.empty and bool(_token_axes(mesh, x.shape[0]))
+                    and ops.grouped_kernel_runs(f"{site}.experts.gate_up", recipe))
+    if ep > 1 or local_tokens:
         y = expert_parallel(config, p["experts"], x, routing, site, recipe, token_valid)
     else:
         y = _experts(config, p["experts"], x, routing.expert_ids, routing.weights, site, recipe,
@@ -202,8 +208,8 @@ def _token_axes(mesh, n: int) -> tuple[str, ...]:
 def expert_parallel(config: ModelConfig, experts: dict, x: jax.Array, routing: Routing,
                     site: str, recipe: QuantRecipe,
                     token_valid: jax.Array | None = None) -> jax.Array:
-    """The expert matmuls with experts sharded over the mesh's ``expert`` axis: float32
-    ``[N, H]``.
+    """The expert matmuls with experts sharded over the mesh's ``expert`` axis (where
+    ``expert_parallel_size`` > 1; else replicated): float32 ``[N, H]``.
 
     In a ``shard_map`` over the whole mesh: every leaf of ``experts`` whose first dimension is E
     (weights, their scales, calibration) is split over ``expert``, everything else replicated;
@@ -216,23 +222,25 @@ def expert_parallel(config: ModelConfig, experts: dict, x: jax.Array, routing: R
     """
     mesh = jax.sharding.get_abstract_mesh()
     e = config.num_experts
+    split = expert_parallel_size(e) > 1
     tok = _token_axes(mesh, x.shape[0])
     tok_spec = P(tok or None)
-    w_specs = jax.tree.map(lambda a: P(EXPERT_AXIS) if a.ndim and a.shape[0] == e else P(),
-                           experts)
-    gathered = EXPERT_AXIS in tok
+    w_specs = jax.tree.map(
+        lambda a: P(EXPERT_AXIS) if split and a.ndim and a.shape[0] == e else P(), experts)
+    gathered = split and EXPERT_AXIS in tok
 
     def body(experts, x, ids, weights, valid):
         if gathered:
             x, ids, weights, valid = (jax.lax.all_gather(a, EXPERT_AXIS, tiled=True)
                                       for a in (x, ids, weights, valid))
-        e_local = e // jax.lax.axis_size(EXPERT_AXIS)
-        first = jax.lax.axis_index(EXPERT_AXIS) * e_local
+        first = None
+        if split:
+            first = jax.lax.axis_index(EXPERT_AXIS) * (e // jax.lax.axis_size(EXPERT_AXIS))
         y = _experts(config, experts, x, ids, weights, site, recipe, first=first,
                      token_valid=None if token_valid is None else valid)
         if gathered:
             y = jax.lax.psum_scatter(y, EXPERT_AXIS, scatter_dimension=0, tiled=True)
-        else:
+        elif split:
             y = jax.lax.psum(y, EXPERT_AXIS)
         return y
 

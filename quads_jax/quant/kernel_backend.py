@@ -2,7 +2,10 @@
 
 ``ops`` imports this module lazily the first time a kernel could run (``recipe.backend`` "auto"
 on a GPU, or "interpret"). Registered, dense and grouped: ``w4a4_nvfp4``, ``w4a4_nvfp4_rac`` and
-``w4a16_nvfp4`` (the NVFP4 tile kernel) and ``w8a8_fp8`` (the FP8 tensor-core tile kernel).
+``w4a16_nvfp4`` (the NVFP4 tile kernel) and ``w8a8_fp8`` (the FP8 tensor-core tile kernel);
+grouped only: ``bf16``, ``w_fakequant_nvfp4`` and ``w_fakequant_fp8`` (the trainer's modes:
+``pallas_kernels.bf16_grouped``, differentiable, in place of XLA's E-times redundant
+``ragged_dot``).
 
 Weights: a leaf may be the kernel layout ``layout.W4A4Weights`` (made once at weight sync with
 ``prepare_weights``: the fast path), an ``NVFP4Tensor`` or a master array; the last two are
@@ -17,6 +20,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import bf16_grouped
 from pallas_kernels import nvfp4_quantize as aq
 from pallas_kernels.fp8_tiles_mgpu import FP8Weights
 from pallas_kernels.layout import W4A4Weights, check_bits, prepare_w4a4_weights
@@ -188,6 +192,33 @@ def _grouped(mode: str):
     return fn
 
 
+_BF16_GROUPED = {"on": True}
+
+
+def set_bf16_grouped(on: bool) -> None:
+    """Ablation: run the bf16 / fake-quant modes' grouped matmuls with ``bf16_grouped`` (True,
+    the default) or XLA's ``ragged_dot`` (False); takes effect at the next trace."""
+    if not isinstance(on, bool):
+        raise ValueError(f"set_bf16_grouped: on={on!r}; need True or False")
+    _BF16_GROUPED["on"] = on
+
+
+def _plain_grouped(mode: str):
+    """The grouped matmul of a mode with unquantized activations: ``bf16_grouped`` where its
+    shapes fit (bf16, N and K multiples of 64), else ``ops``' XLA product."""
+
+    def fn(x: jax.Array, w, group_sizes: jax.Array, *, recipe, site: str, interpret: bool):
+        w = ops.plain_weight(w, mode, site, recipe, x.dtype)
+        gs = jnp.asarray(group_sizes, jnp.int32)
+        if _BF16_GROUPED["on"] and bf16_grouped.supported(x.shape, w.shape, x.dtype):
+            config = bf16_grouped.BF16GroupedConfig(
+                num_sms=INTERPRET_NUM_SMS if interpret else None)
+            return bf16_grouped.grouped_matmul(x, w, gs, config=config, interpret=interpret)
+        return ops.matmul_f32(x, w, gs)
+
+    return fn
+
+
 def _fp8_weights(w, recipe) -> FP8Weights:
     """The FP8 kernel layout of a leaf: as is, from an ``FP8Tensor``, or from a master array."""
     if not isinstance(w, FP8Weights | fp8.FP8Tensor):
@@ -222,3 +253,5 @@ for _mode in ("w4a4_nvfp4", "w4a4_nvfp4_rac", "w4a16_nvfp4"):
     ops.register_kernel(_mode, "dense", _dense(_mode))
     ops.register_kernel(_mode, "grouped", _grouped(_mode), source_rows=_mode != "w4a16_nvfp4",
                         output_rows=_mode != "w4a16_nvfp4")
+for _mode in ("bf16", "w_fakequant_nvfp4", "w_fakequant_fp8"):
+    ops.register_kernel(_mode, "grouped", _plain_grouped(_mode))

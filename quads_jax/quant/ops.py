@@ -105,6 +105,13 @@ def _kernel_for(mode: str, kind: str, recipe: QuantRecipe) -> Callable | None:
     return _KERNELS.get((mode, kind))
 
 
+def grouped_kernel_runs(site: str, recipe: QuantRecipe | None = None) -> bool:
+    """Whether ``grouped_linear`` at ``site`` runs a registered kernel: a custom call, which
+    XLA's partitioner cannot split (the MoE block then shards its tokens itself)."""
+    recipe = recipe or _BF16_RECIPE
+    return _kernel_for(recipe.mode_for(site), "grouped", recipe) is not None
+
+
 @contextlib.contextmanager
 def record_inputs():
     """While active, every ``linear`` / ``grouped_linear`` call appends ``(site, x [M, K],
@@ -196,8 +203,10 @@ def precision_for(dtype) -> jax.lax.Precision:
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
-def _matmul(a: jax.Array, b: jax.Array, group_sizes: jax.Array | None) -> jax.Array:
-    """``a [M, K] @ b.T`` with f32 accumulation; ``b [N, K]`` or grouped ``[E, N, K]``."""
+def matmul_f32(a: jax.Array, b: jax.Array, group_sizes: jax.Array | None) -> jax.Array:
+    """``a [M, K] @ b.T`` with f32 accumulation; ``b [N, K]`` or grouped ``[E, N, K]`` (XLA
+    ``ragged_dot``: on a GPU a dense product over all E experts, which is why grouped kernels
+    are registered there)."""
     precision = precision_for(a.dtype)
     if group_sizes is None:
         return jax.lax.dot_general(
@@ -218,7 +227,7 @@ def _per_row(scale: jax.Array, row_expert: jax.Array | None) -> jax.Array:
 
 
 def _nvfp4_product(qa, qw, group_sizes, row_expert) -> jax.Array:
-    acc = _matmul(nvfp4_unscaled(qa), nvfp4_unscaled(qw), group_sizes)
+    acc = matmul_f32(nvfp4_unscaled(qa), nvfp4_unscaled(qw), group_sizes)
     return acc * (qa.global_scale * _per_row(qw.global_scale, row_expert))
 
 
@@ -250,9 +259,32 @@ def _rac_residual_product(x, qx, qw, recipe, group_sizes, row_expert, calib,
         row_valid=row_valid,
     )
     if recipe.rac_residual_format == "bf16":
-        acc = _matmul(sel.masked().astype(jnp.bfloat16), nvfp4_unscaled(qw), group_sizes)
+        acc = matmul_f32(sel.masked().astype(jnp.bfloat16), nvfp4_unscaled(qw), group_sizes)
         return acc * _per_row(qw.global_scale, row_expert)
     return _nvfp4_product(sel.codes(), qw, group_sizes, row_expert)
+
+
+# Modes whose activations enter the matmul unquantized: the product is a plain matmul of ``x``
+# with ``plain_weight``.
+PLAIN_ACTIVATION_MODES = ("bf16", "w_fakequant_nvfp4", "w_fakequant_fp8", "w4a16_nvfp4")
+
+
+def plain_weight(w, mode: str, site: str, recipe: QuantRecipe, dtype) -> jax.Array:
+    """The weight a ``PLAIN_ACTIVATION_MODES`` mode multiplies ``x`` with, in ``dtype``: the
+    master weight (bf16), or its fake-quantized / dequantized value (straight-through gradient
+    for a master weight). A ``CalibratedWeight`` is unwrapped."""
+    w, _ = _unwrap(w)
+    if mode == "bf16":
+        if isinstance(w, nvfp4.NVFP4Tensor | fp8.FP8Tensor):
+            raise ValueError(
+                f"site {site!r}: the recipe says bf16 but the weight is a packed "
+                f"{type(w).__name__}; sync the weights with the same recipe"
+            )
+        return w.astype(dtype)
+    if mode not in PLAIN_ACTIVATION_MODES:
+        raise ValueError(f"site {site!r}: mode={mode!r} quantizes its activations; "
+                         f"plain_weight is for {PLAIN_ACTIVATION_MODES}")
+    return fake_quant_weight(w, mode, site, recipe).astype(dtype)
 
 
 def _reference(x, w, mode, site, recipe, group_sizes, row_valid=None) -> jax.Array:
@@ -260,20 +292,12 @@ def _reference(x, w, mode, site, recipe, group_sizes, row_valid=None) -> jax.Arr
     ``row_valid`` (bool ``[M]`` or None) as ``linear``'s."""
     w, calib = _unwrap(w)
     row_expert = None if group_sizes is None else expert_of_rows(group_sizes, x.shape[0])
-    if mode == "bf16":
-        if isinstance(w, nvfp4.NVFP4Tensor | fp8.FP8Tensor):
-            raise ValueError(
-                f"site {site!r}: the recipe says bf16 but the weight is a packed "
-                f"{type(w).__name__}; sync the weights with the same recipe"
-            )
-        return _matmul(x, w.astype(x.dtype), group_sizes)
-    if mode in ("w_fakequant_nvfp4", "w_fakequant_fp8", "w4a16_nvfp4"):
-        w_hat = fake_quant_weight(w, mode, site, recipe)
-        return _matmul(x, w_hat.astype(x.dtype), group_sizes)
+    if mode in PLAIN_ACTIVATION_MODES:
+        return matmul_f32(x, plain_weight(w, mode, site, recipe, x.dtype), group_sizes)
     if mode == "a_fakequant_nvfp4_w_fakequant_nvfp4":
         w_hat = fake_quant_weight(w, mode, site, recipe)
         x_hat = nvfp4.fake_quant(x, scale_mode="row")
-        return _matmul(x_hat, w_hat.astype(x.dtype), group_sizes)
+        return matmul_f32(x_hat, w_hat.astype(x.dtype), group_sizes)
     if mode in ("w4a4_nvfp4", "w4a4_nvfp4_rac"):
         qw = _nvfp4_weight(w, site)
         static = None if calib is None else calib.act_global_scale
@@ -286,7 +310,7 @@ def _reference(x, w, mode, site, recipe, group_sizes, row_valid=None) -> jax.Arr
     if mode == "w8a8_fp8":
         qw = _fp8_weight(w, site, recipe)
         qx = fp8.quantize(x, granularity=recipe.fp8_act_granularity)
-        acc = _matmul(qx.data.astype(jnp.bfloat16), qw.data.astype(jnp.bfloat16), group_sizes)
+        acc = matmul_f32(qx.data.astype(jnp.bfloat16), qw.data.astype(jnp.bfloat16), group_sizes)
         if qw.scale.ndim == 0:  # "tensor": one scale for the whole (stacked) weight
             w_rows = qw.scale
         elif group_sizes is None:
