@@ -1,7 +1,7 @@
 """Correctness checks and timings of the Pallas NVFP4 kernels on one GPU (H200), vs XLA baselines.
 
 Usage (on the device): ``PYTHONPATH=. python3 scripts/bench_kernels.py --out $OUT [--part P]``
-with P in ``all | check | decode | grouped | prefill | tune``. Writes ``bench_kernels.json`` and
+with P in ``all | check | decode | grouped | prefill | train-grouped | tune``. Writes ``bench_kernels.json`` and
 ``bench_kernels.md`` under ``--out``.
 
 Method (docs/DESIGN.md "Performance method"):
@@ -634,6 +634,68 @@ def bench_prefill():
     record(f"XLA bf16 prefill M={m} K={k} N={n}", t, calls, flops=fl)
 
 
+def bench_train_grouped():
+    """The trainer's expert matmuls, bf16, forward and forward + backward: ``bf16_grouped``
+    (``ragged_dot_mgpu`` forward and dx, ``ragged_contract`` dW) against XLA's ``ragged_dot``
+    as ``ops`` ran them before (f32 result, then bf16). Checked first (fresh inputs, f32
+    HIGHEST reference of the bf16 operands)."""
+    log("== trainer grouped bf16 matmuls (bf16_grouped vs XLA ragged_dot)")
+    # (name, E, N, K, top-k, tokens): small_gpu_base's experts at a quarter of its bench batch
+    # of 32 x 512 tokens, and Qwen3-30B-A3B's at 1 024 tokens.
+    for shape in (("small_gpu_base gate_up", 32, 1024, 1024, 4, 4096),
+                  ("small_gpu_base down", 32, 1024, 512, 4, 4096),
+                  ("30B gate_up", 128, 1536, 2048, 8, 1024),
+                  ("30B down", 128, 2048, 768, 8, 1024)):
+        _train_grouped_shape(*shape)
+
+
+def _train_grouped_shape(name, e, n, k, top_k, tokens):
+    from pallas_kernels import bf16_grouped as bg
+
+    f32, hi = jnp.float32, jax.lax.Precision.HIGHEST
+    e, tokens = S(e, 8, 4), S(tokens, 64, 16)
+    n, k = (S(d, 16, 64) // 64 * 64 for d in (n, k))  # smoke: still multiples of 64
+    gs = routing(900, tokens, e, min(top_k, e))
+    m = int(gs.sum())
+    x, w, dy = rand(901, (m, k)), rand(902, (e, n, k), scale=0.05), rand(903, (m, n))
+
+    def ours(x, w):
+        return bg.grouped_matmul(x, w, gs, interpret=SMOKE)
+
+    def xla(x, w):
+        return jax.lax.ragged_dot(x, jnp.swapaxes(w, 1, 2), gs,
+                                  preferred_element_type=f32).astype(x.dtype)
+
+    def exact(x, w):
+        return jax.lax.ragged_dot(x.astype(f32), jnp.swapaxes(w, 1, 2).astype(f32), gs,
+                                  precision=hi)
+
+    def grads(f, x, w, dy):
+        return jax.vjp(f, x, w)[1](dy.astype(jax.eval_shape(f, x, w).dtype))
+
+    def step(f):
+        def g(x, w):  # forward + backward; dW kept live through dx
+            dx, dw = grads(f, x, w, dy)
+            return dx.at[0, 0].add(dw[0, 0, 0].astype(dx.dtype))
+        return g
+
+    tag = f"{name} E={e} N={n} K={k} rows={m}"
+    check(f"bf16_grouped forward {tag}", lambda x=x, w=w: ours(x, w), lambda: exact(x, w),
+          (m, n), tol=4e-3)
+    for i, part in enumerate(("dx", "dW")):
+        check(f"bf16_grouped {part} {tag}", lambda x=x, w=w, dy=dy, i=i: grads(ours, x, w, dy)[i],
+              lambda i=i: grads(exact, x, w, dy)[i], (m, n), tol=4e-3)
+    ws = [w, rand(910, (e, n, k), scale=0.05)]
+    fl = 2 * m * n * k
+    arms = (("bf16_grouped", ours),) + (() if SMOKE else (("XLA ragged_dot", xla),))
+    for label, f in arms:
+        reps = None if label == "bf16_grouped" else 1  # XLA's: E-times redundant, slow
+        t, calls = time_chain(f, x, ws, reps=reps)
+        record(f"train {label} forward {tag}", t, calls, flops=fl)
+        t, calls = time_chain(step(f), x, ws, reps=reps)
+        record(f"train {label} forward+backward {tag}", t, calls, flops=3 * fl)
+
+
 def enable_smoke():
     """Replace the Mosaic GPU kernel by its jnp reference (sums over splits are the same)."""
     global SMOKE
@@ -770,6 +832,9 @@ def main(argv=None):
         if "all" in parts or "prefill" in parts:
             bench_prefill()
             bench_grouped(tokens_list=(1024,), prefill=True)
+            write_outputs(args.out)
+        if "all" in parts or "train-grouped" in parts:
+            bench_train_grouped()
     finally:
         write_outputs(args.out)
         log(f"total {time.time() - start:.0f} s")

@@ -111,6 +111,13 @@
 #          batch 128 = 16 x 8, prompt 1024, shared cache, per_group and per_row (same call)
 #   hlo    nvfp4 at batch 128 with the decode program's optimized HLO dumped to $OUT/hlo (what
 #          the 386 small `memcpy32_post` copies per step and the MoE block's fusions are)
+#   tgrouped  the trainer's expert matmuls (pallas_kernels.bf16_grouped, session 26, CPU-tested
+#          only): GPU checks of forward, dx and dW, then forward and forward + backward against
+#          XLA ragged_dot at small_gpu_base's and the 30B model's expert shapes (bench_kernels
+#          --part train-grouped --trace)
+#   train  the trainer step (quads_jax.train.bench, small_gpu_base, 32 x 512, bf16 and
+#          trainer_qat) with bf16_grouped and with XLA ragged_dot, same call (--grouped both;
+#          session 2's row: 1.34 s per update, 1.7 % MFU)
 #
 # Session 13 ran prof, check, gcheck, mcheck and b32 (their 170 / 120 s limits cut check and
 # gcheck short of their last items; raised since). Session 14 ran `nobar unroll` (the barrier
@@ -166,6 +173,8 @@
 # last measured in the old layout), `contshare` and `contgroup` in one call (the same machine),
 # `b128` (all four arms at the newest commit), `kv8` (the FP8 block), `kgroup`, `gcheck`,
 # `b256`.
+# Session 26: no device was lent. Built: the trainer's grouped matmuls on Pallas
+# (bf16_grouped). Next: `tgrouped train` (one call), then session 25's list.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
@@ -237,6 +246,14 @@ for step in "$@"; do
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 270 python3 scripts/bench_kernels.py \
       --part grouped --tokens $tokens --trace --out "$OUT/$step" > "$OUT/$step.log" 2>&1
       echo "$step rc $?"; grep -E "grouped|floor|bw" "$OUT/$step.log" | cut -c1-240 ;;
+    tgrouped) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 280 python3 scripts/bench_kernels.py \
+      --part train-grouped --trace --out "$OUT/tgrouped" > "$OUT/tgrouped.log" 2>&1
+      echo "tgrouped rc $?"; grep -E "PASS|FAIL|train|floor|bw" "$OUT/tgrouped.log" | cut -c1-240 ;;
+    train) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 280 python3 -m quads_jax.train.bench \
+      --config configs/small_gpu_base.yaml --batch 32 --seq 512 --repeats 5 --grouped both \
+      > "$OUT/train.json" 2> "$OUT/train.log"
+      echo "train rc $?"; grep -E '"(recipe|grouped|median_s|first_loss.*|kernel_speedup|mfu.*)"' \
+        "$OUT/train.json"; tail -3 "$OUT/train.log" | cut -c1-200 ;;
     kpre) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 270 python3 scripts/bench_kernels.py \
       --part prefill --trace --out "$OUT/kpre" > "$OUT/kpre.log" 2>&1
       echo "kpre rc $?"; grep -E "prefill|grouped|floor|bw" "$OUT/kpre.log" | cut -c1-240 ;;

@@ -1,10 +1,13 @@
 """Trainer-step benchmark: ``python -m quads_jax.train.bench [--config PATH] [--batch B]
-[--seq T] [--recipes bf16,trainer_qat] [--repeats N]``.
+[--seq T] [--recipes bf16,trainer_qat] [--repeats N] [--grouped kernel|xla|both]``.
 
 Times one jitted RL update (M mini-batch updates in one scan: forward, GRPO loss, backward,
 AdamW) on random tokens for each trainer recipe, reports the median over repeats, tokens/s,
 model FLOP utilisation against a measured BF16 matmul rate, and each recipe's ratio to the
 first (the asymmetric-QAT overhead when the recipes are ``bf16,trainer_qat``).
+``--grouped`` picks the expert matmuls on a GPU: ``kernel`` (``pallas_kernels.bf16_grouped``,
+the default), ``xla`` (XLA's ``ragged_dot``, what ran before it) or ``both`` (each recipe
+twice; the first update's losses of the two are compared: same params, same batch).
 
 FLOPs per token: ``6 * active_params + 12 * layers * seq * q_heads * head_dim`` (forward +
 backward of the matmuls, causal attention counted in full as is the convention).
@@ -23,6 +26,7 @@ import numpy as np
 
 from quads_jax import config as cfglib
 from quads_jax import models
+from quads_jax.quant import kernel_backend
 from quads_jax.quant.recipe import get_recipe
 from quads_jax.rl.grpo import GRPOConfig
 from quads_jax.tokenizers import CharTokenizer
@@ -69,7 +73,9 @@ def random_batch(rng: np.random.Generator, rows: int, seq: int, vocab: int, prom
                 np.float32), "advantages": rng.normal(0, 1, rows).astype(np.float32)}
 
 
-def bench_recipe(model_config, params, recipe_name, batch, minibatches, repeats):
+def bench_recipe(model_config, params, recipe_name, batch, minibatches, repeats,
+                 grouped: str = "kernel"):
+    kernel_backend.set_bf16_grouped(grouped == "kernel")  # read when the update is traced
     recipe = get_recipe(recipe_name)
     opt = make_optimizer(OptimizerConfig(lr=1e-6), 100)
     update = jax.jit(make_update_fn(rl_loss_fn(make_apply_fn(model_config, recipe),
@@ -82,14 +88,17 @@ def bench_recipe(model_config, params, recipe_name, batch, minibatches, repeats)
     state, m = update(state, dev_batch)
     jax.block_until_ready(m)
     compile_s = time.perf_counter() - t0
+    first_loss = float(m["train/loss"])
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
         state, m = update(state, dev_batch)
         jax.block_until_ready(m)
         times.append(time.perf_counter() - t)
-    return {"recipe": recipe_name, "compile_s": compile_s, "median_s": statistics.median(times),
-            "min_s": min(times), "loss": float(m["train/loss"])}
+    kernel_backend.set_bf16_grouped(True)
+    return {"recipe": recipe_name, "grouped": grouped, "compile_s": compile_s,
+            "median_s": statistics.median(times), "min_s": min(times),
+            "first_loss": first_loss, "loss": float(m["train/loss"])}
 
 
 def main(argv=None) -> int:
@@ -100,6 +109,8 @@ def main(argv=None) -> int:
     p.add_argument("--minibatches", type=int, default=2)
     p.add_argument("--recipes", default="bf16,trainer_qat")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--grouped", default="kernel", choices=("kernel", "xla", "both"),
+                   help="expert matmuls on a GPU: bf16_grouped, XLA ragged_dot, or both")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     cfg = cfglib.load(TrainConfig, args.config, args.overrides)
@@ -115,8 +126,13 @@ def main(argv=None) -> int:
     flops_tok = 6 * active_params(mc) + 12 * mc.num_hidden_layers * args.seq * \
         mc.num_attention_heads * mc.head_dim
     rows = []
-    for name in args.recipes.split(","):
-        r = bench_recipe(mc, params, name, batch, args.minibatches, args.repeats)
+    arms = ("kernel", "xla") if args.grouped == "both" else (args.grouped,)
+    for name, grouped in ((n, g) for n in args.recipes.split(",") for g in arms):
+        r = bench_recipe(mc, params, name, batch, args.minibatches, args.repeats, grouped)
+        if grouped == "xla" and len(arms) == 2:  # same params and batch: the same first loss
+            r["first_loss_rel_diff_to_kernel"] = abs(r["first_loss"] - rows[-1]["first_loss"]) \
+                / max(abs(rows[-1]["first_loss"]), 1e-30)
+            r["kernel_speedup"] = r["median_s"] / rows[-1]["median_s"]
         r["tokens_per_s"] = tokens / r["median_s"]
         r["tflops"] = flops_tok * tokens / r["median_s"] / 1e12
         r["mfu_vs_measured_matmul"] = r["tflops"] / peak
