@@ -1,5 +1,7 @@
 """NVFP4 format: ties, clamps, packing, idempotence, grid membership, independent cross-check."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -94,13 +96,17 @@ def _check_on_grid_and_nearest(x: np.ndarray, q: nvfp4.NVFP4Tensor):
 def test_property_idempotent_on_grid(rows, blocks, dtype, log_mag, mode, seed):
     x = (jax.random.normal(jax.random.PRNGKey(seed), (rows, blocks * 16)) * 10.0**log_mag)
     x = x.astype(dtype)
-    q = nvfp4.quantize(x, scale_mode=mode)
+    # jitted: one compile per function and shape (eagerly, every op compiled for each new
+    # shape: 5 s per example)
+    quantize = jax.jit(functools.partial(nvfp4.quantize, scale_mode=mode))
+    qdq = jax.jit(functools.partial(nvfp4.qdq, scale_mode=mode))
+    q = quantize(x)
     _check_on_grid_and_nearest(np.asarray(x.astype(jnp.float32)), q)
-    a = nvfp4.qdq(x, scale_mode=mode)
-    b = nvfp4.qdq(a, scale_mode=mode)
+    a = qdq(x)
+    b = qdq(a)
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     # Re-quantizing the dequantized tensor reproduces codes, scales and global scale.
-    q2 = nvfp4.quantize(nvfp4.dequantize(q), scale_mode=mode)
+    q2 = quantize(jax.jit(nvfp4.dequantize)(q))
     np.testing.assert_array_equal(np.asarray(q.packed), np.asarray(q2.packed))
     np.testing.assert_array_equal(np.asarray(q.global_scale), np.asarray(q2.global_scale))
 
