@@ -179,7 +179,7 @@ def grouped_rac_selection(scores: jax.Array, amax: jax.Array, finite: jax.Array,
                          f"group_sizes {group_sizes.shape} [E]")
     m, e = rows.shape[0], group_sizes.shape[0]
     nbp, ep = _pow2(nb), _pow2(e)
-    n_keep = max(1, int(round(ratio * nb)))  # rac.select_blocks' count
+    n_keep = rac.kept_blocks(ratio, nb)  # rac.select_blocks' count
     br = config.block_rows
     mp = m + br  # a step's rows [i0, i0 + br) stay inside: no clamped window in interpret mode
     pad = ((0, 0), (0, nbp - nb))

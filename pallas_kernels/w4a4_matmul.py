@@ -424,16 +424,48 @@ def run_dense(operand_of, m: int, w: W4A4Weights, config, interpret: bool,
     return run_tiles(tiles, slot_g, m, w, tile_expert, num_tiles, config, interpret, out_dtype)
 
 
-def dense_prefill_parts(b_rows: tuple[jax.Array, ...], w: W4A4Weights) -> jax.Array:
+def dense_prefill_parts(b_rows: tuple[jax.Array, ...], w: W4A4Weights,
+                        residual_blocks: jax.Array | None = None) -> jax.Array:
     """Large-M path: exact decoded weight (MMA dtype) times each operand with XLA's GEMM, f32
-    accumulation; ``[M, A, N]`` scaled like the kernel's output (``1 / w.code_factor``)."""
+    accumulation; ``[M, A, N]`` scaled like the kernel's output (``1 / w.code_factor``).
+
+    ``residual_blocks``: None, or int32 ``[S]`` K-block indices (-1: none) that hold every
+    nonzero block of the RAC residual operand ``b_rows[1]``: its GEMM then contracts those
+    ``16 S`` columns only (``rac_block_columns``), not all K: the residual's zero blocks add
+    exact zeros, so only the f32 summation order changes."""
     from pallas_kernels.layout import dequantize_w4a4_weights
 
     wd = (dequantize_w4a4_weights(w)[0] / jnp.float32(w.code_factor)).astype(w.mma_dtype)
     dims = (((1,), (1,)), ((), ()))
-    outs = [jax.lax.dot_general(b.astype(w.mma_dtype), wd, dims,
-                                preferred_element_type=jnp.float32) for b in b_rows]
+    outs = []
+    for a, b in enumerate(b_rows):
+        b, wa = b.astype(w.mma_dtype), wd
+        if a == 1 and residual_blocks is not None:
+            cols = (jnp.maximum(residual_blocks, 0)[:, None] * nvfp4.BLOCK_SIZE
+                    + jnp.arange(nvfp4.BLOCK_SIZE)).reshape(-1)
+            live = jnp.repeat(residual_blocks >= 0, nvfp4.BLOCK_SIZE)
+            b = jnp.where(live, b[:, cols], jnp.zeros((), b.dtype))  # a repeated fill: zeros
+            wa = wd[:, cols]
+        outs.append(jax.lax.dot_general(b, wa, dims, preferred_element_type=jnp.float32))
     return jnp.stack(outs, axis=1)
+
+
+def rac_block_columns(acts: aq.QuantizedActivations, rac_config: aq.RACConfig | None):
+    """The K blocks of a dense GEMM's RAC residual, when every row has the same ones and
+    their number is bounded at trace time (``online_batch``: ``rac.kept_blocks``, fewer with
+    an energy target): int32 ``[S]``, -1 past the selected count. None
+    otherwise (``online_token`` selects per row; a static block set's size is a traced
+    value): the residual GEMM then runs over all K."""
+    if (rac_config is None or rac_config.rac_selection != "online_batch"
+            or acts.mask is None):
+        return None
+    nb = acts.mask.shape[1]
+    cap = rac.kept_blocks(rac_config.rac_ratio, nb)
+    if cap >= nb:
+        return None
+    chosen = acts.mask[0]  # online_batch: one block set for the whole GEMM
+    (blocks,) = jnp.nonzero(chosen, size=cap, fill_value=-1)
+    return blocks.astype(jnp.int32)
 
 
 def combine(parts: jax.Array, row_scales: tuple[jax.Array, ...], g_w: jax.Array, n: int, factor):
@@ -501,7 +533,9 @@ def w4a4_matmul(
                                                   config.rac_operands_config(), interpret),
                          m, w, config, interpret, x.dtype)
     b_rows, row_scales = aq.kernel_operands(acts, w.mma_dtype)
-    parts = dense_prefill_parts(b_rows, w)
+    # RAC's GEMM over the selected blocks only: +ratio of the FLOPs, not +100 % (on the H200,
+    # 2026-12-05, the full-K residual GEMM cost +87 % at M = 8192, K x N = 4096 x 14336)
+    parts = dense_prefill_parts(b_rows, w, rac_block_columns(acts, rac))
     g_w = jnp.broadcast_to(w.global_scale[0], (m,))
     return combine(parts, row_scales, g_w, w.n, w.code_factor).astype(x.dtype)
 

@@ -108,6 +108,12 @@ def stable_descending_rank(scores: jax.Array) -> jax.Array:
     return jnp.sum(before | (tie & earlier), axis=-1, dtype=jnp.int32)
 
 
+def kept_blocks(ratio: float, num_blocks: int) -> int:
+    """How many of ``num_blocks`` blocks a selection at ``ratio`` keeps (at most, with an
+    energy target): ``max(1, round(ratio * num_blocks))``."""
+    return max(1, int(round(ratio * num_blocks)))
+
+
 def select_blocks(
     scores: jax.Array, ratio: float, energy_target: float | None = None
 ) -> jax.Array:
@@ -118,7 +124,7 @@ def select_blocks(
     reaches ``energy_target`` of the total, capped at that count.
     """
     nb = scores.shape[-1]
-    n_keep = max(1, int(round(ratio * nb)))
+    n_keep = kept_blocks(ratio, nb)
     small = scores.size * nb <= PAIRWISE_RANK_LIMIT
     if energy_target is None and small:
         return stable_descending_rank(scores) < n_keep

@@ -58,16 +58,26 @@ def test_dense_w4a4(m, n, k, rac, mode, mma, decode, ks, ng):
     assert _rel(w4a4_matmul_reference(x, wq, act_scale_mode=mode, rac=racc), want) < 1e-5
 
 
-@pytest.mark.parametrize("rac", [False, True])
-def test_dense_prefill_path_is_exact(rac):
+@pytest.mark.parametrize("racc,compact", [
+    (None, False), (aq.RACConfig(), True), (aq.RACConfig(rac_energy_target=0.2), True),
+    (aq.RACConfig(rac_residual_format="bf16"), True),
+    (aq.RACConfig(rac_selection="online_token"), False)])
+def test_dense_prefill_path_is_exact(racc, compact):
+    """The decoded-weight path of large M; with online_batch RAC its residual GEMM contracts
+    the 9 selected blocks' 144 columns only (fewer selected with an energy target: the -1
+    entries add zeros), per-row selections all K."""
     m, n, k = 40, 136, 288
     x = jax.random.normal(jax.random.key(7), (m, k)) * 3
     wq = nvfp4.quantize(jax.random.normal(jax.random.key(8), (n, k)))
-    racc = aq.RACConfig() if rac else None
     cfg = W4A4MatmulConfig(prefill_min_rows=32)
     y = w4a4_matmul(x, wq, rac=racc, config=cfg)  # no kernel: runs on any backend
-    want = _f64_product(aq.nvfp4_quantize(x, rac_config=racc), wq)
+    acts = aq.nvfp4_quantize(x, rac_config=racc)
+    want = _f64_product(acts, wq)
     assert _rel(y, want) < 1e-5
+    jaxpr = str(jax.make_jaxpr(lambda x: w4a4_matmul(x, wq, rac=racc, config=cfg))(x))
+    assert (f"[{m},{9 * 16}]" in jaxpr) == compact
+    if racc is not None and racc.rac_energy_target is not None:
+        assert int(acts.mask[0].sum()) < 9  # the fill entries were exercised
 
 
 @pytest.mark.parametrize("sizes,extra,rac,n,ng,stack", [((4, 0, 9), 2, False, 128, 1, False),
