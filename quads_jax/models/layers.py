@@ -6,8 +6,13 @@ matmul operands in the compute dtype with float32 accumulation.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from quads_jax.train.mesh import batch_axes_dividing
 
 # Added to disallowed attention scores. Finite, so a query row that may attend to nothing (a
 # left-pad query) gets a uniform, finite softmax instead of NaN; such rows are never used.
@@ -134,8 +139,22 @@ def decode_attend(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.A
     kvh = k_all.shape[2]
     qg = q.reshape(b, kvh, h // kvh, d)
     config = _decode_attention["config"] or da.DecodeAttentionConfig()
-    out = da.decode_attention(qg, k_all, v_all, layer, valid, kv_len, shared, config=config,
-                              interpret=backend == "interpret")
+    call = functools.partial(da.decode_attention, config=config,
+                             interpret=backend == "interpret")
+    mesh = jax.sharding.get_abstract_mesh()
+    rows = batch_axes_dividing(mesh, b)
+    if rows and shared is None:
+        # Rows split over the mesh (the data-parallel rollout, ``sampler.sharding``): each
+        # device's kernel on its own rows. XLA cannot split the kernel's custom call and
+        # would gather every row's cache onto every device. (A shared prefix indexes groups
+        # by global id: it runs unsplit.)
+        row, cache = P(rows), P(None, rows)
+        out = jax.shard_map(
+            lambda q, k, v, layer, valid, kv_len: call(q, k, v, layer, valid, kv_len, None),
+            mesh=mesh, in_specs=(row, cache, cache, P(), row, P()), out_specs=row,
+            check_vma=False)(qg, k_all, v_all, layer, valid, kv_len)
+    else:
+        out = call(qg, k_all, v_all, layer, valid, kv_len, shared)
     return out.reshape(b, 1, h * d)
 
 

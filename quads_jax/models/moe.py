@@ -17,7 +17,7 @@ from quads_jax.models.config import ModelConfig
 from quads_jax.models.layers import swiglu
 from quads_jax.quant import ops
 from quads_jax.quant.recipe import QuantRecipe
-from quads_jax.train.mesh import BATCH_AXES
+from quads_jax.train.mesh import batch_axes_dividing
 
 
 class Routing(NamedTuple):
@@ -103,7 +103,7 @@ def moe_block(
     routing = route(config, p["router"], x, f"{site}.router", recipe)
     ep = expert_parallel_size(config.num_experts)
     mesh = jax.sharding.get_abstract_mesh()
-    local_tokens = (not mesh.empty and bool(_token_axes(mesh, x.shape[0]))
+    local_tokens = (bool(batch_axes_dividing(mesh, x.shape[0]))
                     and ops.grouped_kernel_runs(f"{site}.experts.gate_up", recipe))
     if ep > 1 or local_tokens:
         y = expert_parallel(config, p["experts"], x, routing, site, recipe, token_valid)
@@ -195,16 +195,6 @@ def expert_parallel_size(num_experts: int) -> int:
     return ep if ep > 1 and num_experts % ep == 0 else 1
 
 
-def _token_axes(mesh, n: int) -> tuple[str, ...]:
-    """The batch axes that shard the ``n`` tokens: in ``BATCH_AXES`` order, while they divide n."""
-    axes, size = [], 1
-    for a in BATCH_AXES:
-        if a in mesh.axis_names and mesh.shape[a] > 1 and n % (size * mesh.shape[a]) == 0:
-            axes.append(a)
-            size *= mesh.shape[a]
-    return tuple(axes)
-
-
 def expert_parallel(config: ModelConfig, experts: dict, x: jax.Array, routing: Routing,
                     site: str, recipe: QuantRecipe,
                     token_valid: jax.Array | None = None) -> jax.Array:
@@ -223,7 +213,7 @@ def expert_parallel(config: ModelConfig, experts: dict, x: jax.Array, routing: R
     mesh = jax.sharding.get_abstract_mesh()
     e = config.num_experts
     split = expert_parallel_size(e) > 1
-    tok = _token_axes(mesh, x.shape[0])
+    tok = batch_axes_dividing(mesh, x.shape[0])
     tok_spec = P(tok or None)
     w_specs = jax.tree.map(
         lambda a: P(EXPERT_AXIS) if split and a.ndim and a.shape[0] == e else P(), experts)

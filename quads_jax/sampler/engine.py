@@ -36,6 +36,7 @@ import numpy as np
 
 from quads_jax.config import check
 from quads_jax.sampler.sampling import SamplingParams, sample_tokens, validate_sampling
+from quads_jax.sampler.sharding import constrain_rows, constrain_state
 
 FINISH_STOP = 1  # a stop / EOS token was sampled (it is part of the response)
 FINISH_LENGTH = 2  # max_new_tokens reached
@@ -323,6 +324,7 @@ def _prefill_batch(params, prompts, prompt_mask, config, model_config, recipe):
 
 def _prefill(params, prompts, prompt_mask, rng, config, model_config, recipe) -> DecodeState:
     n, max_new = config.n_samples, config.max_new_tokens
+    prompts, prompt_mask = constrain_rows(prompts), constrain_rows(prompt_mask)  # under a mesh
     cache, logits, ids = _prefill_batch(params, prompts, prompt_mask, config, model_config,
                                         recipe)
     prompt_length = jnp.repeat(jnp.sum(prompt_mask, axis=1, dtype=jnp.int32), n)
@@ -342,12 +344,12 @@ def _prefill(params, prompts, prompt_mask, rng, config, model_config, recipe) ->
     if ids is not None:
         prompt_ids = jnp.repeat(ids, n, axis=1)
         expert_ids = jnp.full(ids.shape[:1] + (rows, max_new) + ids.shape[3:], -1, jnp.int32)
-    return DecodeState(
+    return constrain_state(DecodeState(
         cache=cache, step=jnp.int32(1), last_token=token, prompt_length=prompt_length,
         done=finish > 0, finish_reason=finish.astype(jnp.int32),
         response_length=jnp.ones((rows,), jnp.int32), tokens=tokens,
         logprobs=logprobs, expert_ids=expert_ids, prompt_expert_ids=prompt_ids, rng=rng,
-    )
+    ))
 
 
 def _write_columns(buf: jax.Array, values: jax.Array, col: jax.Array, axis: int) -> jax.Array:
@@ -419,9 +421,9 @@ def _decode_loop(params, state, max_steps, config, model_config, recipe,
         return (s.step < stop_at) & ~jnp.all(s.done)
 
     def body(s: DecodeState):
-        return _decode_step(params, s, config, model_config, recipe, per_row)
+        return constrain_state(_decode_step(params, s, config, model_config, recipe, per_row))
 
-    return jax.lax.while_loop(cond, body, state)
+    return jax.lax.while_loop(cond, body, constrain_state(state))
 
 
 def _finish(state: DecodeState, prompts, prompt_mask, config) -> Rollout:

@@ -214,5 +214,19 @@ def batch_sharding(mesh: Mesh, shape: Sequence[int], rules: str) -> NamedShardin
     return NamedSharding(mesh, spec_for(logical, shape, mesh, rules))
 
 
+def batch_axes_dividing(mesh, n: int) -> tuple[str, ...]:
+    """The batch axes (``BATCH_AXES`` order) of ``mesh`` (a Mesh or AbstractMesh) that split
+    ``n`` rows: each taken while the product so far times its size divides ``n``; axes of size 1
+    are skipped. Empty for an empty mesh."""
+    if mesh.empty:
+        return ()
+    axes, size = [], 1
+    for a in BATCH_AXES:
+        if a in mesh.axis_names and mesh.shape[a] > 1 and n % (size * mesh.shape[a]) == 0:
+            axes.append(a)
+            size *= mesh.shape[a]
+    return tuple(axes)
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
