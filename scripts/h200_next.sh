@@ -250,7 +250,7 @@ for step in "$@"; do
       --part train-grouped --trace --out "$OUT/tgrouped" > "$OUT/tgrouped.log" 2>&1
       echo "tgrouped rc $?"; grep -E "PASS|FAIL|train|floor|bw" "$OUT/tgrouped.log" | cut -c1-240 ;;
     train) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 280 python3 -m quads_jax.train.bench \
-      --config configs/small_gpu_base.yaml --batch 32 --seq 512 --repeats 5 --grouped both \
+      --config configs/small_gpu_base.yaml --batch 32 --seq 512 --repeats 3 --grouped both \
       > "$OUT/train.json" 2> "$OUT/train.log"
       echo "train rc $?"; grep -E '"(recipe|grouped|median_s|first_loss.*|kernel_speedup|mfu.*)"' \
         "$OUT/train.json"; tail -3 "$OUT/train.log" | cut -c1-200 ;;
