@@ -252,7 +252,7 @@ for step in "$@"; do
     train) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 280 python3 -m quads_jax.train.bench \
       --config configs/small_gpu_base.yaml --batch 32 --seq 512 --repeats 3 --grouped both \
       > "$OUT/train.json" 2> "$OUT/train.log"
-      echo "train rc $?"; grep -E '"(recipe|grouped|median_s|first_loss.*|kernel_speedup|mfu.*)"' \
+      echo "train rc $?"; grep -E '"(recipe|grouped.*|median_s|first_loss.*|kernel_speedup|mfu.*)"' \
         "$OUT/train.json"; tail -3 "$OUT/train.log" | cut -c1-200 ;;
     kpre) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 270 python3 scripts/bench_kernels.py \
       --part prefill --trace --out "$OUT/kpre" > "$OUT/kpre.log" 2>&1

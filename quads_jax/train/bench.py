@@ -96,7 +96,9 @@ def bench_recipe(model_config, params, recipe_name, batch, minibatches, repeats,
         jax.block_until_ready(m)
         times.append(time.perf_counter() - t)
     kernel_backend.set_bf16_grouped(True)
-    return {"recipe": recipe_name, "grouped": grouped, "compile_s": compile_s,
+    # what ran: the kernels need a GPU (recipe backend "auto"); elsewhere both arms are XLA's
+    ran = "bf16_grouped" if grouped == "kernel" and jax.default_backend() == "gpu" else "xla"
+    return {"recipe": recipe_name, "grouped": grouped, "grouped_ran": ran, "compile_s": compile_s,
             "median_s": statistics.median(times), "min_s": min(times),
             "first_loss": first_loss, "loss": float(m["train/loss"])}
 
