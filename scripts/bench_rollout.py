@@ -25,7 +25,8 @@ table is printed last):
    expert shapes.
 
 Precisions: ``bf16`` (expert matmuls through XLA ragged_dot with a bf16 result, its cuDNN grouped
-GEMM), ``bf16_mgpu`` (jax's Pallas ``ragged_dot_mgpu``), ``fp8`` (E4M3 weights and activations,
+GEMM), ``bf16_mgpu`` (the library's bf16 path on a GPU: ``pallas_kernels.bf16_grouped``, jax's
+Pallas ``ragged_dot_mgpu``), ``fp8`` (E4M3 weights and activations,
 our FP8 tensor-core tile kernel, ``pallas_kernels/w8a8_matmul.py``), ``nvfp4`` and ``nvfp4_rac``
 (the Pallas W4A4 kernels); quantized weights in the kernels' layouts from ``sync``.
 """
@@ -179,21 +180,20 @@ def copy_bandwidth(nbytes: int) -> float:
 # ------------------------------------------------------------------------------ expert-matmul arms
 # ops' jnp path asks ragged_dot for an f32 result; XLA on GPU then expands it to a dense,
 # num_experts-times redundant product (PALLAS_NOTES section 4), which cannot run a 30B prefill.
-# The arms below register XLA's best path (bf16 output -> cuDNN grouped GEMM), jax's Pallas
-# ragged_dot_mgpu, and FP8 weights through the same XLA path, as the "grouped" kernels of their
-# modes in ops' dispatch. Results are rounded to bf16 once, as ops does after its f32 product.
+# On a GPU the library's bf16 mode runs ``pallas_kernels.bf16_grouped`` (jax's Pallas
+# ragged_dot_mgpu forward): the ``bf16_mgpu`` arm. The ``bf16`` arm registers XLA's best path
+# instead (bf16 output -> cuDNN grouped GEMM) as the grouped kernel of the mode, rounded to bf16
+# once, as ops does after its f32 product.
 def _xla_ragged(x, w, group_sizes):
     return jax.lax.ragged_dot(x, jnp.swapaxes(w, 1, 2), group_sizes,
                               preferred_element_type=jnp.bfloat16)
 
 
 def _mgpu_ragged(x, w, group_sizes):
-    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+    """What the bf16 rollout runs: ``bf16_grouped``'s forward (``ragged_dot_mgpu``)."""
+    from pallas_kernels import bf16_grouped
 
-    block_n = 128 if w.shape[1] % 128 == 0 else 64
-    return ragged_dot_mgpu.ragged_dot(x, w, group_sizes=group_sizes, block_m=64, block_n=block_n,
-                                      block_k=64, max_concurrent_steps=4, grid_block_n=1,
-                                      transpose_rhs=True)
+    return bf16_grouped.grouped_matmul(x, w, group_sizes)
 
 
 def _bf16_kernel(ragged):
@@ -207,12 +207,14 @@ BF16_PATH = {"path": "xla"}  # set from the ragged_dot comparison: the faster de
 
 
 def register_arm(name: str) -> None:
+    from quads_jax.quant import kernel_backend
+
     if name == "bf16" and BF16_PATH["path"] == "mgpu":
         name = "bf16_mgpu"
     if name == "bf16":
         ops.register_kernel("bf16", "grouped", _bf16_kernel(_xla_ragged))
-    elif name == "bf16_mgpu":
-        ops.register_kernel("bf16", "grouped", _bf16_kernel(_mgpu_ragged))
+    elif name == "bf16_mgpu":  # the library's own registration
+        ops.register_kernel("bf16", "grouped", kernel_backend.plain_grouped_kernel("bf16"))
 
 
 def bench_ragged_dot(config: ModelConfig, rows: list[int], reps: int) -> list[dict]:

@@ -203,7 +203,7 @@ def set_bf16_grouped(on: bool) -> None:
     _BF16_GROUPED["on"] = on
 
 
-def _plain_grouped(mode: str):
+def plain_grouped_kernel(mode: str):
     """The grouped matmul of a mode with unquantized activations: ``bf16_grouped`` where its
     shapes fit (bf16, N and K multiples of 64), else ``ops``' XLA product."""
 
@@ -254,4 +254,4 @@ for _mode in ("w4a4_nvfp4", "w4a4_nvfp4_rac", "w4a16_nvfp4"):
     ops.register_kernel(_mode, "grouped", _grouped(_mode), source_rows=_mode != "w4a16_nvfp4",
                         output_rows=_mode != "w4a16_nvfp4")
 for _mode in ("bf16", "w_fakequant_nvfp4", "w_fakequant_fp8"):
-    ops.register_kernel(_mode, "grouped", _plain_grouped(_mode))
+    ops.register_kernel(_mode, "grouped", plain_grouped_kernel(_mode))
