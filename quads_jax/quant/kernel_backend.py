@@ -3,7 +3,8 @@
 ``ops`` imports this module lazily the first time a kernel could run (``recipe.backend`` "auto"
 on a GPU, or "interpret"). Registered, dense and grouped: ``w4a4_nvfp4``, ``w4a4_nvfp4_rac`` and
 ``w4a16_nvfp4`` (the NVFP4 tile kernel) and ``w8a8_fp8`` (the FP8 tensor-core tile kernel);
-grouped only: ``bf16``, ``w_fakequant_nvfp4`` and ``w_fakequant_fp8`` (the trainer's modes:
+grouped only: ``bf16``, ``w_fakequant_nvfp4``, ``w_fakequant_fp8`` and
+``a_fakequant_nvfp4_w_fakequant_nvfp4`` (the trainer's modes:
 ``pallas_kernels.bf16_grouped``, differentiable, in place of XLA's E-times redundant
 ``ragged_dot``).
 
@@ -204,11 +205,11 @@ def set_bf16_grouped(on: bool) -> None:
 
 
 def plain_grouped_kernel(mode: str):
-    """The grouped matmul of a mode with unquantized activations: ``bf16_grouped`` where its
-    shapes fit (bf16, N and K multiples of 64), else ``ops``' XLA product."""
+    """The grouped matmul of a plain-matmul mode (``ops.plain_operands``): ``bf16_grouped``
+    where its shapes fit (bf16, N and K multiples of 64), else ``ops``' XLA product."""
 
     def fn(x: jax.Array, w, group_sizes: jax.Array, *, recipe, site: str, interpret: bool):
-        w = ops.plain_weight(w, mode, site, recipe, x.dtype)
+        x, w = ops.plain_operands(x, w, mode, site, recipe)
         gs = jnp.asarray(group_sizes, jnp.int32)
         if _BF16_GROUPED["on"] and bf16_grouped.supported(x.shape, w.shape, x.dtype):
             config = bf16_grouped.BF16GroupedConfig(
@@ -253,5 +254,6 @@ for _mode in ("w4a4_nvfp4", "w4a4_nvfp4_rac", "w4a16_nvfp4"):
     ops.register_kernel(_mode, "dense", _dense(_mode))
     ops.register_kernel(_mode, "grouped", _grouped(_mode), source_rows=_mode != "w4a16_nvfp4",
                         output_rows=_mode != "w4a16_nvfp4")
-for _mode in ("bf16", "w_fakequant_nvfp4", "w_fakequant_fp8"):
+for _mode in ("bf16", "w_fakequant_nvfp4", "w_fakequant_fp8",
+              "a_fakequant_nvfp4_w_fakequant_nvfp4"):
     ops.register_kernel(_mode, "grouped", plain_grouped_kernel(_mode))

@@ -264,15 +264,18 @@ def _rac_residual_product(x, qx, qw, recipe, group_sizes, row_expert, calib,
     return _nvfp4_product(sel.codes(), qw, group_sizes, row_expert)
 
 
-# Modes whose activations enter the matmul unquantized: the product is a plain matmul of ``x``
-# with ``plain_weight``.
-PLAIN_ACTIVATION_MODES = ("bf16", "w_fakequant_nvfp4", "w_fakequant_fp8", "w4a16_nvfp4")
+# Modes whose product is a plain matmul of ``plain_operands``: the trainer's (master or
+# fake-quantized operands) and W4A16 (dequantized weights).
+PLAIN_MATMUL_MODES = ("bf16", "w_fakequant_nvfp4", "w_fakequant_fp8", "w4a16_nvfp4",
+                      "a_fakequant_nvfp4_w_fakequant_nvfp4")
 
 
-def plain_weight(w, mode: str, site: str, recipe: QuantRecipe, dtype) -> jax.Array:
-    """The weight a ``PLAIN_ACTIVATION_MODES`` mode multiplies ``x`` with, in ``dtype``: the
-    master weight (bf16), or its fake-quantized / dequantized value (straight-through gradient
-    for a master weight). A ``CalibratedWeight`` is unwrapped."""
+def plain_operands(x: jax.Array, w, mode: str, site: str,
+                   recipe: QuantRecipe) -> tuple[jax.Array, jax.Array]:
+    """``(x, W)`` that a ``PLAIN_MATMUL_MODES`` mode multiplies, both in ``x.dtype``: the master
+    weight (bf16) or its fake-quantized / dequantized value (straight-through gradient for a
+    master weight), and ``x`` itself or, for the symmetric arm, its per-row NVFP4 fake-quant. A
+    ``CalibratedWeight`` is unwrapped."""
     w, _ = _unwrap(w)
     if mode == "bf16":
         if isinstance(w, nvfp4.NVFP4Tensor | fp8.FP8Tensor):
@@ -280,11 +283,13 @@ def plain_weight(w, mode: str, site: str, recipe: QuantRecipe, dtype) -> jax.Arr
                 f"site {site!r}: the recipe says bf16 but the weight is a packed "
                 f"{type(w).__name__}; sync the weights with the same recipe"
             )
-        return w.astype(dtype)
-    if mode not in PLAIN_ACTIVATION_MODES:
-        raise ValueError(f"site {site!r}: mode={mode!r} quantizes its activations; "
-                         f"plain_weight is for {PLAIN_ACTIVATION_MODES}")
-    return fake_quant_weight(w, mode, site, recipe).astype(dtype)
+        return x, w.astype(x.dtype)
+    if mode not in PLAIN_MATMUL_MODES:
+        raise ValueError(f"site {site!r}: mode={mode!r} is not a plain matmul; "
+                         f"plain_operands is for {PLAIN_MATMUL_MODES}")
+    if mode == "a_fakequant_nvfp4_w_fakequant_nvfp4":
+        x = nvfp4.fake_quant(x, scale_mode="row")
+    return x, fake_quant_weight(w, mode, site, recipe).astype(x.dtype)
 
 
 def _reference(x, w, mode, site, recipe, group_sizes, row_valid=None) -> jax.Array:
@@ -292,12 +297,8 @@ def _reference(x, w, mode, site, recipe, group_sizes, row_valid=None) -> jax.Arr
     ``row_valid`` (bool ``[M]`` or None) as ``linear``'s."""
     w, calib = _unwrap(w)
     row_expert = None if group_sizes is None else expert_of_rows(group_sizes, x.shape[0])
-    if mode in PLAIN_ACTIVATION_MODES:
-        return matmul_f32(x, plain_weight(w, mode, site, recipe, x.dtype), group_sizes)
-    if mode == "a_fakequant_nvfp4_w_fakequant_nvfp4":
-        w_hat = fake_quant_weight(w, mode, site, recipe)
-        x_hat = nvfp4.fake_quant(x, scale_mode="row")
-        return matmul_f32(x_hat, w_hat.astype(x.dtype), group_sizes)
+    if mode in PLAIN_MATMUL_MODES:
+        return matmul_f32(*plain_operands(x, w, mode, site, recipe), group_sizes)
     if mode in ("w4a4_nvfp4", "w4a4_nvfp4_rac"):
         qw = _nvfp4_weight(w, site)
         static = None if calib is None else calib.act_global_scale

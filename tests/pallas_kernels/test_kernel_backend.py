@@ -97,7 +97,7 @@ def test_w4a4_bits_switch():
 
 
 def test_trainer_modes_run_the_bf16_grouped_kernel_with_gradients():
-    """bf16 and QAT (``w_fakequant_nvfp4``) expert matmuls run ``bf16_grouped`` under
+    """bf16, QAT (``w_fakequant_nvfp4``) and symmetric-QAT expert matmuls run ``bf16_grouped`` under
     "interpret" (what "auto" does on a GPU): value and gradients (straight-through to the f32
     master weight) as the XLA reference path's; ``set_bf16_grouped(False)`` traces XLA's
     ``ragged_dot`` instead; shapes the kernel cannot take fall back to it."""
@@ -105,7 +105,7 @@ def test_trainer_modes_run_the_bf16_grouped_kernel_with_gradients():
     x = jax.random.normal(jax.random.key(0), (24, 64), jnp.bfloat16)
     w = jax.random.normal(jax.random.key(1), (3, 128, 64)) * 0.1  # f32 master weights
     gs = jnp.asarray([10, 0, 9], jnp.int32)
-    for mode in ("bf16", "w_fakequant_nvfp4"):
+    for mode in ("bf16", "w_fakequant_nvfp4", "a_fakequant_nvfp4_w_fakequant_nvfp4"):
         recipes = [QuantRecipe(rules=((site, mode),), backend=b)
                    for b in ("reference", "interpret")]
 
