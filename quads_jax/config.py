@@ -21,6 +21,7 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
+import numpy as np
 import yaml
 
 
@@ -147,8 +148,10 @@ def to_dict(config: Any) -> Any:
         return [to_dict(v) for v in config]
     if isinstance(config, Mapping):
         return {k: to_dict(v) for k, v in config.items()}
-    if type(config).__module__.startswith("numpy"):  # dtypes and numpy scalars
-        return getattr(config, "name", None) or config.item()
+    if isinstance(config, np.dtype):  # ml_dtypes' too (bfloat16, float8_*: not numpy classes)
+        return config.name
+    if type(config).__module__.startswith("numpy"):  # numpy scalars
+        return config.item()
     return config
 
 

@@ -62,3 +62,20 @@ def test_override_errors():
         cfglib.apply_overrides({"steps": 1}, ["steps.x=1"])
     with pytest.raises(ValueError, match="GRPOConfig.eps_lo"):
         cfglib.load(GRPOConfig, None, ["eps_lo=3"])
+
+
+@pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_config_round_trips_through_json(path):
+    """What the trainer writes next to a run (config.json, model_config.json) is plain JSON and
+    loads back to the same config: the bfloat16 dtype of the GPU configs included (an
+    ``ml_dtypes`` class, not a numpy one: ``to_dict`` once passed it through and the RL loop
+    failed writing model_config.json for every small_gpu config)."""
+    import json
+
+    from quads_jax.train.config import TrainConfig
+
+    config = cfglib.load(TrainConfig, path)
+    model = config.model.config
+    for c in (config, model):
+        back = cfglib.from_dict(type(c), json.loads(json.dumps(cfglib.to_dict(c))))
+        assert back == c
