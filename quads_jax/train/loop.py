@@ -263,6 +263,7 @@ class Trainer:
             "time/rollout_s": scored.seconds, "time/train_s": t2 - t1, "time/sync_s": t3 - t2,
             "time/step_s": t3 - t0, "train/optimizer_step": float(state.step),
         })
+        metrics.update(mesh_lib.device_memory_metrics())  # GPUs only
         return state, rollout_params, metrics
 
     def run(self) -> dict[str, Any]:

@@ -228,5 +228,19 @@ def batch_axes_dividing(mesh, n: int) -> tuple[str, ...]:
     return tuple(axes)
 
 
+def device_memory_metrics(devices: Sequence[Any] | None = None) -> dict[str, float]:
+    """``mem/peak_gib_max`` / ``mem/peak_gib_min`` / ``mem/in_use_gib_max`` over the local
+    devices that report memory (``Device.memory_stats``: GPUs; a CPU reports none, and then
+    the dict is empty): the memory per GPU of a sharded run."""
+    stats = [s for s in ((d.memory_stats() or {}) for d in (devices or jax.local_devices()))
+             if "peak_bytes_in_use" in s]
+    if not stats:
+        return {}
+    gib = 2.0 ** 30
+    peak = [s["peak_bytes_in_use"] / gib for s in stats]
+    return {"mem/peak_gib_max": max(peak), "mem/peak_gib_min": min(peak),
+            "mem/in_use_gib_max": max(s.get("bytes_in_use", 0) / gib for s in stats)}
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())

@@ -111,6 +111,24 @@ def test_spec_drops_axes_that_do_not_divide():
     assert spec == jax.sharding.PartitionSpec(None, None)
 
 
+def test_batch_axes_dividing_and_device_memory_metrics():
+    mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=2, fsdp=2, expert=2))
+    assert mesh_lib.batch_axes_dividing(mesh, 16) == ("data", "fsdp", "expert")
+    assert mesh_lib.batch_axes_dividing(mesh, 6) == ("data",)  # fsdp would need 4 | 6
+    assert mesh_lib.batch_axes_dividing(mesh, 3) == ()
+    assert mesh_lib.device_memory_metrics() == {}  # CPU devices report no memory
+
+    class Gpu:  # what a GPU's Device.memory_stats reports (the keys used)
+        def __init__(self, peak, in_use):
+            self.stats = {"peak_bytes_in_use": peak * 2**30, "bytes_in_use": in_use * 2**30}
+
+        def memory_stats(self):
+            return self.stats
+
+    got = mesh_lib.device_memory_metrics([Gpu(3.0, 1.0), Gpu(5.0, 2.5)])
+    assert got == {"mem/peak_gib_max": 5.0, "mem/peak_gib_min": 3.0, "mem/in_use_gib_max": 2.5}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("in_mesh", [False, True])
 def test_sharded_step_real_moe_expert_parallel(in_mesh, monkeypatch):
