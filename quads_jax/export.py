@@ -1,7 +1,8 @@
 """``python -m quads_jax.export RUN_DIR --out DIR [--step N] [--format orbax|hf|both]``.
 
 Takes the params of a training checkpoint (the latest complete one, or ``--step``) and writes
-a params-only Orbax checkpoint (``DIR/params``) and/or an HF safetensors checkpoint
+a params-only Orbax checkpoint (``DIR/params`` and the model's ``DIR/config.json``: what
+``python -m quads_jax.sample --checkpoint DIR`` loads) and/or an HF safetensors checkpoint
 (``DIR/hf``, loadable by transformers' ``Qwen3MoeForCausalLM.from_pretrained``).
 """
 
@@ -60,6 +61,10 @@ def export(run_dir: str, out: str, *, step: int | None = None, fmt: str = "both"
         path = os.path.abspath(os.path.join(out, "params"))
         with ocp.StandardCheckpointer() as ckptr:
             ckptr.save(path, params)
+        # The model config beside it, as HF writes it: ``out`` is then a params-only checkpoint
+        # that ``python -m quads_jax.sample --checkpoint out`` loads (``models.read_config``).
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump(model_config.to_hf_dict(), f, indent=2)
         written.append(path)
     if fmt in ("hf", "both"):
         path = os.path.abspath(os.path.join(out, "hf"))

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from quads_jax import config as cfglib
+from quads_jax import models
 from quads_jax.export import export, restore_params
 from quads_jax.plot import plot_runs
 from quads_jax.train import __main__ as cli
@@ -66,6 +67,10 @@ def test_short_rl_run_raises_reward(tmp_path):
     # export: params-only Orbax + HF safetensors from the last checkpoint == the final params
     written = export(str(tmp_path / "run"), str(tmp_path / "export"))
     assert (tmp_path / "export" / "hf" / "config.json").exists() and len(written) == 2
+    # the params-only checkpoint carries its model config (what `sample --checkpoint` reads)
+    # (HF's config.json keeps no compute dtype: the sample CLI takes --dtype)
+    read = models.read_config(str(tmp_path / "export"))
+    assert read.replace(dtype=trainer.model_config.dtype) == trainer.model_config
     _, params, step = restore_params(str(tmp_path / "run"))
     assert step == 16
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(trainer.final_state.params),
