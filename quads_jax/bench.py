@@ -4,7 +4,8 @@ WHAT is one of:
 
 * ``kernels``: Pallas NVFP4 / FP8 kernels vs XLA baselines (``scripts/bench_kernels.py``; GPU);
 * ``rollout``: the 30B-A3B-shaped rollout engine per precision (``scripts/bench_rollout.py``; GPU);
-* ``trainer``: the trainer step, BF16 vs asymmetric QAT (``quads_jax.train.bench``);
+* ``trainer``: the trainer step, BF16 vs asymmetric QAT, expert matmuls on ``bf16_grouped`` or
+  XLA (``quads_jax.train.bench``, ``--grouped kernel|xla|both``);
 * ``numerics``: what the NVFP4 format costs (``scripts/nvfp4_report.py``; CPU is fine).
 
 The remaining arguments go to that benchmark (``--help`` lists them). The scripts live in the
