@@ -105,7 +105,10 @@ def moe_block(
     mesh = jax.sharding.get_abstract_mesh()
     local_tokens = (bool(batch_axes_dividing(mesh, x.shape[0]))
                     and ops.grouped_kernel_runs(f"{site}.experts.gate_up", recipe))
-    if ep > 1 or local_tokens:
+    # While the sites' inputs are recorded (calibration, the layer-wise analysis) the block
+    # runs unsplit: records from inside the shard_map would be its local tracers, and those
+    # callers want every token's rows sorted over all E experts anyway.
+    if (ep > 1 or local_tokens) and not ops.recording():
         y = expert_parallel(config, p["experts"], x, routing, site, recipe, token_valid)
     else:
         y = _experts(config, p["experts"], x, routing.expert_ids, routing.weights, site, recipe,

@@ -125,6 +125,12 @@ def record_inputs():
         _recorders.remove(records)
 
 
+def recording() -> bool:
+    """Whether a ``record_inputs`` context is active (callers that would trace a site's matmul
+    inside a ``shard_map`` must not while it is: the records would be its local tracers)."""
+    return bool(_recorders)
+
+
 def _record(site: str, x: jax.Array, group_sizes: jax.Array | None) -> None:
     for records in _recorders:
         records.append((site, x, group_sizes))

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from quads_jax import models
 from quads_jax.models import init_params
 from quads_jax.models.moe import expert_parallel_size, moe_block
 from quads_jax.quant.recipe import QuantRecipe, get_recipe
@@ -81,3 +82,22 @@ def test_no_expert_parallelism_without_a_dividing_expert_axis():
         assert expert_parallel_size(8) == 1
     with jax.set_mesh(_mesh(expert=8)):
         assert expert_parallel_size(6) == 1 and expert_parallel_size(16) == 8
+
+
+def test_site_inputs_are_recorded_unsplit_under_an_expert_parallel_mesh():
+    """``collect_site_inputs`` (static calibration, the layer-wise analysis) under a mesh whose
+    ``expert`` axis would split the MoE block: the block runs unsplit while recording, so the
+    records are the global sorted rows (they leaked the shard_map's tracers before)."""
+    params = models.init_params(CFG, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(5), (4, 6), 3, CFG.vocab_size)
+    collect = jax.jit(models.collect_site_inputs, static_argnums=0)
+    _, want = collect(CFG, params, tokens)
+    with jax.set_mesh(_mesh(data=2, expert=4)):
+        _, got = collect(CFG, params, tokens)
+    assert got.keys() == want.keys() and "layers.0.mlp.experts.gate_up" in got
+    for site, (x, gs) in want.items():
+        np.testing.assert_allclose(np.asarray(got[site][0]), np.asarray(x), rtol=1e-5,
+                                   atol=1e-6)
+        if gs is not None:
+            np.testing.assert_array_equal(np.asarray(got[site][1]), np.asarray(gs))
+
