@@ -19,7 +19,9 @@ The three products:
   one persistent grid walks (expert, N tile, K tile) items and accumulates the group's blocks
   with wgmma (A: the dy block transposed in SMEM). jax's ``transposed_ragged_dot_mgpu`` does
   the same contraction with in-kernel masks, but reads the SM count from ``jax.devices()``,
-  so it can neither lower for cuda on a CPU (CI) nor run in the interpreter.
+  so it can neither lower for cuda on a CPU (CI) nor run in the interpreter. Not yet run on a
+  GPU, so opt-in (``BF16GroupedConfig.dw_kernel``); by default dW is XLA's
+  ``ragged_dot_general`` (``ragged_contract_xla``).
 
 Rows past ``sum(group_sizes)`` (the expert-parallel local groups) give zero rows of ``y`` and
 ``dx`` and add nothing to ``dW``, as ``ragged_dot`` does.
@@ -37,6 +39,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
 from pallas_kernels.nvfp4_tiles_mgpu import _num_sms
+from pallas_kernels.vma import vary_like
 
 # Every operand dimension the kernels tile must be a multiple of this (the smallest block).
 DIM_MULTIPLE = 64
@@ -56,6 +59,12 @@ class BF16GroupedConfig:
       dw_concurrent_steps: dW's pipeline depth (>= 2: a step's buffers are released one step
         late, which is what lets the wgmma run asynchronously).
       num_sms: dW's persistent CTAs; None: the device's (4 in the interpreter).
+      dw_kernel: dW through ``ragged_contract`` (True) or XLA's ``ragged_dot_general`` (False,
+        the default). ``ragged_contract`` passes the interpreter and lowers for cuda but has not
+        run on a GPU yet (no device lent in the session that wrote it): until its GPU check
+        (``bench_kernels --part train-grouped``) it is opt-in, and the backward's dW takes
+        XLA's path, slow (E-times redundant) but proven. The forward and dx kernel is jax's
+        ``ragged_dot_mgpu``, which the bf16 rollout arm has run on the H200 since session 8.
     """
 
     block_m: int = 64
@@ -68,6 +77,7 @@ class BF16GroupedConfig:
     dw_block_k: int = 128
     dw_concurrent_steps: int = 3
     num_sms: int | None = None
+    dw_kernel: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k", "dw_block_rows", "dw_block_n",
@@ -83,6 +93,8 @@ class BF16GroupedConfig:
                 raise ValueError(f"BF16GroupedConfig.{name}={v!r}: an int >= {low}")
         if self.num_sms is not None and (not isinstance(self.num_sms, int) or self.num_sms < 1):
             raise ValueError(f"BF16GroupedConfig.num_sms={self.num_sms!r}: None or an int >= 1")
+        if not isinstance(self.dw_kernel, bool):
+            raise ValueError(f"BF16GroupedConfig.dw_kernel={self.dw_kernel!r}: True or False")
 
 
 def supported(x_shape, w_shape, dtype) -> bool:
@@ -129,7 +141,7 @@ def _ragged(lhs, rhs, group_sizes, transpose_rhs: bool, config: BF16GroupedConfi
             y = call()
     else:
         y = call()
-    return _rows_in_groups(y, group_sizes)
+    return _rows_in_groups(vary_like(y, lhs, rhs), group_sizes)
 
 
 def padded_group_rows(group_sizes: jax.Array, num_rows: int, block_rows: int):
@@ -236,7 +248,7 @@ def ragged_contract(dy: jax.Array, x: jax.Array, group_sizes: jax.Array, *,
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    return call(first_block, num_blocks, dy_p, x_p)
+    return vary_like(call(first_block, num_blocks, dy_p, x_p), dy, x)
 
 
 def ragged_contract_reference(dy: jax.Array, x: jax.Array, group_sizes: jax.Array,
@@ -250,6 +262,18 @@ def ragged_contract_reference(dy: jax.Array, x: jax.Array, group_sizes: jax.Arra
     hi = jax.lax.Precision.HIGHEST
     out = jnp.einsum("me,mn,mk->enk", onehot, dy.astype(jnp.float32), x.astype(jnp.float32),
                      precision=hi)
+    return out.astype(out_dtype)
+
+
+def ragged_contract_xla(dy: jax.Array, x: jax.Array, group_sizes: jax.Array,
+                        out_dtype=jnp.bfloat16) -> jax.Array:
+    """``ragged_contract`` through XLA's ``ragged_dot_general`` (rows the ragged contracting
+    dimension; f32 accumulation): ``[E, N, K]``."""
+    dims = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0],
+        rhs_group_dimensions=[])
+    out = jax.lax.ragged_dot_general(dy, x, group_sizes, dims,
+                                     preferred_element_type=jnp.float32)
     return out.astype(out_dtype)
 
 
@@ -269,13 +293,33 @@ def _grouped_fwd(x, w, group_sizes, config, interpret):
     return _grouped(x, w, group_sizes, config, interpret), (x, w, group_sizes)
 
 
+def _vma(a: jax.Array) -> frozenset:
+    return frozenset(jax.typeof(a).mat.varying)
+
+
+def _like_primal(ct: jax.Array, primal: jax.Array) -> jax.Array:
+    """A cotangent typed like its primal inside ``shard_map``: summed over the mesh axes it
+    varies over and the primal does not (a weight replicated over ``data`` while each device
+    held its own tokens: the devices' partial dW add up), cast to vary over those the primal
+    varies over. No-op outside ``shard_map``."""
+    extra, missing = _vma(ct) - _vma(primal), _vma(primal) - _vma(ct)
+    if extra:
+        ct = jax.lax.psum(ct, tuple(sorted(extra)))
+    if missing:
+        ct = jax.lax.pcast(ct, tuple(sorted(missing)), to="varying")
+    return ct
+
+
 def _grouped_bwd(config, interpret, res, dy):
     x, w, group_sizes = res
     dy = _rows_in_groups(dy.astype(x.dtype), group_sizes)
     dx = _ragged(dy, w, group_sizes, False, config, interpret)
-    dw = ragged_contract(dy, x, group_sizes, config=config, interpret=interpret,
-                         out_dtype=w.dtype)
-    return dx, dw, None
+    if config.dw_kernel:
+        dw = ragged_contract(dy, x, group_sizes, config=config, interpret=interpret,
+                             out_dtype=w.dtype)
+    else:
+        dw = ragged_contract_xla(dy, x, group_sizes, out_dtype=w.dtype)
+    return _like_primal(dx, x), _like_primal(dw, w), None
 
 
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)
@@ -287,7 +331,8 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     """``y[m] = x[m] @ w[e(m)]^T``: ``x [M, K]``, ``w [E, N, K]`` bfloat16, ``group_sizes``
     int ``[E]`` (rows of expert 0 first; rows past the sum give zeros) -> bfloat16 ``[M, N]``
     (f32 accumulation). Differentiable in ``x`` and ``w``: dx through ``ragged_dot_mgpu``, dW
-    through ``ragged_contract``. N and K must be multiples of ``DIM_MULTIPLE``
+    through ``ragged_contract_xla`` or, with ``config.dw_kernel``, ``ragged_contract``. N and K
+    must be multiples of ``DIM_MULTIPLE``
     (``supported``); anything else raises ``ValueError``."""
     _check(x, w, group_sizes)
     return _grouped(x, w, group_sizes.astype(jnp.int32), config or BF16GroupedConfig(),

@@ -30,3 +30,13 @@ def varying_operands(*xs) -> tuple[dict, tuple[jax.Array, ...]]:
     return vary, tuple(
         jax.lax.pcast(a, tuple(ax for ax in axes if ax not in jax.typeof(a).mat.varying),
                       to="varying") for a in xs)
+
+
+def vary_like(y: jax.Array, *xs) -> jax.Array:
+    """``y`` cast to vary over every mesh axis any of ``xs`` varies over (no-op outside
+    ``shard_map``). For the outputs of Mosaic GPU kernels (``plgpu.kernel``, jax's
+    ``ragged_dot_mgpu``): they come out typed invariant whatever their inputs, and a per-device
+    result typed invariant would have its cotangent summed over the devices by autodiff."""
+    missing = tuple(sorted(frozenset().union(*(jax.typeof(x).mat.varying for x in xs))
+                           - jax.typeof(y).mat.varying))
+    return jax.lax.pcast(y, missing, to="varying") if missing else y

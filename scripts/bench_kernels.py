@@ -659,8 +659,12 @@ def _train_grouped_shape(name, e, n, k, top_k, tokens):
     m = int(gs.sum())
     x, w, dy = rand(901, (m, k)), rand(902, (e, n, k), scale=0.05), rand(903, (m, n))
 
-    def ours(x, w):
+    def ours(x, w):  # dW through XLA's ragged_dot_general (the default)
         return bg.grouped_matmul(x, w, gs, interpret=SMOKE)
+
+    def ours_dw(x, w):  # dW through our ragged_contract kernel (opt-in until checked here)
+        return bg.grouped_matmul(x, w, gs, config=bg.BF16GroupedConfig(dw_kernel=True),
+                                 interpret=SMOKE)
 
     def xla(x, w):
         return jax.lax.ragged_dot(x, jnp.swapaxes(w, 1, 2), gs,
@@ -682,16 +686,22 @@ def _train_grouped_shape(name, e, n, k, top_k, tokens):
     tag = f"{name} E={e} N={n} K={k} rows={m}"
     check(f"bf16_grouped forward {tag}", lambda x=x, w=w: ours(x, w), lambda: exact(x, w),
           (m, n), tol=4e-3)
-    for i, part in enumerate(("dx", "dW")):
-        check(f"bf16_grouped {part} {tag}", lambda x=x, w=w, dy=dy, i=i: grads(ours, x, w, dy)[i],
+    for i, part in ((0, "dx"), (1, "dW (XLA)"), (1, "dW (ragged_contract)")):
+        f = ours_dw if "contract" in part else ours
+        check(f"bf16_grouped {part} {tag}",
+              lambda x=x, w=w, dy=dy, i=i, f=f: grads(f, x, w, dy)[i],
               lambda i=i: grads(exact, x, w, dy)[i], (m, n), tol=4e-3)
     ws = [w, rand(910, (e, n, k), scale=0.05)]
     fl = 2 * m * n * k
-    arms = (("bf16_grouped", ours),) + (() if SMOKE else (("XLA ragged_dot", xla),))
-    for label, f in arms:
-        reps = None if label == "bf16_grouped" else 1  # XLA's: E-times redundant, slow
-        t, calls = time_chain(f, x, ws, reps=reps)
-        record(f"train {label} forward {tag}", t, calls, flops=fl)
+    t, calls = time_chain(ours, x, ws)
+    record(f"train bf16_grouped forward {tag}", t, calls, flops=fl)
+    arms = (("bf16_grouped, dW XLA", ours, None), ("bf16_grouped, dW ragged_contract", ours_dw,
+                                                   None))
+    if not SMOKE:  # XLA's: E-times redundant, slow: one pass
+        t, calls = time_chain(xla, x, ws, reps=1)
+        record(f"train XLA ragged_dot forward {tag}", t, calls, flops=fl)
+        arms += (("XLA ragged_dot", xla, 1),)
+    for label, f, reps in arms:
         t, calls = time_chain(step(f), x, ws, reps=reps)
         record(f"train {label} forward+backward {tag}", t, calls, flops=3 * fl)
 

@@ -117,7 +117,8 @@
 #          --part train-grouped --trace)
 #   train  the trainer step (quads_jax.train.bench, small_gpu_base, 32 x 512, bf16 and
 #          trainer_qat) with bf16_grouped and with XLA ragged_dot, same call (--grouped both;
-#          session 2's row: 1.34 s per update, 1.7 % MFU)
+#          session 2's row: 1.34 s per update, 1.7 % MFU); traindw: bf16_grouped with its dW
+#          through ragged_contract (--dw-kernel; opt-in until tgrouped's dW check PASSes)
 #
 # Session 13 ran prof, check, gcheck, mcheck and b32 (their 170 / 120 s limits cut check and
 # gcheck short of their last items; raised since). Session 14 ran `nobar unroll` (the barrier
@@ -174,7 +175,8 @@
 # `b128` (all four arms at the newest commit), `kv8` (the FP8 block), `kgroup`, `gcheck`,
 # `b256`.
 # Session 26: no device was lent. Built: the trainer's grouped matmuls on Pallas
-# (bf16_grouped). Next: `tgrouped train` (one call), then session 25's list.
+# (bf16_grouped; its dW kernel ragged_contract opt-in until checked). Next: `tgrouped train`
+# (one call), then `traindw` if tgrouped's dW checks PASS, then session 25's list.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
@@ -254,6 +256,11 @@ for step in "$@"; do
       > "$OUT/train.json" 2> "$OUT/train.log"
       echo "train rc $?"; grep -E '"(recipe|grouped.*|median_s|first_loss.*|kernel_speedup|mfu.*)"' \
         "$OUT/train.json"; tail -3 "$OUT/train.log" | cut -c1-200 ;;
+    traindw) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 200 python3 -m quads_jax.train.bench \
+      --config configs/small_gpu_base.yaml --batch 32 --seq 512 --repeats 3 --dw-kernel \
+      > "$OUT/traindw.json" 2> "$OUT/traindw.log"
+      echo "traindw rc $?"; grep -E '"(recipe|grouped.*|median_s|first_loss|mfu.*)"' \
+        "$OUT/traindw.json"; tail -3 "$OUT/traindw.log" | cut -c1-200 ;;
     kpre) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 270 python3 scripts/bench_kernels.py \
       --part prefill --trace --out "$OUT/kpre" > "$OUT/kpre.log" 2>&1
       echo "kpre rc $?"; grep -E "prefill|grouped|floor|bw" "$OUT/kpre.log" | cut -c1-240 ;;

@@ -193,15 +193,18 @@ def _grouped(mode: str):
     return fn
 
 
-_BF16_GROUPED = {"on": True}
+_BF16_GROUPED = {"on": True, "dw_kernel": False}
 
 
-def set_bf16_grouped(on: bool) -> None:
-    """Ablation: run the bf16 / fake-quant modes' grouped matmuls with ``bf16_grouped`` (True,
-    the default) or XLA's ``ragged_dot`` (False); takes effect at the next trace."""
-    if not isinstance(on, bool):
-        raise ValueError(f"set_bf16_grouped: on={on!r}; need True or False")
-    _BF16_GROUPED["on"] = on
+def set_bf16_grouped(on: bool = True, *, dw_kernel: bool = False) -> None:
+    """Run the plain-matmul modes' grouped matmuls with ``bf16_grouped`` (``on``, the default)
+    or XLA's ``ragged_dot``; ``dw_kernel``: its backward's dW through our ``ragged_contract``
+    kernel (opt-in until it has run on a GPU: ``BF16GroupedConfig.dw_kernel``). Takes effect
+    at the next trace; a non-bool raises ``ValueError`` and changes nothing."""
+    for name, v in (("on", on), ("dw_kernel", dw_kernel)):
+        if not isinstance(v, bool):
+            raise ValueError(f"set_bf16_grouped: {name}={v!r}; need True or False")
+    _BF16_GROUPED.update(on=on, dw_kernel=dw_kernel)
 
 
 def plain_grouped_kernel(mode: str):
@@ -213,7 +216,8 @@ def plain_grouped_kernel(mode: str):
         gs = jnp.asarray(group_sizes, jnp.int32)
         if _BF16_GROUPED["on"] and bf16_grouped.supported(x.shape, w.shape, x.dtype):
             config = bf16_grouped.BF16GroupedConfig(
-                num_sms=INTERPRET_NUM_SMS if interpret else None)
+                num_sms=INTERPRET_NUM_SMS if interpret else None,
+                dw_kernel=_BF16_GROUPED["dw_kernel"])
             return bf16_grouped.grouped_matmul(x, w, gs, config=config, interpret=interpret)
         return ops.matmul_f32(x, w, gs)
 

@@ -74,8 +74,9 @@ def random_batch(rng: np.random.Generator, rows: int, seq: int, vocab: int, prom
 
 
 def bench_recipe(model_config, params, recipe_name, batch, minibatches, repeats,
-                 grouped: str = "kernel"):
-    kernel_backend.set_bf16_grouped(grouped == "kernel")  # read when the update is traced
+                 grouped: str = "kernel", dw_kernel: bool = False):
+    # read when the update is traced
+    kernel_backend.set_bf16_grouped(grouped == "kernel", dw_kernel=dw_kernel)
     recipe = get_recipe(recipe_name)
     opt = make_optimizer(OptimizerConfig(lr=1e-6), 100)
     update = jax.jit(make_update_fn(rl_loss_fn(make_apply_fn(model_config, recipe),
@@ -95,9 +96,11 @@ def bench_recipe(model_config, params, recipe_name, batch, minibatches, repeats,
         state, m = update(state, dev_batch)
         jax.block_until_ready(m)
         times.append(time.perf_counter() - t)
-    kernel_backend.set_bf16_grouped(True)
+    kernel_backend.set_bf16_grouped()
     # what ran: the kernels need a GPU (recipe backend "auto"); elsewhere both arms are XLA's
-    ran = "bf16_grouped" if grouped == "kernel" and jax.default_backend() == "gpu" else "xla"
+    ran = "xla"
+    if grouped == "kernel" and jax.default_backend() == "gpu":
+        ran = "bf16_grouped" + (" + ragged_contract" if dw_kernel else "")
     return {"recipe": recipe_name, "grouped": grouped, "grouped_ran": ran, "compile_s": compile_s,
             "median_s": statistics.median(times), "min_s": min(times),
             "first_loss": first_loss, "loss": float(m["train/loss"])}
@@ -113,6 +116,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--grouped", default="kernel", choices=("kernel", "xla", "both"),
                    help="expert matmuls on a GPU: bf16_grouped, XLA ragged_dot, or both")
+    p.add_argument("--dw-kernel", action="store_true",
+                   help="bf16_grouped's dW through ragged_contract (opt-in until GPU-checked)")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     cfg = cfglib.load(TrainConfig, args.config, args.overrides)
@@ -130,7 +135,8 @@ def main(argv=None) -> int:
     rows = []
     arms = ("kernel", "xla") if args.grouped == "both" else (args.grouped,)
     for name, grouped in ((n, g) for n in args.recipes.split(",") for g in arms):
-        r = bench_recipe(mc, params, name, batch, args.minibatches, args.repeats, grouped)
+        r = bench_recipe(mc, params, name, batch, args.minibatches, args.repeats, grouped,
+                         args.dw_kernel)
         if grouped == "xla" and len(arms) == 2:  # same params and batch: the same first loss
             r["first_loss_rel_diff_to_kernel"] = abs(r["first_loss"] - rows[-1]["first_loss"]) \
                 / max(abs(rows[-1]["first_loss"]), 1e-30)

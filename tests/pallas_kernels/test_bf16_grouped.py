@@ -42,14 +42,17 @@ def _close_bf16(got, want):
 
 
 # Zeros, very uneven groups, rows past the groups (200 rows, 167 in groups); one full group.
-@pytest.mark.parametrize("m,sizes", [(200, [50, 0, 77, 40]), (128, [0, 128, 0, 0])])
-def test_forward_and_gradients_match_float64(m, sizes):
+# dW through our kernel and through XLA's ragged_dot_general (the default).
+@pytest.mark.parametrize("m,sizes,dw_kernel", [(200, [50, 0, 77, 40], True),
+                                               (128, [0, 128, 0, 0], False)])
+def test_forward_and_gradients_match_float64(m, sizes, dw_kernel):
     n, k = 192, 128  # N not a multiple of the default 128-column tile: the 64 fallback
     x, w, dy = _operands(m, n, k, len(sizes))
     gs = jnp.asarray(sizes, jnp.int32)
+    config = bg.BF16GroupedConfig(dw_kernel=dw_kernel, num_sms=4)
 
     def loss(x, w):
-        y = bg.grouped_matmul(x, w, gs, interpret=True)
+        y = bg.grouped_matmul(x, w, gs, config=config, interpret=True)
         return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), y
 
     (_, y), (dx, dw) = jax.value_and_grad(loss, (0, 1), has_aux=True)(x, w)
@@ -99,7 +102,7 @@ def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="ragged_contract"):
         bg.ragged_contract(x[:, :32], x, gs)
     for bad in (dict(block_n=96), dict(dw_block_rows=512), dict(dw_concurrent_steps=1),
-                dict(num_sms=0)):
+                dict(num_sms=0), dict(dw_kernel=1)):
         with pytest.raises(ValueError, match="BF16GroupedConfig"):
             bg.BF16GroupedConfig(**bad)
     assert bg.supported((16, 64), (2, 128, 64), jnp.bfloat16)

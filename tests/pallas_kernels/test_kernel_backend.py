@@ -128,6 +128,9 @@ def test_trainer_modes_run_the_bf16_grouped_kernel_with_gradients():
         assert "ragged_dot_general" in traced(w) and "wgmma" not in traced(w)
         with pytest.raises(ValueError, match="True or False"):
             kernel_backend.set_bf16_grouped(1)
+        with pytest.raises(ValueError, match="dw_kernel=0"):
+            kernel_backend.set_bf16_grouped(True, dw_kernel=0)
+        assert "ragged_dot_general" in traced(w)  # the bad calls changed nothing
     finally:
-        kernel_backend.set_bf16_grouped(True)
+        kernel_backend.set_bf16_grouped()
     assert "ragged_dot_general" not in traced(w)

@@ -99,15 +99,16 @@ def test_expert_parallel_moe_block_lowers_for_cuda(monkeypatch):
     assert "tile_plan" in text  # and the token-tile plan kernel (the default)
 
 
-@pytest.mark.parametrize("data", [1, 4])
-def test_trainer_moe_gradient_lowers_for_cuda(monkeypatch, data):
+@pytest.mark.parametrize("data,dw_kernel", [(1, True), (4, True), (4, False)])
+def test_trainer_moe_gradient_lowers_for_cuda(monkeypatch, data, dw_kernel):
     """The QAT trainer's MoE block, forward and backward, with ``bf16_grouped`` for every
-    expert matmul (forward, dx: ``ragged_dot_mgpu``; dW: ``ragged_contract``): no XLA
-    ``ragged_dot`` is left in the cuda program. On 4 H200s along ``data`` each device's
-    kernels take its own 4 tokens' 8 slots (the MoE block's shard_map), not all 32."""
+    expert matmul (forward, dx: ``ragged_dot_mgpu``; dW: ``ragged_contract`` with
+    ``dw_kernel``, else XLA's ``ragged_dot_general``, the only XLA ragged product left). On 4
+    H200s along ``data`` each device's kernels take its own 4 tokens' 8 slots (the MoE
+    block's shard_map), not all 32."""
     from quads_jax.models import init_params
     from quads_jax.models.moe import moe_block
-    from quads_jax.quant import ops
+    from quads_jax.quant import kernel_backend, ops
     from quads_jax.quant.recipe import get_recipe
     from quads_jax.testing import tiny_config
 
@@ -121,11 +122,19 @@ def test_trainer_moe_gradient_lowers_for_cuda(monkeypatch, data):
 
     mesh = AbstractMesh((data,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
                         abstract_device=H200.abstract_device)
-    with jax.sharding.use_abstract_mesh(mesh):
-        exp = export.export(jax.jit(jax.grad(loss, (0, 1))), platforms=["cuda"],
-                            disabled_checks=KERNEL_CALLS)(p, jnp.ones((16, 64), jnp.bfloat16))
+    kernel_backend.set_bf16_grouped(True, dw_kernel=dw_kernel)
+    try:
+        with jax.sharding.use_abstract_mesh(mesh):
+            exp = export.export(jax.jit(jax.grad(loss, (0, 1))), platforms=["cuda"],
+                                disabled_checks=KERNEL_CALLS)(p, jnp.ones((16, 64), jnp.bfloat16))
+    finally:
+        kernel_backend.set_bf16_grouped()
     text = exp.mlir_module()
-    assert "chlo.ragged_dot" not in text  # what XLA's ragged_dot exports as
-    assert text.count("mosaic_gpu") >= 6  # 2 matmuls x (forward, dx, dW)
+    assert ("chlo.ragged_dot" in text) == (not dw_kernel)
+    # Each device's dW of the replicated weights is a partial sum over its own tokens: one
+    # all-reduce per expert matmul (Mosaic kernels' outputs come typed invariant: without
+    # ``vma.vary_like`` the kernel's dW was never summed).
+    assert text.count("all_reduce") == (2 if data > 1 else 0)
+    assert text.count("mosaic_gpu") >= (6 if dw_kernel else 4)  # 2 matmuls x (fwd, dx[, dW])
     slots = 16 // data * cfg.num_experts_per_tok
     assert f"tensor<{slots}x64xbf16>" in text and ("shard_map" in text) == (data > 1)
