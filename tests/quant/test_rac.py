@@ -55,9 +55,11 @@ def test_pairwise_ranks_equal_the_sorting_path(monkeypatch):
         s = s.astype(np.float32)
         s[rng.random(s.shape) < 0.15] = np.nan if trial % 2 else np.inf
         ratio = float(rng.uniform(0.05, 1.0))
-        fast = np.asarray(rac.select_blocks(jnp.asarray(s), ratio))
+        # jitted (one compile per shape; eagerly every small op compiled for each new shape),
+        # a fresh function per path: the limit is read when the function is traced
+        fast = np.asarray(jax.jit(lambda a, r=ratio: rac.select_blocks(a, r))(s))
         monkeypatch.setattr(rac, "PAIRWISE_RANK_LIMIT", 0)
-        slow = np.asarray(rac.select_blocks(jnp.asarray(s), ratio))
+        slow = np.asarray(jax.jit(lambda a, r=ratio: rac.select_blocks(a, r))(s))
         monkeypatch.undo()
         np.testing.assert_array_equal(fast, slow)
 
@@ -97,27 +99,33 @@ def test_online_batch_scores_only_the_valid_rows(xw):
 
 def test_online_token_equals_per_row_online_batch(xw):
     x, w = xw
-    y = ops.linear(x, w, SITE, rec(rac_selection="online_token"))
-    rows = [ops.linear(x[i:i + 1], w, SITE, rec()) for i in range(M)]
+    # jitted: one compile per shape (eagerly, every small op of the RAC path compiled)
+    y = jax.jit(lambda x: ops.linear(x, w, SITE, rec(rac_selection="online_token")))(x)
+    batch_rac = jax.jit(lambda x: ops.linear(x, w, SITE, rec()))
+    rows = [batch_rac(x[i:i + 1]) for i in range(M)]
     np.testing.assert_allclose(y, jnp.concatenate(rows), rtol=1e-5, atol=1e-5)
-    batch = ops.linear(x, w, SITE, rec())
+    batch = batch_rac(x)
     assert float(jnp.abs(batch - y).max()) > 1e-4  # the two selections differ here
 
 
 def test_static_calibration_on_same_batch_equals_online(xw):
     x, w = xw
-    blocks = rac.calibrate_blocks(x, rec())
+    # jitted: one compile per shape (eagerly, every small op compiled)
+    calibrate = jax.jit(lambda x: rac.calibrate_blocks(x, rec()))
+    blocks = calibrate(x)
     assert blocks.shape == (K // 16,) and int(blocks.sum()) == 4
     leaf = rac.CalibratedWeight(nvfp4.quantize(w, scale_mode="expert"), rac_blocks=blocks)
-    np.testing.assert_array_equal(ops.linear(x, leaf, SITE, rec(rac_selection="static")),
-                                  ops.linear(x, w, SITE, rec()))
+    static = jax.jit(lambda x, leaf: ops.linear(x, leaf, SITE, rec(rac_selection="static")))
+    online = jax.jit(lambda x, w: ops.linear(x, w, SITE, rec()))
+    np.testing.assert_array_equal(static(x, leaf), online(x, w))
     with pytest.raises(ValueError, match="static"):
         ops.linear(x, w, SITE, rec(rac_selection="static"))
     # grouped calibration: one block set per expert
     row_expert = jnp.asarray([0] * 5 + [2] * 7, jnp.int32)
-    per_expert = rac.calibrate_blocks(x, rec(), row_expert=row_expert, num_experts=3)
+    per_expert = jax.jit(lambda x, e: rac.calibrate_blocks(x, rec(), row_expert=e,
+                                                           num_experts=3))(x, row_expert)
     assert per_expert.shape == (3, K // 16)
-    np.testing.assert_array_equal(per_expert[0], rac.calibrate_blocks(x[:5], rec()))
+    np.testing.assert_array_equal(per_expert[0], calibrate(x[:5]))
 
 
 def test_shared_residual_scale_and_bf16_format(xw):
