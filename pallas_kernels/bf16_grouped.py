@@ -40,6 +40,8 @@ from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
 from pallas_kernels.nvfp4_tiles_mgpu import _num_sms
 from pallas_kernels.vma import vary_like
+from pallas_kernels.w4a4_grouped import aligned_group_rows
+from quads_jax.quant import ops
 
 # Every operand dimension the kernels tile must be a multiple of this (the smallest block).
 DIM_MULTIPLE = 64
@@ -151,20 +153,16 @@ def padded_group_rows(group_sizes: jax.Array, num_rows: int, block_rows: int):
     ``index`` int32 ``[P]``: the source row of each padded row, -1 for padding, with
     ``P = block_rows * ceil((num_rows + E (block_rows - 1)) / block_rows)`` (room for every
     group's last partial block); ``first_block`` / ``num_blocks`` int32 ``[E]``: each group's
-    blocks in the padded rows. Rows past ``sum(group_sizes)`` appear in no group.
+    blocks in the padded rows. Rows past ``sum(group_sizes)`` appear in no group. The layout of
+    the tile kernels' windowed operands (``w4a4_grouped.aligned_group_rows``), aligned to
+    ``block_rows`` instead of 8.
     """
     e = group_sizes.shape[0]
-    sizes = group_sizes.astype(jnp.int32)
-    num_blocks = (sizes + block_rows - 1) // block_rows
-    first_block = jnp.cumsum(num_blocks) - num_blocks
-    start = jnp.cumsum(sizes) - sizes
     p = block_rows * (-(-(num_rows + e * (block_rows - 1)) // block_rows))
-    row = jnp.arange(p, dtype=jnp.int32)
-    block_end = (first_block + num_blocks) * block_rows
-    g = jnp.minimum(jnp.sum(row[:, None] >= block_end, axis=1, dtype=jnp.int32), e - 1)
-    j = row - first_block[g] * block_rows  # offset inside the group's padded rows
-    live = (j >= 0) & (j < sizes[g])
-    return jnp.where(live, start[g] + j, -1), first_block, num_blocks
+    rows, starts, ends = aligned_group_rows(group_sizes.astype(jnp.int32), num_rows,
+                                            block_rows, p)
+    return (jnp.where(rows < num_rows, rows, -1), starts // block_rows,
+            (ends - starts) // block_rows)
 
 
 def _gather_rows(a: jax.Array, index: jax.Array) -> jax.Array:
@@ -251,24 +249,11 @@ def ragged_contract(dy: jax.Array, x: jax.Array, group_sizes: jax.Array, *,
     return vary_like(call(first_block, num_blocks, dy_p, x_p), dy, x)
 
 
-def ragged_contract_reference(dy: jax.Array, x: jax.Array, group_sizes: jax.Array,
-                              out_dtype=jnp.bfloat16) -> jax.Array:
-    """jnp ``ragged_contract``: f32 ``[E, N, K]`` products of the group rows, cast."""
-    e = group_sizes.shape[0]
-    ends = jnp.cumsum(group_sizes)
-    row = jnp.arange(dy.shape[0])
-    group = jnp.sum(row[:, None] >= ends, axis=1)  # E for rows past the groups
-    onehot = (group[:, None] == jnp.arange(e)).astype(jnp.float32)
-    hi = jax.lax.Precision.HIGHEST
-    out = jnp.einsum("me,mn,mk->enk", onehot, dy.astype(jnp.float32), x.astype(jnp.float32),
-                     precision=hi)
-    return out.astype(out_dtype)
-
-
 def ragged_contract_xla(dy: jax.Array, x: jax.Array, group_sizes: jax.Array,
                         out_dtype=jnp.bfloat16) -> jax.Array:
     """``ragged_contract`` through XLA's ``ragged_dot_general`` (rows the ragged contracting
-    dimension; f32 accumulation): ``[E, N, K]``."""
+    dimension; f32 accumulation): ``[E, N, K]``. The backward's default dW, and the kernel's
+    reference."""
     dims = jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0],
         rhs_group_dimensions=[])
@@ -278,10 +263,9 @@ def ragged_contract_xla(dy: jax.Array, x: jax.Array, group_sizes: jax.Array,
 
 
 def grouped_matmul_reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """XLA ``ragged_dot`` with f32 accumulation, rounded to ``x.dtype``: ``[M, N]``."""
-    y = jax.lax.ragged_dot(x, jnp.swapaxes(w, 1, 2), group_sizes,
-                           preferred_element_type=jnp.float32)
-    return y.astype(x.dtype)
+    """``ops``' product (XLA ``ragged_dot``, f32 accumulation), rounded to ``x.dtype``:
+    ``[M, N]``."""
+    return ops.matmul_f32(x, w, group_sizes).astype(x.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -302,12 +286,10 @@ def _like_primal(ct: jax.Array, primal: jax.Array) -> jax.Array:
     varies over and the primal does not (a weight replicated over ``data`` while each device
     held its own tokens: the devices' partial dW add up), cast to vary over those the primal
     varies over. No-op outside ``shard_map``."""
-    extra, missing = _vma(ct) - _vma(primal), _vma(primal) - _vma(ct)
+    extra = _vma(ct) - _vma(primal)
     if extra:
         ct = jax.lax.psum(ct, tuple(sorted(extra)))
-    if missing:
-        ct = jax.lax.pcast(ct, tuple(sorted(missing)), to="varying")
-    return ct
+    return vary_like(ct, primal)
 
 
 def _grouped_bwd(config, interpret, res, dy):

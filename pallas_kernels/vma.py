@@ -21,15 +21,19 @@ def varying_like(*xs) -> dict:
     return dict(manual_axis_type=core.ManualAxisType(varying=varying))
 
 
+def _vary_over(a: jax.Array, axes) -> jax.Array:
+    """``a`` cast to vary over ``axes`` too (the ones it does not vary over yet)."""
+    missing = tuple(sorted(frozenset(axes) - jax.typeof(a).mat.varying))
+    return jax.lax.pcast(a, missing, to="varying") if missing else a
+
+
 def varying_operands(*xs) -> tuple[dict, tuple[jax.Array, ...]]:
     """``(varying_like(*xs), xs)`` with every ``x`` cast to vary over all those axes."""
     vary = varying_like(*xs)
     if not vary:
         return vary, xs
-    axes = tuple(sorted(vary["manual_axis_type"].varying))
-    return vary, tuple(
-        jax.lax.pcast(a, tuple(ax for ax in axes if ax not in jax.typeof(a).mat.varying),
-                      to="varying") for a in xs)
+    axes = vary["manual_axis_type"].varying
+    return vary, tuple(_vary_over(a, axes) for a in xs)
 
 
 def vary_like(y: jax.Array, *xs) -> jax.Array:
@@ -37,6 +41,4 @@ def vary_like(y: jax.Array, *xs) -> jax.Array:
     ``shard_map``). For the outputs of Mosaic GPU kernels (``plgpu.kernel``, jax's
     ``ragged_dot_mgpu``): they come out typed invariant whatever their inputs, and a per-device
     result typed invariant would have its cotangent summed over the devices by autodiff."""
-    missing = tuple(sorted(frozenset().union(*(jax.typeof(x).mat.varying for x in xs))
-                           - jax.typeof(y).mat.varying))
-    return jax.lax.pcast(y, missing, to="varying") if missing else y
+    return _vary_over(y, frozenset().union(*(jax.typeof(x).mat.varying for x in xs)))

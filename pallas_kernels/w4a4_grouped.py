@@ -64,6 +64,24 @@ def row_experts(group_sizes: jax.Array, m: int) -> jax.Array:
     return ops.count_le(jnp.cumsum(group_sizes), jnp.arange(m, dtype=jnp.int32))
 
 
+def aligned_group_rows(group_sizes: jax.Array, m: int, align: int, length: int):
+    """The groups' rows laid out in order, each group starting at a multiple of ``align``
+    rows: ``(rows, padded_starts, padded_ends)``; ``rows`` int32 ``[length]`` is the sorted row
+    at each laid-out row (``m`` for padding and past the groups), ``padded_starts`` /
+    ``padded_ends`` int32 ``[E]`` each group's laid-out range."""
+    e = group_sizes.shape[0]
+    starts = jnp.cumsum(group_sizes) - group_sizes
+    padded = -(-group_sizes // align) * align
+    padded_ends = jnp.cumsum(padded)
+    padded_starts = padded_ends - padded
+    p = jnp.arange(length, dtype=jnp.int32)
+    pe = jnp.minimum(ops.count_le(padded_ends, p), e - 1)
+    p_local = p - padded_starts[pe]
+    rows = jnp.where((p < padded_ends[-1]) & (p_local < group_sizes[pe]), starts[pe] + p_local,
+                     m)
+    return rows, padded_starts, padded_ends
+
+
 def tile_plan(group_sizes: jax.Array, m: int, block_m: int,
               kernel: TilePlanConfig | None = None, interpret: bool = False):
     """Token-tile metadata for sorted rows.
@@ -109,15 +127,9 @@ def plan_and_row_experts(group_sizes: jax.Array, m: int, block_m: int,
     slot = (tile_starts[re] + local // block_m) * block_m + local % block_m
     row_slot = jnp.where(valid, slot, t_max * block_m)
     # The aligned layout: group g at padded_starts[g], its rows in order, then zero rows.
-    padded = -(-group_sizes // ROW_ALIGN) * ROW_ALIGN
-    padded_ends = jnp.cumsum(padded)
-    padded_starts = padded_ends - padded
+    window_rows, padded_starts, _ = aligned_group_rows(group_sizes, m, ROW_ALIGN,
+                                                       window_len(m, e, block_m))
     row0 = jnp.where(live_tile, padded_starts[te] + (t - tile_starts[te]) * block_m, 0)
-    p = jnp.arange(window_len(m, e, block_m), dtype=jnp.int32)
-    pe = jnp.minimum(ops.count_le(padded_ends, p), e - 1)
-    p_local = p - padded_starts[pe]
-    window_rows = jnp.where((p < padded_ends[-1]) & (p_local < group_sizes[pe]),
-                            starts[pe] + p_local, m)
     return (row_index, te, tile_ends[-1:].astype(jnp.int32), row_slot, row0.astype(jnp.int32),
             window_rows, rexp)
 
