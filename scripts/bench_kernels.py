@@ -659,12 +659,12 @@ def _train_grouped_shape(name, e, n, k, top_k, tokens):
     m = int(gs.sum())
     x, w, dy = rand(901, (m, k)), rand(902, (e, n, k), scale=0.05), rand(903, (m, n))
 
-    def ours(x, w):  # dW through XLA's ragged_dot_general (the default)
-        return bg.grouped_matmul(x, w, gs, interpret=SMOKE)
-
-    def ours_dw(x, w):  # dW through our ragged_contract kernel (opt-in until checked here)
-        return bg.grouped_matmul(x, w, gs, config=bg.BF16GroupedConfig(dw_kernel=True),
+    def ours(x, w):  # dW through XLA's ragged_dot_general
+        return bg.grouped_matmul(x, w, gs, config=bg.BF16GroupedConfig(dw_kernel=False),
                                  interpret=SMOKE)
+
+    def ours_dw(x, w):  # dW through our ragged_contract kernel (the default)
+        return bg.grouped_matmul(x, w, gs, interpret=SMOKE)
 
     def xla(x, w):  # as ops ran the trainer's expert matmuls before bf16_grouped
         return bg.grouped_matmul_reference(x, w, gs)
@@ -683,13 +683,17 @@ def _train_grouped_shape(name, e, n, k, top_k, tokens):
         return g
 
     tag = f"{name} E={e} N={n} K={k} rows={m}"
+    # bf16 results: rounding alone errs by up to 2^-8 of the largest element (session 27's
+    # H100 check measured 4.1e-3 for XLA's dW and ours alike, with a 4e-3 tolerance): one
+    # bf16 ulp, 2^-7, is the honest bound; a wrong kernel errs by O(1).
+    bf16_tol = 2.0**-7
     check(f"bf16_grouped forward {tag}", lambda x=x, w=w: ours(x, w), lambda: exact(x, w),
-          (m, n), tol=4e-3)
+          (m, n), tol=bf16_tol)
     for i, part in ((0, "dx"), (1, "dW (XLA)"), (1, "dW (ragged_contract)")):
         f = ours_dw if "contract" in part else ours
         check(f"bf16_grouped {part} {tag}",
               lambda x=x, w=w, dy=dy, i=i, f=f: grads(f, x, w, dy)[i],
-              lambda i=i: grads(exact, x, w, dy)[i], (m, n), tol=4e-3)
+              lambda i=i: grads(exact, x, w, dy)[i], (m, n), tol=bf16_tol)
     ws = [w, rand(910, (e, n, k), scale=0.05)]
     fl = 2 * m * n * k
     t, calls = time_chain(ours, x, ws)

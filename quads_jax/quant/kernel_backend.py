@@ -193,13 +193,13 @@ def _grouped(mode: str):
     return fn
 
 
-_BF16_GROUPED = {"on": True, "dw_kernel": False}
+_BF16_GROUPED = {"on": True, "dw_kernel": True}
 
 
-def set_bf16_grouped(on: bool = True, *, dw_kernel: bool = False) -> None:
+def set_bf16_grouped(on: bool = True, *, dw_kernel: bool = True) -> None:
     """Run the plain-matmul modes' grouped matmuls with ``bf16_grouped`` (``on``, the default)
     or XLA's ``ragged_dot``; ``dw_kernel``: its backward's dW through our ``ragged_contract``
-    kernel (opt-in until it has run on a GPU: ``BF16GroupedConfig.dw_kernel``). Takes effect
+    kernel (the default) or XLA's (``BF16GroupedConfig.dw_kernel``). Takes effect
     at the next trace; a non-bool raises ``ValueError`` and changes nothing."""
     for name, v in (("on", on), ("dw_kernel", dw_kernel)):
         if not isinstance(v, bool):

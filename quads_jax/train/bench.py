@@ -74,7 +74,7 @@ def random_batch(rng: np.random.Generator, rows: int, seq: int, vocab: int, prom
 
 
 def bench_recipe(model_config, params, recipe_name, batch, minibatches, repeats,
-                 grouped: str = "kernel", dw_kernel: bool = False):
+                 grouped: str = "kernel", dw_kernel: bool = True):
     # read when the update is traced
     kernel_backend.set_bf16_grouped(grouped == "kernel", dw_kernel=dw_kernel)
     recipe = get_recipe(recipe_name)
@@ -100,7 +100,7 @@ def bench_recipe(model_config, params, recipe_name, batch, minibatches, repeats,
     # what ran: the kernels need a GPU (recipe backend "auto"); elsewhere both arms are XLA's
     ran = "xla"
     if grouped == "kernel" and jax.default_backend() == "gpu":
-        ran = "bf16_grouped" + (" + ragged_contract" if dw_kernel else "")
+        ran = "bf16_grouped" + (" + ragged_contract" if dw_kernel else ", dW XLA")
     return {"recipe": recipe_name, "grouped": grouped, "grouped_ran": ran, "compile_s": compile_s,
             "median_s": statistics.median(times), "min_s": min(times),
             "first_loss": first_loss, "loss": float(m["train/loss"])}
@@ -116,8 +116,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--grouped", default="kernel", choices=("kernel", "xla", "both"),
                    help="expert matmuls on a GPU: bf16_grouped, XLA ragged_dot, or both")
-    p.add_argument("--dw-kernel", action="store_true",
-                   help="bf16_grouped's dW through ragged_contract (opt-in until GPU-checked)")
+    p.add_argument("--dw", default="kernel", choices=("kernel", "xla"),
+                   help="bf16_grouped's dW: our ragged_contract kernel (the default) or XLA's "
+                        "ragged_dot_general")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     cfg = cfglib.load(TrainConfig, args.config, args.overrides)
@@ -136,7 +137,7 @@ def main(argv=None) -> int:
     arms = ("kernel", "xla") if args.grouped == "both" else (args.grouped,)
     for name, grouped in ((n, g) for n in args.recipes.split(",") for g in arms):
         r = bench_recipe(mc, params, name, batch, args.minibatches, args.repeats, grouped,
-                         args.dw_kernel)
+                         args.dw == "kernel")
         if grouped == "xla" and len(arms) == 2:  # same params and batch: the same first loss
             r["first_loss_rel_diff_to_kernel"] = abs(r["first_loss"] - rows[-1]["first_loss"]) \
                 / max(abs(rows[-1]["first_loss"]), 1e-30)
