@@ -132,9 +132,9 @@ def device_times(f, args, calls: int) -> dict:
     mostly glue and launch gaps (session 18's tables). Empty where the trace has no device
     plane (CPU) or fails (a failed trace must not stop the run)."""
     try:
-        import trace_summary
+        from quads_jax import profiling
 
-        summary = trace_summary.trace(lambda: jax.block_until_ready(f(*args)), "bench_kernels",
+        summary = profiling.trace(lambda: jax.block_until_ready(f(*args)), "bench_kernels",
                                       top=1)
     except Exception as err:  # noqa: BLE001
         log(f"  trace failed: {type(err).__name__}: {str(err)[:150]}")

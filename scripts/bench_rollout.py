@@ -44,7 +44,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from quads_jax import models
+from quads_jax import models, profiling
 from quads_jax.models import ModelConfig
 from quads_jax.quant import ops
 from quads_jax.quant.recipe import get_recipe
@@ -53,7 +53,6 @@ from quads_jax.sampler.calibration import needs_calibration
 from quads_jax.sampler.sync import SyncMismatchError, check_sync, sync, weight_bytes
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import trace_summary  # noqa: E402  (a script beside this one)
 
 PRECISIONS = {
     "bf16": "bf16",
@@ -266,16 +265,16 @@ def kv_bytes(config: ModelConfig, rows: int, slots: int, itemsize: int = 2) -> i
 
 
 def profile_decode(dec, params, start, steps: int, tag: str, top: int = 16) -> dict:
-    """Kernel totals of ``steps`` decode steps under ``jax.profiler`` (see trace_summary): the
+    """Kernel totals of ``steps`` decode steps under ``jax.profiler`` (see quads_jax.profiling): the
     ``top`` kernels by summed time."""
     try:
-        summary = trace_summary.trace(
+        summary = profiling.trace(
             lambda: jax.block_until_ready(dec(params, start, jnp.int32(steps))), tag,
             steps=steps, top=top)
     except Exception as e:  # noqa: BLE001  (a missing profiler must not lose the timings)
         print(f"profile {tag} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
         return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-    print(f"profile {tag}:\n{trace_summary.format_summary(summary)}", flush=True)
+    print(f"profile {tag}:\n{profiling.format_summary(summary)}", flush=True)
     return summary
 
 
@@ -594,7 +593,7 @@ def parse_args(argv):
                    "attention reads the slots written so far) or right after the prompt")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="also trace this many decode steps per case and record where the "
-                   "device time goes (scripts/trace_summary.py)")
+                   "device time goes (scripts/profiling.py)")
     p.add_argument("--profile-top", type=int, default=16,
                    help="kernels listed per traced case (by summed device time)")
     p.add_argument("--ragged", action=argparse.BooleanOptionalAction, default=True)

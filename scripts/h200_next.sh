@@ -264,10 +264,11 @@ for step in "$@"; do
         r=bf16,trainer_qat; [ $dw = xla ] && r=bf16
         XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 150 python3 -m quads_jax.train.bench \
         --config configs/small_gpu_base.yaml --batch 32 --seq 512 --repeats 3 --dw $dw \
-        --recipes $r > "$OUT/traindw_$dw.json" 2> "$OUT/traindw_$dw.log"
+        --profile-top 25 \
+        --recipes $r > "$OUT/traindw_$dw.json" 2>> "$OUT/traindw.log"
         echo "traindw $dw rc $?"; grep -E '"(recipe|grouped.*|median_s|first_loss|mfu.*)"' \
-          "$OUT/traindw_$dw.json"; tail -2 "$OUT/traindw_$dw.log" | cut -c1-200
-      done ;;
+          "$OUT/traindw_$dw.json"
+      done; grep -A12 "^profile" "$OUT/traindw.log" | cut -c1-160 ;;
     kpre) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 270 python3 scripts/bench_kernels.py \
       --part prefill --trace --out "$OUT/kpre" > "$OUT/kpre.log" 2>&1
       echo "kpre rc $?"; grep -E "prefill|grouped|floor|bw" "$OUT/kpre.log" | cut -c1-240 ;;

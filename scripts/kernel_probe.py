@@ -144,9 +144,9 @@ def traced_kernels(f, *args, match="mosaic", tag="probe"):
     whose name contains ``match``, their count, the busy fraction of the device). The device
     duration of a kernel excludes launch gaps and host work, which wall-clock timing of a chain
     cannot separate."""
-    import trace_summary
+    from quads_jax import profiling
 
-    summary = trace_summary.trace(lambda: jax.block_until_ready(f(*args)), tag, top=50)
+    summary = profiling.trace(lambda: jax.block_until_ready(f(*args)), tag, top=50)
     for plane in summary.values():
         hits = [k for k in plane["top"] if match in k["name"]]
         count = sum(k["count"] for k in hits)
@@ -492,7 +492,7 @@ def run_trace_grouped():
     """Every kernel of one grouped decode-step call (1024 rows over 128 experts, top-8), with
     and without RAC, gate_up and down: where the ~2x between the Mosaic kernel and the whole
     ``w4a4_grouped_matmul`` goes (activation quantization, RAC selection, tile gather, combine)."""
-    import trace_summary
+    from quads_jax import profiling
 
     gs = bk.routing(128, 128, GE, 8)
     m = int(gs.sum())
@@ -506,9 +506,9 @@ def run_trace_grouped():
                 for _ in range(4):
                     jax.block_until_ready(f(x, ww))
 
-            summary = trace_summary.trace(run, f"grouped_{name}_{bool(r)}", steps=4, top=14)
+            summary = profiling.trace(run, f"grouped_{name}_{bool(r)}", steps=4, top=14)
             bk.log(f"== traced grouped {name}{' +RAC0.5' if r else ''} rows={m} (per call)")
-            bk.log(trace_summary.format_summary(summary))
+            bk.log(profiling.format_summary(summary))
 
 
 # (name, TileGemmConfig overrides): the grouped tile kernel alone at the decode step's shapes.

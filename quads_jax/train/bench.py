@@ -1,5 +1,6 @@
 """Trainer-step benchmark: ``python -m quads_jax.train.bench [--config PATH] [--batch B]
-[--seq T] [--recipes bf16,trainer_qat] [--repeats N] [--grouped kernel|xla|both]``.
+[--seq T] [--recipes bf16,trainer_qat] [--repeats N] [--grouped kernel|xla|both]
+[--dw kernel|xla] [--profile-top N]``.
 
 Times one jitted RL update (M mini-batch updates in one scan: forward, GRPO loss, backward,
 AdamW) on random tokens for each trainer recipe, reports the median over repeats, tokens/s,
@@ -7,7 +8,10 @@ model FLOP utilisation against a measured BF16 matmul rate, and each recipe's ra
 first (the asymmetric-QAT overhead when the recipes are ``bf16,trainer_qat``).
 ``--grouped`` picks the expert matmuls on a GPU: ``kernel`` (``pallas_kernels.bf16_grouped``,
 the default), ``xla`` (XLA's ``ragged_dot``, what ran before it) or ``both`` (each recipe
-twice; the first update's losses of the two are compared: same params, same batch).
+twice; the first update's losses of the two are compared: same params, same batch);
+``--dw`` its backward's dW (our ``ragged_contract`` or XLA's ``ragged_dot_general``);
+``--profile-top N`` traces one more update per arm and adds its N costliest kernels
+(``quads_jax.profiling``) to the arm's row.
 
 FLOPs per token: ``6 * active_params + 12 * layers * seq * q_heads * head_dim`` (forward +
 backward of the matmuls, causal attention counted in full as is the convention).
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import jax
@@ -25,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from quads_jax import config as cfglib
-from quads_jax import models
+from quads_jax import models, profiling
 from quads_jax.quant import kernel_backend
 from quads_jax.quant.recipe import get_recipe
 from quads_jax.rl.grpo import GRPOConfig
@@ -74,7 +79,7 @@ def random_batch(rng: np.random.Generator, rows: int, seq: int, vocab: int, prom
 
 
 def bench_recipe(model_config, params, recipe_name, batch, minibatches, repeats,
-                 grouped: str = "kernel", dw_kernel: bool = True):
+                 grouped: str = "kernel", dw_kernel: bool = True, profile_top: int = 0):
     # read when the update is traced
     kernel_backend.set_bf16_grouped(grouped == "kernel", dw_kernel=dw_kernel)
     recipe = get_recipe(recipe_name)
@@ -96,6 +101,18 @@ def bench_recipe(model_config, params, recipe_name, batch, minibatches, repeats,
         state, m = update(state, dev_batch)
         jax.block_until_ready(m)
         times.append(time.perf_counter() - t)
+    profile = None
+    if profile_top > 0:  # one more update, traced: where its device time goes
+
+        def run():
+            nonlocal state, m
+            state, m = update(state, dev_batch)
+            jax.block_until_ready(m)
+
+        # GPU planes only: a CPU run has no device kernels, and reports an empty profile
+        profile = profiling.trace(run, f"train_{recipe_name}_{grouped}", top=profile_top)
+        print(f"profile {recipe_name} {grouped}:\n{profiling.format_summary(profile)}",
+              file=sys.stderr, flush=True)
     kernel_backend.set_bf16_grouped()
     # what ran: the kernels need a GPU (recipe backend "auto"); elsewhere both arms are XLA's
     ran = "xla"
@@ -103,7 +120,8 @@ def bench_recipe(model_config, params, recipe_name, batch, minibatches, repeats,
         ran = "bf16_grouped" + (" + ragged_contract" if dw_kernel else ", dW XLA")
     return {"recipe": recipe_name, "grouped": grouped, "grouped_ran": ran, "compile_s": compile_s,
             "median_s": statistics.median(times), "min_s": min(times),
-            "first_loss": first_loss, "loss": float(m["train/loss"])}
+            "first_loss": first_loss, "loss": float(m["train/loss"]),
+            **({"profile": profile} if profile is not None else {})}
 
 
 def main(argv=None) -> int:
@@ -119,6 +137,8 @@ def main(argv=None) -> int:
     p.add_argument("--dw", default="kernel", choices=("kernel", "xla"),
                    help="bf16_grouped's dW: our ragged_contract kernel (the default) or XLA's "
                         "ragged_dot_general")
+    p.add_argument("--profile-top", type=int, default=0,
+                   help="trace one more update per arm and report its N costliest kernels")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     cfg = cfglib.load(TrainConfig, args.config, args.overrides)
@@ -137,7 +157,7 @@ def main(argv=None) -> int:
     arms = ("kernel", "xla") if args.grouped == "both" else (args.grouped,)
     for name, grouped in ((n, g) for n in args.recipes.split(",") for g in arms):
         r = bench_recipe(mc, params, name, batch, args.minibatches, args.repeats, grouped,
-                         args.dw == "kernel")
+                         args.dw == "kernel", args.profile_top)
         if grouped == "xla" and len(arms) == 2:  # same params and batch: the same first loss
             r["first_loss_rel_diff_to_kernel"] = abs(r["first_loss"] - rows[-1]["first_loss"]) \
                 / max(abs(rows[-1]["first_loss"]), 1e-30)

@@ -1,14 +1,10 @@
-"""scripts/trace_summary.py on a real CPU trace (GPU planes have the same structure)."""
-
-import os
-import sys
+"""quads_jax.profiling on a real CPU trace (GPU planes have the same structure)."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
-import trace_summary  # noqa: E402
+from quads_jax import profiling
 
 
 def test_summary_counts_events_of_the_selected_lines(tmp_path):
@@ -19,7 +15,7 @@ def test_summary_counts_events_of_the_selected_lines(tmp_path):
         for _ in range(3):
             f(x).block_until_ready()
 
-    s = trace_summary.trace(run, f"test_{tmp_path.name}", plane_prefix="/host:CPU",
+    s = profiling.trace(run, f"test_{tmp_path.name}", plane_prefix="/host:CPU",
                             line_prefix="python", steps=3)
     (plane,) = s.values()
     assert plane["kernels"] > 0 and 0 < plane["busy_ms"]
@@ -28,15 +24,15 @@ def test_summary_counts_events_of_the_selected_lines(tmp_path):
     assert any("PjitFunction" in n for n in names), names
     pjit = next(k for k in plane["top"] if "PjitFunction" in k["name"])
     assert pjit["count"] >= 1.0  # >= 3 events (one per call, some nested) over 3 steps
-    assert "kernels, busy" in trace_summary.format_summary(s)
+    assert "kernels, busy" in profiling.format_summary(s)
     # No GPU plane on the CPU: nothing is reported rather than something made up.
     with jax.profiler.trace(str(tmp_path)):
         f(x).block_until_ready()
-    assert trace_summary.summarize(str(tmp_path)) == {}
+    assert profiling.summarize(str(tmp_path)) == {}
 
 
 def test_bad_input_is_refused(tmp_path):
     with pytest.raises(FileNotFoundError, match="no \\*.xplane.pb"):
-        trace_summary.summarize(str(tmp_path))
+        profiling.summarize(str(tmp_path))
     with pytest.raises(ValueError, match="steps=0"):
-        trace_summary.summarize(str(tmp_path), steps=0)
+        profiling.summarize(str(tmp_path), steps=0)

@@ -7,7 +7,7 @@ kernel's start to the last one's end (``span_ms``), the kernel count and the top
 summed duration. ``busy_ms / span_ms`` well below 1 means the device waits on the host
 (launches, host syncs of while loops), not on its kernels.
 
-  python scripts/trace_summary.py LOGDIR [--top 20] [--plane-prefix /device:GPU]
+  python -m quads_jax.profiling LOGDIR [--top 20] [--plane-prefix /device:GPU]
 """
 
 from __future__ import annotations
