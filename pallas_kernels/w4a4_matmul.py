@@ -425,14 +425,18 @@ def run_dense(operand_of, m: int, w: W4A4Weights, config, interpret: bool,
 
 
 def dense_prefill_parts(b_rows: tuple[jax.Array, ...], w: W4A4Weights,
-                        residual_blocks: jax.Array | None = None) -> jax.Array:
+                        residual_blocks: jax.Array | None = None,
+                        materialize_columns: bool = False) -> jax.Array:
     """Large-M path: exact decoded weight (MMA dtype) times each operand with XLA's GEMM, f32
     accumulation; ``[M, A, N]`` scaled like the kernel's output (``1 / w.code_factor``).
 
     ``residual_blocks``: None, or int32 ``[S]`` K-block indices (-1: none) that hold every
     nonzero block of the RAC residual operand ``b_rows[1]``: its GEMM then contracts those
     ``16 S`` columns only (``rac_block_columns``), not all K: the residual's zero blocks add
-    exact zeros, so only the f32 summation order changes."""
+    exact zeros, so only the f32 summation order changes. ``materialize_columns``: the
+    gathered columns of both operands written out before the GEMM (an optimization barrier),
+    so that XLA cannot fuse the gathers into the GEMM's operands (a fused GEMM is XLA's own
+    kernel, not cuBLAS's); an experiment of ``bench_kernels --part prefill``."""
     from pallas_kernels.layout import dequantize_w4a4_weights
 
     wd = (dequantize_w4a4_weights(w)[0] / jnp.float32(w.code_factor)).astype(w.mma_dtype)
@@ -446,6 +450,8 @@ def dense_prefill_parts(b_rows: tuple[jax.Array, ...], w: W4A4Weights,
             live = jnp.repeat(residual_blocks >= 0, nvfp4.BLOCK_SIZE)
             b = jnp.where(live, b[:, cols], jnp.zeros((), b.dtype))  # a repeated fill: zeros
             wa = wd[:, cols]
+            if materialize_columns:
+                b, wa = jax.lax.optimization_barrier((b, wa))
         outs.append(jax.lax.dot_general(b, wa, dims, preferred_element_type=jnp.float32))
     return jnp.stack(outs, axis=1)
 

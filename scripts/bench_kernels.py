@@ -135,7 +135,7 @@ def device_times(f, args, calls: int) -> dict:
         from quads_jax import profiling
 
         summary = profiling.trace(lambda: jax.block_until_ready(f(*args)), "bench_kernels",
-                                      top=1)
+                                  top=6)
     except Exception as err:  # noqa: BLE001
         log(f"  trace failed: {type(err).__name__}: {str(err)[:150]}")
         return {}
@@ -143,7 +143,10 @@ def device_times(f, args, calls: int) -> dict:
         if plane["top"]:
             top = plane["top"][0]
             return {"device_us": plane["busy_ms"] * 1e3 / calls,
-                    "kernel_us": top["total_ms"] * 1e3 / calls, "kernel": top["name"]}
+                    "kernel_us": top["total_ms"] * 1e3 / calls, "kernel": top["name"],
+                    # the op's six costliest kernels: where its device time goes
+                    "top_kernels": [(k["name"], k["total_ms"] * 1e3 / calls, k["count"] / calls)
+                                    for k in plane["top"]]}
     return {}
 
 
@@ -179,8 +182,9 @@ def record(name, seconds, calls, *, bytes_=None, flops=None, note=""):
         # probe includes launch gaps: on the H200 it read 2.87 TB/s where the GEMV kernel itself
         # read 4.48, which made every traced kernel look 1.6x closer to its floor).
         kernel_bw = RESULTS["floors"].get("read_bw_kernel") or bw
-        if bytes_ and kernel_bw:
-            row["kernel_floor_us"] = max([bytes_ / kernel_bw] + flop_floor) * 1e6
+        kernel_floors = ([bytes_ / kernel_bw] if bytes_ and kernel_bw else []) + flop_floor
+        if kernel_floors:
+            row["kernel_floor_us"] = max(kernel_floors) * 1e6
             row["kernel_floor_ratio"] = row["kernel_floor_us"] / row["kernel_us"]
         traced = (f"  device {row['device_us']:.1f} us, kernel {row['kernel_us']:.1f} us "
                   f"(floor {row.get('kernel_floor_us', 0):.1f} us, ratio "
@@ -188,6 +192,9 @@ def record(name, seconds, calls, *, bytes_=None, flops=None, note=""):
     RESULTS["timings"].append(row)
     log(f"  {name:58s} {seconds * 1e6:9.1f} us  floor {row.get('floor_us', 0):8.1f} us  "
         f"ratio {row.get('floor_ratio', 0):5.2f}  {note}{traced}")
+    if len(row.get("top_kernels", ())) > 1:
+        log("      top: " + "; ".join(f"{n[:44]} {us:.1f} us x{c:.0f}"
+                                      for n, us, c in row["top_kernels"]))
 
 
 # ----------------------------------------------------------------------------- data
@@ -628,6 +635,24 @@ def bench_prefill():
     t, calls = time_chain(lambda x, w: w4a4_matmul(x, w, rac=aq.RACConfig(), config=kcfg()), x,
                           ws, reps=1)
     record(f"w4a4+RAC0.5 prefill M={m} K={k} N={n}", t, calls, flops=fl)
+
+    def rac_variant(x, w, columns, materialize=False):  # w4a4_matmul's large-M path
+        from pallas_kernels import w4a4_matmul as wm
+
+        kw = wm.as_kernel_weights(w, kcfg().mma_dtype)
+        rac = aq.RACConfig()
+        acts = aq.nvfp4_quantize(x, rac_config=rac)
+        b_rows, row_scales = aq.kernel_operands(acts, kw.mma_dtype)
+        blocks = wm.rac_block_columns(acts, rac) if columns else None
+        parts = wm.dense_prefill_parts(b_rows, kw, blocks, materialize)
+        g_w = jnp.broadcast_to(kw.global_scale[0], (x.shape[0],))
+        return wm.combine(parts, row_scales, g_w, kw.n, kw.code_factor).astype(x.dtype)
+
+    for tag, columns, materialize in (("residual over all K (session 25)", False, False),
+                                      ("selected columns materialized", True, True)):
+        t, calls = time_chain(lambda x, w, c=columns, mat=materialize: rac_variant(x, w, c, mat),
+                              x, ws, reps=1)
+        record(f"w4a4+RAC0.5 prefill, {tag} M={m} K={k} N={n}", t, calls, flops=fl)
     del ws
     wb = [rand(700, (k, n))]
     t, calls = time_chain(lambda x, w: jnp.dot(x, w), x, wb, reps=2)

@@ -119,7 +119,8 @@
 #          trainer_qat) with bf16_grouped and with XLA ragged_dot, same call (--grouped both;
 #          session 2's row: 1.34 s per update, 1.7 % MFU); traindw: bf16_grouped with its dW
 #          through ragged_contract (the default since session 27's tgrouped) on both recipes,
-#          then with XLA's dW (--dw xla) on bf16, same call
+#          then with XLA's dW (--dw xla) on bf16, same call; trainprof: the bf16 update traced
+#          (60 costliest kernels) with its optimized HLO ($OUT/hlo_train.tgz) to name them
 #
 # Session 13 ran prof, check, gcheck, mcheck and b32 (their 170 / 120 s limits cut check and
 # gcheck short of their last items; raised since). Session 14 ran `nobar unroll` (the barrier
@@ -269,6 +270,13 @@ for step in "$@"; do
         echo "traindw $dw rc $?"; grep -E '"(recipe|grouped.*|median_s|first_loss|mfu.*)"' \
           "$OUT/traindw_$dw.json"
       done; grep -A12 "^profile" "$OUT/traindw.log" | cut -c1-160 ;;
+    trainprof) XLA_FLAGS="--xla_dump_to=/tmp/hlo_train --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*update.*" \
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 200 python3 -m quads_jax.train.bench \
+      --config configs/small_gpu_base.yaml --batch 32 --seq 512 --repeats 3 --recipes bf16 \
+      --profile-top 60 > "$OUT/trainprof.json" 2> "$OUT/trainprof.log"
+      echo "trainprof rc $?"; grep -E '"(recipe|grouped_ran|median_s|first_loss|mfu.*)"' \
+        "$OUT/trainprof.json"; grep -A25 "^profile" "$OUT/trainprof.log" | cut -c1-160
+      (cd /tmp/hlo_train && tar czf "$OUT/hlo_train.tgz" $(ls | grep -E "after_optimizations.txt$")) ;;
     kpre) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 270 python3 scripts/bench_kernels.py \
       --part prefill --trace --out "$OUT/kpre" > "$OUT/kpre.log" 2>&1
       echo "kpre rc $?"; grep -E "prefill|grouped|floor|bw" "$OUT/kpre.log" | cut -c1-240 ;;
@@ -398,6 +406,6 @@ for step in "$@"; do
       --budget-s 150 ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
-    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 nobar1 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop ropad hlo prof2 plan plan2 b128p cont contshare contgroup share pgroup kpre)"; exit 2 ;;
+    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 nobar1 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop ropad hlo prof2 plan plan2 b128p cont contshare contgroup share pgroup kpre tgrouped train traindw trainprof)"; exit 2 ;;
   esac
 done

@@ -158,7 +158,7 @@ def _experts(config, experts, x, expert_ids, weights, site, recipe, first=None,
     flat_ids = expert_ids.reshape(-1)  # slot s = token s // k, choice s % k
     order, inverse, counts = sort_slots(flat_ids, config.num_experts)
     token_of_row = order // k  # sorted row -> token: gate_up's rows are the tokens' rows
-    offset = None
+    offset, row_slot = None, order  # row_slot: the slot at each (rotated) sorted row
     if first is None:
         group_sizes = counts
     else:
@@ -169,19 +169,23 @@ def _experts(config, experts, x, expert_ids, weights, site, recipe, first=None,
         expert = jnp.arange(config.num_experts, dtype=jnp.int32)
         offset = jnp.sum(jnp.where(expert < first, counts, 0))
         token_of_row = jnp.roll(token_of_row, -offset, axis=0)
+        row_slot = jnp.roll(order, -offset, axis=0)
+    # The sorted row of each slot, after the rotation: the inverse of both gathers below
+    # (a token's k slots are rows unsort[t*k : (t+1)*k]), so that where ops gathers the rows
+    # itself (the trainer's plain modes) their gradients are gathers, not scatter-adds.
+    unsort = inverse if offset is None else (inverse - offset) % inverse.shape[0]
     gate_up = ops.grouped_linear(
         x, experts["gate_up"], group_sizes, f"{site}.experts.gate_up", recipe,
-        source_rows=token_of_row, row_valid=token_valid,
+        source_rows=token_of_row, row_valid=token_valid, source_rows_inverse=unsort,
     )
     # Unsorted by the down GEMM's read-back itself (``output_rows``: slot s is sorted row
     # inverse[s], before the expert-parallel rotation): one gather of the kernel's tiles that
     # XLA can fuse into the weighted sum below, where sorting back after the read-back took a
     # second gather (and a scatter of the [N*k, H] rows would be a pass of its own).
-    unsort = inverse if offset is None else (inverse - offset) % inverse.shape[0]
     out = ops.grouped_linear(
         swiglu(gate_up), experts["down"], group_sizes, f"{site}.experts.down", recipe,
         row_valid=None if token_valid is None else jnp.asarray(token_valid)[token_of_row],
-        output_rows=unsort,
+        output_rows=unsort, output_rows_inverse=row_slot,
     )
     slots = out.reshape(n, k, h)
     w = weights.astype(x.dtype).astype(jnp.float32)  # HF casts to the model dtype

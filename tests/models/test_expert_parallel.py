@@ -66,14 +66,25 @@ def test_expert_parallel_block_equals_unsharded(moe_params, sizes, n):
     assert float(jnp.abs(want).max()) > 1e-2
 
 
-def test_expert_parallel_gradients_match(moe_params):
+def test_expert_parallel_gradients_match(moe_params, monkeypatch):
+    """Gradients in the params and the tokens, unsharded and expert-parallel (rotated sorted
+    rows), against XLA's own gradient of the row gathers (``take_rows`` without its inverse:
+    a scatter-add), so a wrong inverse map in the MoE block fails here."""
     x = jax.random.normal(jax.random.key(3), (8, 64), jnp.float32)
     recipe = get_recipe("trainer_qat")  # NVFP4 weight fake-quant on the experts
-    loss = lambda p: jnp.sum(jnp.sin(moe_block(CFG, p, x, "layers.0.mlp", recipe)[0]))  # noqa: E731
-    want = jax.jit(jax.grad(loss))(moe_params)
+    loss = lambda p, x: jnp.sum(jnp.sin(moe_block(CFG, p, x, "layers.0.mlp", recipe)[0]))  # noqa: E731
+    grad = jax.grad(loss, argnums=(0, 1))
+    want = jax.jit(grad)(moe_params, x)
     with jax.set_mesh(_mesh(data=2, expert=4)):
-        got = jax.jit(jax.grad(loss))(moe_params)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), got, want)
+        got = jax.jit(grad)(moe_params, x)
+    from quads_jax.quant import ops
+
+    monkeypatch.setattr(ops, "take_rows", lambda x, rows, inverse=None: x[rows])
+    scatter = jax.jit(grad)(moe_params, x)
+    for g in (got, want):
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), g,
+                     scatter)
+    assert float(jnp.abs(want[1]).max()) > 1e-3
 
 
 def test_no_expert_parallelism_without_a_dividing_expert_axis():

@@ -190,6 +190,36 @@ def test_grouped_output_rows_reorder_the_result(data, monkeypatch):
         ops.register_kernel("bf16", "dense", kernel, output_rows=True)
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_take_rows_with_inverse_has_the_gathers_gradient(k):
+    """``take_rows(x, rows, inverse)``: the forward is ``x[rows]``; the gradient (a gather of
+    the inverse, summed over the k copies) equals XLA's scatter-add of ``x[rows]``'s."""
+    r, h = 5, 4
+    rng = np.random.default_rng(k)
+    slots = rng.permutation(r * k)  # sorted row -> slot; slot s takes row s // k
+    rows = jnp.asarray(slots // k, jnp.int32)
+    inverse = jnp.asarray(np.argsort(slots), jnp.int32)  # slot -> sorted row
+    x = jnp.asarray(rng.normal(size=(r, h)), jnp.float32)
+    dy = jnp.asarray(rng.normal(size=(r * k, h)), jnp.float32)
+
+    def grad(f):
+        return jax.vjp(f, x)[1](dy)[0]
+
+    y = ops.take_rows(x, rows, inverse)
+    np.testing.assert_array_equal(y, x[rows])
+    np.testing.assert_allclose(grad(lambda x: ops.take_rows(x, rows, inverse)),
+                               grad(lambda x: x[rows]), rtol=1e-6, atol=1e-6)
+    # a wrong inverse changes the gradient: the test can fail
+    bad = jnp.roll(inverse, 1)
+    assert not np.allclose(grad(lambda x: ops.take_rows(x, rows, bad)),
+                           grad(lambda x: x[rows]))
+    with pytest.raises(ValueError, match="multiple of x's 5 rows"):
+        ops.take_rows(x, rows[:-1], inverse[:-1]) if k == 1 else ops.take_rows(
+            x, rows[1:], inverse[1:])
+    with pytest.raises(ValueError, match="must be equal vectors"):
+        ops.take_rows(x, rows, inverse[:-1])
+
+
 def test_w4a4_bf16_operands_are_exact(data):
     """bf16 activations: the W4A4 result matches the float64 product of the dequantized
     operands to f32 accumulation accuracy (the operands are exact in bf16)."""
