@@ -48,6 +48,9 @@ class W4A4MatmulConfig:
         weight is decoded to its exact bf16/f16 values once per call (an XLA fusion, ~5% of a
         compute-bound GEMM at M = 8192) and multiplied by XLA's GEMM (PALLAS_NOTES 6.4; the
         product is the same exact-operand f32-accumulated W4A4). None = always the kernel.
+      rac_prefill_columns: large-M dense GEMMs with RAC (``prefill_min_rows``) contract the
+        residual over its selected blocks' columns only (``rac_block_columns``), taken as
+        whole 16-column blocks; False: over all K (its unselected blocks are zeros).
       windowed_operands: the kernels read token tiles as row windows of a compact operand
         (``token_tiles``), not as gathered ``[T, block_m, Kp]`` tiles.
       materialize_operands: with RAC, the distinct rows' operand values and residual are
@@ -97,6 +100,12 @@ class W4A4MatmulConfig:
     # serial walk over an expert's rows is latency-bound; 64 rows per step: 21.67 ms).
     rac_select_kernel: bool = False
     rac_select_block_rows: int = 16
+    # Off: on the H200 (2026-12-05, 7e950af, M = 8192, K x N = 4096 x 14336) the residual GEMM
+    # over the selected columns took 584 us against 1093 over all K, but gathering the columns
+    # element by element (`b[:, cols]`, `wd[:, cols]`) took 355 + 2 x 264 us: device time 2958
+    # against 2619 us. The block-wise takes below replace those gathers (not yet measured:
+    # `bench_kernels --part prefill`).
+    rac_prefill_columns: bool = False
     windowed_operands: bool = True
     # On the H200 (2026-12-04, 22273a2, batch-128 decode step, same call): 8.2 + 4.4 us per
     # layer for gate_up's and down's stacked operands against the XLA fusion's 20.5 + 8.2, the
@@ -424,6 +433,12 @@ def run_dense(operand_of, m: int, w: W4A4Weights, config, interpret: bool,
     return run_tiles(tiles, slot_g, m, w, tile_expert, num_tiles, config, interpret, out_dtype)
 
 
+def _take_blocks(a: jax.Array, blocks: jax.Array) -> jax.Array:
+    """Columns of ``a [R, K]`` in whole 16-column blocks ``blocks`` (int ``[S]``): ``[R, 16 S]``."""
+    rows = a.shape[0]
+    return jnp.take(a.reshape(rows, -1, nvfp4.BLOCK_SIZE), blocks, axis=1).reshape(rows, -1)
+
+
 def dense_prefill_parts(b_rows: tuple[jax.Array, ...], w: W4A4Weights,
                         residual_blocks: jax.Array | None = None,
                         materialize_columns: bool = False) -> jax.Array:
@@ -445,11 +460,13 @@ def dense_prefill_parts(b_rows: tuple[jax.Array, ...], w: W4A4Weights,
     for a, b in enumerate(b_rows):
         b, wa = b.astype(w.mma_dtype), wd
         if a == 1 and residual_blocks is not None:
-            cols = (jnp.maximum(residual_blocks, 0)[:, None] * nvfp4.BLOCK_SIZE
-                    + jnp.arange(nvfp4.BLOCK_SIZE)).reshape(-1)
-            live = jnp.repeat(residual_blocks >= 0, nvfp4.BLOCK_SIZE)
-            b = jnp.where(live, b[:, cols], jnp.zeros((), b.dtype))  # a repeated fill: zeros
-            wa = wd[:, cols]
+            # whole 16-column blocks taken along K (a gather of contiguous 32-byte slices,
+            # not of single elements); a repeated fill index (-1) gives zeros
+            blocks, live = jnp.maximum(residual_blocks, 0), residual_blocks >= 0
+
+            b = jnp.where(jnp.repeat(live, nvfp4.BLOCK_SIZE), _take_blocks(b, blocks),
+                          jnp.zeros((), b.dtype))
+            wa = _take_blocks(wd, blocks)
             if materialize_columns:
                 b, wa = jax.lax.optimization_barrier((b, wa))
         outs.append(jax.lax.dot_general(b, wa, dims, preferred_element_type=jnp.float32))
@@ -539,9 +556,9 @@ def w4a4_matmul(
                                                   config.rac_operands_config(), interpret),
                          m, w, config, interpret, x.dtype)
     b_rows, row_scales = aq.kernel_operands(acts, w.mma_dtype)
-    # RAC's GEMM over the selected blocks only: +ratio of the FLOPs, not +100 % (on the H200,
-    # 2026-12-05, the full-K residual GEMM cost +87 % at M = 8192, K x N = 4096 x 14336)
-    parts = dense_prefill_parts(b_rows, w, rac_block_columns(acts, rac))
+    # RAC's GEMM over the selected blocks only: +ratio of the FLOPs, not +100 %
+    columns = rac_block_columns(acts, rac) if config.rac_prefill_columns else None
+    parts = dense_prefill_parts(b_rows, w, columns)
     g_w = jnp.broadcast_to(w.global_scale[0], (m,))
     return combine(parts, row_scales, g_w, w.n, w.code_factor).astype(x.dtype)
 

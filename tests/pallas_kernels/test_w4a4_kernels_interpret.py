@@ -61,15 +61,17 @@ def test_dense_w4a4(m, n, k, rac, mode, mma, decode, ks, ng):
 @pytest.mark.parametrize("racc,compact", [
     (None, False), (aq.RACConfig(), True), (aq.RACConfig(rac_energy_target=0.2), True),
     (aq.RACConfig(rac_residual_format="bf16"), True),
-    (aq.RACConfig(rac_selection="online_token"), False)])
+    (aq.RACConfig(rac_selection="online_token"), False), (aq.RACConfig(), None)])
 def test_dense_prefill_path_is_exact(racc, compact):
-    """The decoded-weight path of large M; with online_batch RAC its residual GEMM contracts
-    the 9 selected blocks' 144 columns only (fewer selected with an energy target: the -1
-    entries add zeros), per-row selections all K."""
+    """The decoded-weight path of large M; with online_batch RAC and ``rac_prefill_columns``
+    its residual GEMM contracts the 9 selected blocks' 144 columns only (fewer selected with
+    an energy target: the -1 entries add zeros), per-row selections all K; ``compact`` None:
+    the default, the residual over all K."""
     m, n, k = 40, 136, 288
     x = jax.random.normal(jax.random.key(7), (m, k)) * 3
     wq = nvfp4.quantize(jax.random.normal(jax.random.key(8), (n, k)))
-    cfg = W4A4MatmulConfig(prefill_min_rows=32)
+    cfg = W4A4MatmulConfig(prefill_min_rows=32, rac_prefill_columns=compact is not None)
+    compact = bool(compact)
     y = w4a4_matmul(x, wq, rac=racc, config=cfg)  # no kernel: runs on any backend
     acts = aq.nvfp4_quantize(x, rac_config=racc)
     want = _f64_product(acts, wq)
