@@ -94,6 +94,24 @@ def test_moe_block_gradients_match_dense_reference(params):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4), g, g_ref)
 
 
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)])
+def test_swiglu_gradient_equals_autodiff(dtype, tol):
+    """``layers.swiglu``'s own backward (it keeps only its input) against autodiff of the same
+    f32 formula; bf16 within one bf16 rounding of the result."""
+    from quads_jax.models.layers import swiglu
+
+    def plain(gu):
+        gate, up = jnp.split(gu.astype(jnp.float32), 2, axis=-1)
+        return (jax.nn.silu(gate) * up).astype(gu.dtype)
+
+    gu = (jax.random.normal(jax.random.key(4), (6, 2, 16)) * 3).astype(dtype)
+    dy = jax.random.normal(jax.random.key(5), (6, 2, 8)).astype(dtype)
+    np.testing.assert_array_equal(swiglu(gu), plain(gu))
+    got, want = (jax.vjp(f, gu)[1](dy)[0].astype(jnp.float32) for f in (swiglu, plain))
+    assert got.dtype == want.dtype and float(jnp.abs(want).max()) > 1.0
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * float(jnp.abs(want).max()))
+
+
 def _batch():
     rows = [[5, 9, 13, 22, 31, 40, 7], [11, 12, 13], [60, 61, 62, 63, 64]]
     return rows, *padded_batch(rows, left=True)
