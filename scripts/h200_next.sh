@@ -179,9 +179,14 @@
 # Session 26: no device was lent. Built: the trainer's grouped matmuls on Pallas
 # (bf16_grouped; its dW kernel ragged_contract opt-in until checked). Next: `tgrouped train`
 # (one call), then `traindw` if tgrouped's dW checks PASS, then session 25's list.
-# Session 27 (an H100 lent, not the H200) ran `tgrouped train` (9915281: bf16_grouped 2.7x
-# faster per update than XLA ragged_dot; ragged_contract's dW as exact as XLA's and 10x
-# faster: the default since). Next: `traindw kpre mcheck`, then `b128 nobar`.
+# Session 27 ran `tgrouped train` (9915281, an H100: bf16_grouped 2.7x faster per update than
+# XLA ragged_dot; ragged_contract's dW as exact as XLA's and 10x faster: the default since),
+# `traindw kpre mcheck` (d528a85, an H100: update 0.291 s; output_rows PASS), `b128` (OOM on
+# the H100: the 30B rollout needs the H200), `trainprof` and `kpre` (7e950af, an H200: update
+# 0.224 s; RAC prefill over all K beats the selected columns: the default since 10311c9).
+# Built after the last call: swiglu's own gradient (21434a3). Next, on an H200: `trainprof`
+# (the swiglu change), `kpre` (the block-wise column takes), `b128 nobar`, `contshare
+# contgroup`, `kv8`, `kgroup`, `gcheck`, `b256`; never `b128`-like rollouts on an H100.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
