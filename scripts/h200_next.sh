@@ -258,7 +258,7 @@ for step in "$@"; do
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 270 python3 scripts/bench_kernels.py \
       --part grouped --tokens $tokens --trace --out "$OUT/$step" > "$OUT/$step.log" 2>&1
       echo "$step rc $?"; grep -E "grouped|floor|bw" "$OUT/$step.log" | cut -c1-240 ;;
-    tgrouped) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 280 python3 scripts/bench_kernels.py \
+    tgrouped) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 420 python3 scripts/bench_kernels.py \
       --part train-grouped --trace --out "$OUT/tgrouped" > "$OUT/tgrouped.log" 2>&1
       echo "tgrouped rc $?"; grep -E "PASS|FAIL|train|floor|bw" "$OUT/tgrouped.log" | cut -c1-240 ;;
     train) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 280 python3 -m quads_jax.train.bench \
