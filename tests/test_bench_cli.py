@@ -126,3 +126,27 @@ def test_bench_kernels_smoke_dense_rows_run_on_the_cpu():
         bk.SMOKE = False
     names = [r["name"] for r in bk.RESULTS["timings"][rows:]]
     assert len(names) == 5 and names[0].startswith("w4a4 [auto] M=16 K=256 N=128"), names
+
+
+def test_trainer_bench_reports_each_arm(capsys):
+    """``python -m quads_jax.train.bench`` on a one-layer model: both recipes, both grouped
+    arms (on the CPU both are XLA's: ``grouped_ran``), first losses compared, and
+    ``--profile-top`` adds a profile (empty: no GPU plane on the CPU)."""
+    import json
+    import pathlib
+
+    from quads_jax.train import bench as train_bench
+
+    tiny = pathlib.Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml"
+    args = ["--config", str(tiny), "--batch", "2", "--seq", "16", "--repeats",
+            "1", "--grouped", "both", "--dw", "xla", "--profile-top", "3",
+            "model.config.num_hidden_layers=1"]
+    assert train_bench.main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = out["results"]
+    assert [(r["recipe"], r["grouped"]) for r in rows] == [
+        ("bf16", "kernel"), ("bf16", "xla"), ("trainer_qat", "kernel"), ("trainer_qat", "xla")]
+    assert all(r["grouped_ran"] == "xla" and r["median_s"] > 0 and r["profile"] == {}
+               for r in rows)
+    assert rows[1]["first_loss_rel_diff_to_kernel"] < 1e-5  # the same path on the CPU
+    assert rows[0]["first_loss"] > 0 and out["params"] > 0
