@@ -106,16 +106,23 @@ def test_kernel_probe_shared_prefix_attention_dry_run():
     assert "shared prefix per_row" in names[0] and "shared prefix per_group" in names[1]
 
 
-def test_bench_kernels_smoke_dense_rows_run_on_the_cpu():
+def test_bench_kernels_smoke_dense_rows_run_on_the_cpu(monkeypatch):
     """``bench_kernels.py --smoke``'s dense table (the tile GEMM and the Triton kernels around
     it replaced by their jnp paths) on one tiny shape: every row is timed. It broke unseen when
     the operand and tile-plan kernels became defaults (Triton cannot run on the CPU)."""
     import pathlib
     import sys
 
+    from pallas_kernels import w4a4_matmul as wm
+    from pallas_kernels import w8a8_matmul as w8
+
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
     import bench_kernels as bk
 
+    # enable_smoke swaps the tile GEMMs for jnp stand-ins in their modules: put them back after
+    # the test (the cuda-lowering tests in the same worker would lower the stand-ins)
+    monkeypatch.setattr(wm, "nvfp4_tile_gemm", wm.nvfp4_tile_gemm)
+    monkeypatch.setattr(w8, "fp8_tile_gemm", w8.fp8_tile_gemm)
     saved = dict(bk.BEST)
     rows = len(bk.RESULTS["timings"])
     try:
