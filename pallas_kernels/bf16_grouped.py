@@ -40,7 +40,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
 from pallas_kernels.nvfp4_tiles_mgpu import _num_sms
-from pallas_kernels.vma import vary_like
+from pallas_kernels.vma import cotangent_like, vary_like
 from pallas_kernels.w4a4_grouped import aligned_group_rows
 from quads_jax.quant import ops
 
@@ -277,21 +277,6 @@ def _grouped_fwd(x, w, group_sizes, config, interpret):
     return _grouped(x, w, group_sizes, config, interpret), (x, w, group_sizes)
 
 
-def _vma(a: jax.Array) -> frozenset:
-    return frozenset(jax.typeof(a).mat.varying)
-
-
-def _like_primal(ct: jax.Array, primal: jax.Array) -> jax.Array:
-    """A cotangent typed like its primal inside ``shard_map``: summed over the mesh axes it
-    varies over and the primal does not (a weight replicated over ``data`` while each device
-    held its own tokens: the devices' partial dW add up), cast to vary over those the primal
-    varies over. No-op outside ``shard_map``."""
-    extra = _vma(ct) - _vma(primal)
-    if extra:
-        ct = jax.lax.psum(ct, tuple(sorted(extra)))
-    return vary_like(ct, primal)
-
-
 def _grouped_bwd(config, interpret, res, dy):
     x, w, group_sizes = res
     dy = _rows_in_groups(dy.astype(x.dtype), group_sizes)
@@ -301,7 +286,7 @@ def _grouped_bwd(config, interpret, res, dy):
                              out_dtype=w.dtype)
     else:
         dw = ragged_contract_xla(dy, x, group_sizes, out_dtype=w.dtype)
-    return _like_primal(dx, x), _like_primal(dw, w), None
+    return cotangent_like(dx, x), cotangent_like(dw, w), None
 
 
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)
@@ -313,8 +298,8 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     """``y[m] = x[m] @ w[e(m)]^T``: ``x [M, K]``, ``w [E, N, K]`` bfloat16, ``group_sizes``
     int ``[E]`` (rows of expert 0 first; rows past the sum give zeros) -> bfloat16 ``[M, N]``
     (f32 accumulation). Differentiable in ``x`` and ``w``: dx through ``ragged_dot_mgpu``, dW
-    through ``ragged_contract_xla`` or, with ``config.dw_kernel``, ``ragged_contract``. N and K
-    must be multiples of ``DIM_MULTIPLE``
+    through ``ragged_contract`` (``config.dw_kernel``, the default) or ``ragged_contract_xla``.
+    N and K must be multiples of ``DIM_MULTIPLE``
     (``supported``); anything else raises ``ValueError``."""
     _check(x, w, group_sizes)
     return _grouped(x, w, group_sizes.astype(jnp.int32), config or BF16GroupedConfig(),

@@ -463,7 +463,6 @@ def dense_prefill_parts(b_rows: tuple[jax.Array, ...], w: W4A4Weights,
             # whole 16-column blocks taken along K (a gather of contiguous 32-byte slices,
             # not of single elements); a repeated fill index (-1) gives zeros
             blocks, live = jnp.maximum(residual_blocks, 0), residual_blocks >= 0
-
             b = jnp.where(jnp.repeat(live, nvfp4.BLOCK_SIZE), _take_blocks(b, blocks),
                           jnp.zeros((), b.dtype))
             wa = _take_blocks(wd, blocks)
@@ -555,12 +554,21 @@ def w4a4_matmul(
                                                   config.materialize_operands,
                                                   config.rac_operands_config(), interpret),
                          m, w, config, interpret, x.dtype)
+    return prefill_product(acts, w, x.dtype, rac, config.rac_prefill_columns)
+
+
+def prefill_product(acts: aq.QuantizedActivations, w: W4A4Weights, out_dtype,
+                    rac: aq.RACConfig | None = None, columns: bool = False,
+                    materialize_columns: bool = False) -> jax.Array:
+    """``w4a4_matmul``'s large-M path from the quantized activations: ``[M, N]`` in
+    ``out_dtype``. ``columns``: RAC's residual GEMM over the selected blocks only
+    (``rac_block_columns``, where the selection allows; ``W4A4MatmulConfig.rac_prefill_columns``),
+    else over all K; ``materialize_columns``: ``dense_prefill_parts``'."""
     b_rows, row_scales = aq.kernel_operands(acts, w.mma_dtype)
-    # RAC's GEMM over the selected blocks only: +ratio of the FLOPs, not +100 %
-    columns = rac_block_columns(acts, rac) if config.rac_prefill_columns else None
-    parts = dense_prefill_parts(b_rows, w, columns)
-    g_w = jnp.broadcast_to(w.global_scale[0], (m,))
-    return combine(parts, row_scales, g_w, w.n, w.code_factor).astype(x.dtype)
+    blocks = rac_block_columns(acts, rac) if columns else None
+    parts = dense_prefill_parts(b_rows, w, blocks, materialize_columns)
+    g_w = jnp.broadcast_to(w.global_scale[0], (b_rows[0].shape[0],))
+    return combine(parts, row_scales, g_w, w.n, w.code_factor).astype(out_dtype)
 
 
 def w4a4_matmul_reference(

@@ -641,14 +641,10 @@ def bench_prefill():
     def rac_variant(x, w, columns, materialize=False):  # w4a4_matmul's large-M path
         from pallas_kernels import w4a4_matmul as wm
 
-        kw = wm.as_kernel_weights(w, kcfg().mma_dtype)
         rac = aq.RACConfig()
-        acts = aq.nvfp4_quantize(x, rac_config=rac)
-        b_rows, row_scales = aq.kernel_operands(acts, kw.mma_dtype)
-        blocks = wm.rac_block_columns(acts, rac) if columns else None
-        parts = wm.dense_prefill_parts(b_rows, kw, blocks, materialize)
-        g_w = jnp.broadcast_to(kw.global_scale[0], (x.shape[0],))
-        return wm.combine(parts, row_scales, g_w, kw.n, kw.code_factor).astype(x.dtype)
+        return wm.prefill_product(aq.nvfp4_quantize(x, rac_config=rac),
+                                  wm.as_kernel_weights(w, kcfg().mma_dtype), x.dtype, rac,
+                                  columns, materialize)
 
     for tag, columns, materialize in (("residual over the selected blocks", True, False),
                                       ("selected blocks materialized", True, True)):

@@ -52,8 +52,6 @@ from quads_jax.sampler import engine
 from quads_jax.sampler.calibration import needs_calibration
 from quads_jax.sampler.sync import SyncMismatchError, check_sync, sync, weight_bytes
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 PRECISIONS = {
     "bf16": "bf16",
     "fp8": "rollout_fp8",
@@ -593,7 +591,7 @@ def parse_args(argv):
                    "attention reads the slots written so far) or right after the prompt")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="also trace this many decode steps per case and record where the "
-                   "device time goes (scripts/profiling.py)")
+                   "device time goes (quads_jax/profiling.py)")
     p.add_argument("--profile-top", type=int, default=16,
                    help="kernels listed per traced case (by summed device time)")
     p.add_argument("--ragged", action=argparse.BooleanOptionalAction, default=True)

@@ -163,8 +163,9 @@ def swiglu(gate_up: jax.Array) -> jax.Array:
     """``silu(gate) * up`` of fused ``[..., 2I]`` (gate first), f32 math, input dtype out.
 
     Its gradient keeps only ``gate_up`` (input dtype) for the backward pass and recomputes
-    the f32 terms there: autodiff kept four f32 ``[rows, I]`` arrays per MoE layer (4.3 GB per
-    mini-batch in the H200 trainer's HLO, session 27: written, zero-initialised and read)."""
+    the f32 terms there: autodiff kept five f32 ``[rows, I]`` arrays per MoE layer (in the H200
+    trainer's HLO of session 27, four 1.07 GB buffers per mini-batch: written,
+    zero-initialised and read)."""
     gate, up = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
     return (jax.nn.silu(gate) * up).astype(gate_up.dtype)
 
