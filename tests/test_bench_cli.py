@@ -42,7 +42,7 @@ def test_bench_rollout_runs_with_kernel_overrides(tmp_path):
             "--no-rac-operand-kernel", "--rac-operand-padding", "skip", "--tile-plan-kernel",
             "--act-operand-kernel", "--tile-plan-block", "8", "--n-samples", "2",
             "--share-prompt-cache", "--attention-prefix-mode", "per_group",
-            "--attention-prefix-rows", "2", "--out", str(tmp_path)]
+            "--attention-prefix-rows", "2", "--layers", "1", "--out", str(tmp_path)]
     try:
         assert bench_rollout.main(argv) == 0
     finally:
@@ -53,6 +53,7 @@ def test_bench_rollout_runs_with_kernel_overrides(tmp_path):
         layers.set_decode_attention("kernel")
     rows = [json.loads(line) for line in open(tmp_path / "rollout.jsonl")]
     assert [r["materialize_operands"] for r in rows if r["kind"] == "device"] == [False]
+    assert [r["layers"] for r in rows if r["kind"] == "device"] == [1]  # --layers
     assert [r["rac_operand_kernel"] for r in rows if r["kind"] == "device"] == [False]
     assert [r["rac_operand_padding"] for r in rows if r["kind"] == "device"] == ["skip"]
     assert [(r["tile_plan_kernel"], r["act_operand_kernel"], r["tile_plan_block"])
