@@ -75,15 +75,23 @@ def summarize(logdir: str, *, top: int = 20, plane_prefix: str = "/device:GPU",
     return out
 
 
-def trace(run, tag: str, **summarize_kwargs) -> dict:
-    """Call ``run()`` (it must block until the device is done) under ``jax.profiler`` into a
-    ``/tmp`` directory named by ``tag`` and the process, and return ``summarize`` of it."""
+def trace(run, tag: str, logdir: str | None = None, **summarize_kwargs) -> dict:
+    """Call ``run()`` (it must block until the device is done) under ``jax.profiler`` and
+    return ``summarize`` of the trace. ``logdir``: where the trace stays (for TensorBoard or
+    Perfetto); None: a temporary directory named by ``tag``, removed afterwards (a benchmark
+    traces every row: their traces filled ``/tmp``)."""
+    import tempfile
+
     import jax
 
-    logdir = os.path.join("/tmp", f"quads_trace_{tag}_{os.getpid()}")
-    with jax.profiler.trace(logdir):
-        run()
-    return summarize(logdir, **summarize_kwargs)
+    if logdir is not None:
+        with jax.profiler.trace(logdir):
+            run()
+        return summarize(logdir, **summarize_kwargs)
+    with tempfile.TemporaryDirectory(prefix=f"quads_trace_{tag}_") as tmp:
+        with jax.profiler.trace(tmp):
+            run()
+        return summarize(tmp, **summarize_kwargs)
 
 
 def format_summary(summary: dict) -> str:
