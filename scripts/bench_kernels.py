@@ -636,21 +636,18 @@ def bench_prefill():
                           ws, reps=1)
     record(f"w4a4+RAC0.5 prefill M={m} K={k} N={n}", t, calls, flops=fl)
 
-    # the default: the residual over all K (rac_prefill_columns off); the variants contract
-    # the selected blocks only (taken as whole 16-column blocks since session 27)
-    def rac_variant(x, w, columns, materialize=False):  # w4a4_matmul's large-M path
+    # the default: the residual over the selected blocks (rac_prefill_columns, since session
+    # 28); the variant contracts all K (its unselected blocks zeros)
+    def rac_all_k(x, w):  # w4a4_matmul's large-M path
         from pallas_kernels import w4a4_matmul as wm
 
         rac = aq.RACConfig()
         return wm.prefill_product(aq.nvfp4_quantize(x, rac_config=rac),
                                   wm.as_kernel_weights(w, kcfg().mma_dtype), x.dtype, rac,
-                                  columns, materialize)
+                                  columns=False)
 
-    for tag, columns, materialize in (("residual over the selected blocks", True, False),
-                                      ("selected blocks materialized", True, True)):
-        t, calls = time_chain(lambda x, w, c=columns, mat=materialize: rac_variant(x, w, c, mat),
-                              x, ws, reps=1)
-        record(f"w4a4+RAC0.5 prefill, {tag} M={m} K={k} N={n}", t, calls, flops=fl)
+    t, calls = time_chain(rac_all_k, x, ws, reps=1)
+    record(f"w4a4+RAC0.5 prefill, residual over all K M={m} K={k} N={n}", t, calls, flops=fl)
     del ws
     wb = [rand(700, (k, n))]
     t, calls = time_chain(lambda x, w: jnp.dot(x, w), x, wb, reps=2)

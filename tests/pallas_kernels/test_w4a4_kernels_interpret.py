@@ -64,9 +64,9 @@ def test_dense_w4a4(m, n, k, rac, mode, mma, decode, ks, ng):
     (aq.RACConfig(rac_selection="online_token"), False), (aq.RACConfig(), None)])
 def test_dense_prefill_path_is_exact(racc, compact):
     """The decoded-weight path of large M; with online_batch RAC and ``rac_prefill_columns``
-    its residual GEMM contracts the 9 selected blocks' 144 columns only (fewer selected with
-    an energy target: the -1 entries add zeros), per-row selections all K; ``compact`` None:
-    the default, the residual over all K."""
+    (the default) its residual GEMM contracts the 9 selected blocks' 144 columns only (fewer
+    selected with an energy target: the -1 entries add zeros), per-row selections all K;
+    ``compact`` None: ``rac_prefill_columns=False``, the residual over all K."""
     m, n, k = 40, 136, 288
     x = jax.random.normal(jax.random.key(7), (m, k)) * 3
     wq = nvfp4.quantize(jax.random.normal(jax.random.key(8), (n, k)))
