@@ -857,6 +857,9 @@ def main(argv=None):
                    help="the RAC selection kernel: GPU bit-identity with jnp, traced times")
     p.add_argument("--rac-operands", action="store_true",
                    help="RAC's stacked-operand kernel: GPU bit-identity with jnp, traced times")
+    p.add_argument("--rac-operands-variants", choices=("all", "code_scales"), default="all",
+                   help="--rac-operands: every RAC_OPERAND_VARIANTS entry, or the default and "
+                   "the code_scales ones only (a short call)")
     p.add_argument("--act-operands", action="store_true",
                    help="plain W4A4's operand kernel: GPU bit-identity with jnp, traced times")
     p.add_argument("--tile-plan", action="store_true",
@@ -898,7 +901,9 @@ def main(argv=None):
             return 0
         if args.rac_operands:
             bk.measure_floors()
-            run_rac_operands()
+            run_rac_operands(variants=RAC_OPERAND_VARIANTS if args.rac_operands_variants == "all"
+                             else (RAC_OPERAND_VARIANTS[0],)
+                             + tuple(v for v in RAC_OPERAND_VARIANTS if v[3]))
             return 0
         if args.n_group:
             bk.measure_floors()
