@@ -63,9 +63,8 @@ class W4A4MatmulConfig:
       rac_operand_kernel: with RAC (coded residual, ``materialize_operands``, row windows and
         ``stack_operands``), the stacked B operands are written by
         ``pallas_kernels.rac_operands`` instead of an XLA gather fusion;
-        rac_operand_block_rows / rac_operand_padding / rac_operand_scales: its
-        ``RACOperandsConfig.block_rows`` / ``padding_rows`` / ``code_scales`` (the residual's
-        scales coded in that kernel, not by XLA kernels before it; opt-in until measured).
+        rac_operand_block_rows / rac_operand_padding: its ``RACOperandsConfig.block_rows`` /
+        ``padding_rows``.
       act_operand_kernel: plain W4A4 with per-token activation scales (no RAC) and row
         windows: the B operand is quantized and laid out by ``pallas_kernels.act_operands``
         (bit-identical); act_operand_block_rows: its ``block_rows``.
@@ -117,7 +116,6 @@ class W4A4MatmulConfig:
     rac_operand_kernel: bool = True
     rac_operand_block_rows: int = 8
     rac_operand_padding: str = "zeros"
-    rac_operand_scales: bool = False
     # Plain W4A4 with per-token scales: the windowed B operand quantized straight from the
     # activations by ``pallas_kernels.act_operands`` instead of the quantizer's XLA passes
     # and a gather (act_operand_block_rows: its block_rows). On the H200 (2026-12-04,
@@ -161,8 +159,7 @@ class W4A4MatmulConfig:
                 and self.stack_operands):
             return None
         return RACOperandsConfig(block_rows=self.rac_operand_block_rows,
-                                 padding_rows=self.rac_operand_padding,
-                                 code_scales=self.rac_operand_scales)
+                                 padding_rows=self.rac_operand_padding)
 
     def act_operands_config(self):
         """The ``act_operands`` kernel's config, or None when it is off (``operand_rows``)."""
@@ -275,19 +272,6 @@ def operand_rows(acts: aq.QuantizedActivations, index: jax.Array, dtype, k_pad: 
     """
     b0, g0 = aq.mma_operand(acts.q, dtype)
     res = acts.residual
-    if (kernel is not None and kernel.code_scales and materialize and index.ndim == 1
-            and isinstance(res, rac.SelectedResidual) and res.row_scaled
-            and res.amax is not None):
-        # The residual's scales coded in the kernel (RACOperandsConfig.code_scales): the XLA
-        # kernels that code them before it go (their results are unused, so XLA drops them).
-        from pallas_kernels.rac_operands import rac_coded_operands
-
-        q_index = index if acts.q_rows is None else source_tile_rows(
-            acts.q_rows, b0.shape[0], index)
-        stacked, s1 = rac_coded_operands(b0, res.r, res.amax, res.finite, res.mask_table,
-                                         res.mask_rows, index, acts.q_rows, res.rows,
-                                         k_pad=k_pad, config=kernel, interpret=interpret)
-        return stacked, (rac.rows_or_fill(g0, q_index, 0.0), s1)
     if materialize and isinstance(res, rac.SelectedResidual):
         # The block scales too, as float32 (exact): inside the gather fusion XLA would convert
         # each E4M3 scale once per element it scales (16 times per block, every windowed row).

@@ -568,10 +568,6 @@ def parse_args(argv):
     p.add_argument("--rac-operand-padding", choices=("zeros", "skip"), default="zeros",
                    help="the RAC operand kernel's window rows without a GEMM row: written as "
                    "zeros (default) or not written (W4A4MatmulConfig.rac_operand_padding)")
-    p.add_argument("--rac-operand-scales", action=argparse.BooleanOptionalAction, default=None,
-                   help="RAC's residual scales coded in the operand kernel (from the block "
-                   "amax and the selection table) or by XLA kernels before it (default: "
-                   "W4A4MatmulConfig.rac_operand_scales)")
     p.add_argument("--act-operand-kernel", action=argparse.BooleanOptionalAction, default=None,
                    help="plain W4A4's B operand quantized by the Triton kernel "
                    "(pallas_kernels.act_operands) or by XLA's quantizer fusions and a gather "
@@ -638,15 +634,12 @@ def main(argv=None) -> int:
             or args.rac_select_kernel or args.rac_select_block_rows != 16
             or not args.grouped_barrier or not args.windowed_operands
             or args.rac_operand_kernel is not None or args.rac_operand_padding != "zeros"
-            or args.rac_operand_scales is not None
             or args.tile_plan_kernel is not None or args.act_operand_kernel is not None
             or args.tile_plan_block != W4A4MatmulConfig.tile_plan_block
             or args.tile_plan_warps != W4A4MatmulConfig.tile_plan_warps):
         operand_kernel = ({} if args.rac_operand_kernel is None
                           else dict(rac_operand_kernel=args.rac_operand_kernel))
         operand_kernel["rac_operand_padding"] = args.rac_operand_padding
-        if args.rac_operand_scales is not None:
-            operand_kernel["rac_operand_scales"] = args.rac_operand_scales
         plan = dict(tile_plan_block=args.tile_plan_block, tile_plan_warps=args.tile_plan_warps)
         if args.tile_plan_kernel is not None:
             plan["tile_plan_kernel"] = args.tile_plan_kernel
@@ -697,9 +690,6 @@ def main(argv=None) -> int:
                                               if args.rac_operand_kernel is None
                                               else args.rac_operand_kernel),
                           rac_operand_padding=args.rac_operand_padding,
-                          rac_operand_scales=(W4A4MatmulConfig().rac_operand_scales
-                                              if args.rac_operand_scales is None
-                                              else args.rac_operand_scales),
                           act_operand_kernel=(W4A4MatmulConfig().act_operand_kernel
                                               if args.act_operand_kernel is None
                                               else args.act_operand_kernel),

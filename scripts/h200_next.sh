@@ -82,11 +82,6 @@
 #          only): GPU bit-identity with the jnp path and traced times at the decode shapes
 #          (kernel_probe --rac-operands), then nvfp4_rac at batch 128 with the kernel, and
 #          nvfp4_rac and nvfp4 without it, in the same call
-#   rscale RAC's residual scales coded in the rac_operands kernel (session 28, CPU-tested
-#          only; RACOperandsConfig.code_scales): probe variants GPU-checked (operands and row
-#          scales bit for bit against the jnp path) and timed, then nvfp4_rac at batch 128 with
-#          --rac-operand-scales and with the default, same call (~5 minutes); rscale1: the
-#          same with the probe's default and code_scales variants only and tighter limits
 #   ropad  the rac_operands kernel leaving the windows' padding rows unwritten (padding_rows
 #          "skip"; session 21, CPU-tested only): probe variants (GPU-checked on the written
 #          rows, timed), then nvfp4_rac at batch 128 with --rac-operand-padding skip and with
@@ -379,19 +374,6 @@ for step in "$@"; do
       --budget-s 100
       rollout nrop128 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \
       --no-rac-operand-kernel --budget-s 110 ;;
-    rscale) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 150 python3 scripts/kernel_probe.py \
-      --rac-operands --out "$OUT/rscalek" > "$OUT/rscalek.log" 2>&1
-      echo "rscalek rc $?"; grep -E "rac_operands|FAIL|Error" "$OUT/rscalek.log" | cut -c1-160
-      rollout rscale128 170 --quick --profile-steps 4 --precisions nvfp4_rac \
-      --rac-operand-scales --budget-s 130
-      rollout rbase128 170 --quick --profile-steps 4 --precisions nvfp4_rac --budget-s 130 ;;
-    rscale1) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 10 90 python3 scripts/kernel_probe.py \
-      --rac-operands --rac-operands-variants code_scales --out "$OUT/rscalek" \
-      > "$OUT/rscalek.log" 2>&1
-      echo "rscalek rc $?"; grep -E "rac_operands|FAIL|Error" "$OUT/rscalek.log" | cut -c1-160
-      rollout rscale128 110 --quick --profile-steps 4 --precisions nvfp4_rac \
-      --rac-operand-scales --budget-s 80
-      rollout rbase128 110 --quick --profile-steps 4 --precisions nvfp4_rac --budget-s 80 ;;
     ropad) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 200 python3 scripts/kernel_probe.py \
       --rac-operands --out "$OUT/ropk" > "$OUT/ropk.log" 2>&1
       echo "ropk rc $?"; grep -E "rac_operands|FAIL|Error" "$OUT/ropk.log" | cut -c1-160

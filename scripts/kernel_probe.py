@@ -726,10 +726,9 @@ def check_and_time_window_kernel(kernel: str, label: str, kern, x, window, want,
            f"{us_all * count_all:7.1f} us in {count_all} kernels")
 
 
-# (block_rows, num_warps, padding_rows, code_scales)
-RAC_OPERAND_VARIANTS = ((8, 4, "zeros", False), (16, 4, "zeros", False), (4, 4, "zeros", False),
-                        (8, 2, "zeros", False), (8, 4, "skip", False), (4, 4, "skip", False),
-                        (8, 4, "zeros", True), (4, 4, "zeros", True))
+# (block_rows, num_warps, padding_rows)
+RAC_OPERAND_VARIANTS = ((8, 4, "zeros"), (16, 4, "zeros"), (4, 4, "zeros"), (8, 2, "zeros"),
+                        (8, 4, "skip"), (4, 4, "skip"))
 
 
 def run_rac_operands(tokens: int = 128, variants=RAC_OPERAND_VARIANTS):
@@ -738,8 +737,7 @@ def run_rac_operands(tokens: int = 128, variants=RAC_OPERAND_VARIANTS):
     K = 768), uniform routing: the ``rac_operands`` kernel against the jnp path
     (``operand_rows`` without it) -- bit-identity on the GPU, then traced device time of the
     quantizer + operands program each way, and of the kernel alone per
-    ``RAC_OPERAND_VARIANTS`` (``code_scales``: the residual's scales coded in the kernel,
-    its row scales checked against the jnp path's too)."""
+    ``RAC_OPERAND_VARIANTS``."""
     from pallas_kernels import rac_operands as ro
     from pallas_kernels.w4a4_matmul import operand_rows
 
@@ -748,11 +746,11 @@ def run_rac_operands(tokens: int = 128, variants=RAC_OPERAND_VARIANTS):
     rows = tokens * 8
     for name, k, x, src, rexp, window in decode_operand_cases(tokens):
 
-        def program(x, window, kernel, rexp=rexp, src=src, k=k, scales=False):
+        def program(x, window, kernel, rexp=rexp, src=src, k=k):
             acts = aq.nvfp4_quantize(x, rac_config=aq.RACConfig(), row_expert=rexp,
                                      num_experts=GE, source_rows=src)
-            ops_, s = operand_rows(acts, window, jnp.float16, k, True, kernel, interpret)
-            return jnp.stack(s) if scales else (ops_ if kernel is not None else jnp.stack(ops_))
+            ops_, _ = operand_rows(acts, window, jnp.float16, k, True, kernel, interpret)
+            return ops_ if kernel is not None else jnp.stack(ops_)
 
         ref = jax.jit(lambda x, w: program(x, w, None))
         want = np.asarray(ref(x, window))
@@ -760,18 +758,10 @@ def run_rac_operands(tokens: int = 128, variants=RAC_OPERAND_VARIANTS):
         bk.log(f"  rac_operands {name} [2, {window.shape[0]}, {k}]: jnp quantizer + operands "
                f"{us * count:7.1f} us in {count} kernels")
         filled = np.asarray(window) < rows  # "skip" leaves the other rows unwritten
-        for br, nw, pad, code in variants:
-            cfg = ro.RACOperandsConfig(block_rows=br, num_warps=nw, padding_rows=pad,
-                                       code_scales=code)
+        for br, nw, pad in variants:
+            cfg = ro.RACOperandsConfig(block_rows=br, num_warps=nw, padding_rows=pad)
             kern = jax.jit(lambda x, w, cfg=cfg: program(x, w, cfg))
-            label = (f"{name} br {br}{'' if pad == 'zeros' else ' ' + pad} warps {nw}"
-                     f"{' code_scales' if code else ''}")
-            if code:
-                s_got, s_want = (np.asarray(jax.jit(lambda x, w, c=c: program(
-                    x, w, c, scales=True))(x, window)) for c in (cfg, None))
-                diff = int(np.sum(s_got.view(np.uint32) != s_want.view(np.uint32)))
-                bk.log(f"  {'PASS' if diff == 0 else 'FAIL'} rac_operands {label}: {diff} of "
-                       f"{s_got.size} row scales differ from the jnp path")
+            label = f"{name} br {br}{'' if pad == 'zeros' else ' ' + pad} warps {nw}"
             check_and_time_window_kernel("rac_operands", label, kern, x, window, want,
                                          None if pad == "zeros" else filled,
                                          "quantizer + operands")
@@ -830,7 +820,7 @@ def run_act_operands(tokens: int = 128, variants=RAC_OPERAND_VARIANTS[:4]):
         us, count, _ = traced_kernels(ref, x, window, match="", tag=f"aop_{name}_jnp")
         bk.log(f"  act_operands {name} [{window.shape[0]}, {k}]: jnp quantizer + operand "
                f"{us * count:7.1f} us in {count} kernels")
-        for br, nw, pad, _ in variants:
+        for br, nw, pad in variants:
             cfg = ao.ActOperandsConfig(block_rows=br, num_warps=nw, padding_rows=pad)
             kern = jax.jit(lambda x, w, cfg=cfg, src=src, k=k: ao.act_window_operand(
                 x, ao.row_decode_scales(x), w, src, k_pad=k, config=cfg, interpret=interpret))
@@ -857,9 +847,6 @@ def main(argv=None):
                    help="the RAC selection kernel: GPU bit-identity with jnp, traced times")
     p.add_argument("--rac-operands", action="store_true",
                    help="RAC's stacked-operand kernel: GPU bit-identity with jnp, traced times")
-    p.add_argument("--rac-operands-variants", choices=("all", "code_scales"), default="all",
-                   help="--rac-operands: every RAC_OPERAND_VARIANTS entry, or the default and "
-                   "the code_scales ones only (a short call)")
     p.add_argument("--act-operands", action="store_true",
                    help="plain W4A4's operand kernel: GPU bit-identity with jnp, traced times")
     p.add_argument("--tile-plan", action="store_true",
@@ -901,9 +888,7 @@ def main(argv=None):
             return 0
         if args.rac_operands:
             bk.measure_floors()
-            run_rac_operands(variants=RAC_OPERAND_VARIANTS if args.rac_operands_variants == "all"
-                             else (RAC_OPERAND_VARIANTS[0],)
-                             + tuple(v for v in RAC_OPERAND_VARIANTS if v[3]))
+            run_rac_operands()
             return 0
         if args.n_group:
             bk.measure_floors()

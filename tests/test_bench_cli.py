@@ -39,8 +39,7 @@ def test_bench_rollout_runs_with_kernel_overrides(tmp_path):
     argv = ["--tiny", "--batches", "2", "--prompts", "8", "--new-tokens", "8",
             "--decode-steps", "2", "--reps", "1", "--prefill-reps", "1", "--precisions",
             "nvfp4_rac", "--no-split", "--no-ragged", "--no-materialize-operands",
-            "--no-rac-operand-kernel", "--rac-operand-padding", "skip", "--rac-operand-scales",
-            "--tile-plan-kernel",
+            "--no-rac-operand-kernel", "--rac-operand-padding", "skip", "--tile-plan-kernel",
             "--act-operand-kernel", "--tile-plan-block", "8", "--n-samples", "2",
             "--share-prompt-cache", "--attention-prefix-mode", "per_group",
             "--attention-prefix-rows", "2", "--layers", "1", "--out", str(tmp_path)]
@@ -57,7 +56,6 @@ def test_bench_rollout_runs_with_kernel_overrides(tmp_path):
     assert [r["layers"] for r in rows if r["kind"] == "device"] == [1]  # --layers
     assert [r["rac_operand_kernel"] for r in rows if r["kind"] == "device"] == [False]
     assert [r["rac_operand_padding"] for r in rows if r["kind"] == "device"] == ["skip"]
-    assert [r["rac_operand_scales"] for r in rows if r["kind"] == "device"] == [True]
     assert [(r["tile_plan_kernel"], r["act_operand_kernel"], r["tile_plan_block"])
             for r in rows if r["kind"] == "device"] == [(True, True, 8)]
     assert [(r["attention_prefix_mode"], r["attention_prefix_rows"], r["attention_prefix_splits"])

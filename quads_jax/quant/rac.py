@@ -139,45 +139,6 @@ def select_blocks(
     return jnp.take_along_axis(jnp.broadcast_to(keep_sorted, scores.shape), rank, axis=-1)
 
 
-def selection_table(
-    scores: jax.Array,
-    recipe: QuantRecipe,
-    *,
-    rows: jax.Array | None = None,
-    row_expert: jax.Array | None = None,
-    num_experts: int | None = None,
-    static_blocks: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array | None]:
-    """``selection_mask`` as a table and an index: ``(table bool [Q, K/16], table_rows int32
-    [M] or None)``, the mask being ``table[table_rows]`` (``table`` itself when None): one
-    block set per expert (``[E, K/16]`` and each GEMM row's expert), one for the GEMM (``[1,
-    K/16]``), or one per distinct row. Kernels read the mask this way (``pallas_kernels.
-    rac_operands``' scale coding) instead of as a materialized ``[M, K/16]`` array."""
-    sel = recipe.rac_selection
-    m = scores.shape[0] if rows is None else rows.shape[0]
-    zeros = jnp.zeros((m,), jnp.int32)
-    if sel == "static":
-        if static_blocks is None:
-            raise ValueError(
-                "rac_selection='static' needs calibrated blocks: pass the weight as a "
-                "rac.CalibratedWeight with rac_blocks (see rac.calibrate_blocks)"
-            )
-        if row_expert is not None and static_blocks.ndim == 2:
-            return static_blocks, row_expert
-        if static_blocks.ndim == 1:
-            return static_blocks[None], zeros
-        return jnp.broadcast_to(static_blocks, (m, static_blocks.shape[-1])), None
-    if sel == "online_token":
-        chosen = select_blocks(scores, recipe.rac_ratio, recipe.rac_energy_target)
-        return chosen, rows
-    per_row = scores if rows is None else scores[rows]
-    agg = aggregate_scores(per_row, recipe.rac_score, row_expert, num_experts)
-    chosen = select_blocks(agg, recipe.rac_ratio, recipe.rac_energy_target)
-    if row_expert is None:
-        return chosen[None], zeros
-    return chosen, row_expert
-
-
 def selection_mask(
     scores: jax.Array,
     recipe: QuantRecipe,
@@ -198,13 +159,26 @@ def selection_mask(
       row_expert: int32 ``[M]`` expert of each GEMM row for grouped GEMMs (None: dense).
       static_blocks: bool ``[K/16]`` or ``[E, K/16]`` for ``rac_selection="static"``.
     """
-    return table_mask(*selection_table(scores, recipe, rows=rows, row_expert=row_expert,
-                                       num_experts=num_experts, static_blocks=static_blocks))
-
-
-def table_mask(table: jax.Array, table_rows: jax.Array | None) -> jax.Array:
-    """The ``[M, K/16]`` mask of ``selection_table``'s ``(table, table_rows)``."""
-    return table if table_rows is None else table[table_rows]
+    sel = recipe.rac_selection
+    m = scores.shape[0] if rows is None else rows.shape[0]
+    if sel == "static":
+        if static_blocks is None:
+            raise ValueError(
+                "rac_selection='static' needs calibrated blocks: pass the weight as a "
+                "rac.CalibratedWeight with rac_blocks (see rac.calibrate_blocks)"
+            )
+        if row_expert is not None and static_blocks.ndim == 2:
+            return static_blocks[row_expert]
+        return jnp.broadcast_to(static_blocks, (m, static_blocks.shape[-1]))
+    if sel == "online_token":
+        chosen = select_blocks(scores, recipe.rac_ratio, recipe.rac_energy_target)
+        return chosen if rows is None else chosen[rows]
+    per_row = scores if rows is None else scores[rows]
+    agg = aggregate_scores(per_row, recipe.rac_score, row_expert, num_experts)
+    chosen = select_blocks(agg, recipe.rac_ratio, recipe.rac_energy_target)
+    if row_expert is None:
+        return jnp.broadcast_to(chosen, per_row.shape)
+    return chosen[row_expert]
 
 
 def block_mask(
@@ -269,14 +243,6 @@ class SelectedResidual:
       rows: None (M = R, row ``i`` is ``r``'s row ``i``) or int32 ``[M]``: each GEMM row's
         distinct row.
       dtype: the logical dtype of the codes (the activations').
-      amax / finite: None, or float32 / bool ``[R, K/16]``: the block amax and finiteness of
-        ``r``'s (distinct) rows, from which ``scales``, ``reciprocals`` and (``row_scaled``)
-        ``global_scale`` were coded; mask_table / mask_rows: ``mask`` as
-        ``rac.selection_table`` gives it (``mask == table_mask(mask_table, mask_rows)``).
-        With them a kernel codes the scales itself (``pallas_kernels.rac_operands``).
-      row_scaled: each GEMM row's decode scale is ``nvfp4.decode_scale_from_amax`` of the
-        largest ``amax`` over its selected blocks (the residual's own per-row scale), so a
-        kernel can recompute it from ``amax`` and the mask.
     """
 
     r: jax.Array
@@ -286,11 +252,6 @@ class SelectedResidual:
     global_scale: jax.Array
     rows: jax.Array | None = None
     dtype: jnp.dtype = dataclasses.field(default=jnp.dtype(jnp.bfloat16), metadata={"static": True})
-    amax: jax.Array | None = None
-    finite: jax.Array | None = None
-    mask_table: jax.Array | None = None
-    mask_rows: jax.Array | None = None
-    row_scaled: bool = dataclasses.field(default=False, metadata={"static": True})
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -369,20 +330,14 @@ def select_residual(
     r = nvfp4.residual(x, q)
     amax, finite = nvfp4.block_amax(block_view(r))  # [R, K/16, 1]
     scores = row_block_scores(x, r, recipe.rac_score, row_valid)
-    # What a kernel needs to code the scales itself (SelectedResidual.amax, ...).
-    coding = dict(amax=amax[..., 0], finite=finite[..., 0],
-                  row_scaled=recipe.rac_residual_scale == "separate"
-                  and act_scale_mode != "per_batch")
     if selector is not None:
         s, rcp, mask, g = selector(scores, amax[..., 0], finite[..., 0])
         return SelectedResidual(r=r, scales=s.astype(jnp.float8_e4m3fn), reciprocals=rcp,
-                                mask=mask, global_scale=g, rows=rows, dtype=jnp.dtype(x.dtype),
-                                mask_table=mask, **coding)
+                                mask=mask, global_scale=g, rows=rows, dtype=jnp.dtype(x.dtype))
     if rows is not None:
         amax, finite = amax[rows], finite[rows]
-    table, table_rows = selection_table(scores, recipe, rows=rows, row_expert=row_expert,
-                                        num_experts=num_experts, static_blocks=static_blocks)
-    mask = table_mask(table, table_rows)
+    mask = selection_mask(scores, recipe, rows=rows, row_expert=row_expert,
+                          num_experts=num_experts, static_blocks=static_blocks)
     m = mask.shape[0]
     if recipe.rac_residual_scale == "shared":
         g = jnp.asarray(q.global_scale, jnp.float32).reshape(-1)
@@ -396,7 +351,7 @@ def select_residual(
     return SelectedResidual(
         r=r, scales=jnp.where(mask, s, jnp.zeros((), s.dtype)),
         reciprocals=jnp.where(mask, rcp[..., 0], 0.0), mask=mask, global_scale=g, rows=rows,
-        dtype=jnp.dtype(x.dtype), mask_table=table, mask_rows=table_rows, **coding)
+        dtype=jnp.dtype(x.dtype))
 
 
 def captured_energy(r: jax.Array, mask: jax.Array) -> jax.Array:
