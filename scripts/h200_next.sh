@@ -187,6 +187,11 @@
 # Built after the last call: swiglu's own gradient (21434a3). Next, on an H200: `trainprof`
 # (the swiglu change), `kpre` (the block-wise column takes), `b128 nobar`, `contshare
 # contgroup`, `kv8`, `kgroup`, `gcheck`, `b256`; never `b128`-like rollouts on an H100.
+# Session 28 got H100s only: `b128 kpre` (1657f33; the rollout steps now run 24 layers on a GPU
+# under 100 GB: nvfp4_rac 1.78x bf16 there; RAC prefill over the selected blocks +52 %: the
+# default since), `trainprof` (0.257 s per update) and a short test of RAC scale coding in
+# rac_operands (slower: reverted). Next, on an H200: `b128 nobar`, `kpre`, `trainprof`, then
+# `contshare contgroup`, `kv8`, `kgroup`, `gcheck`, `b256`; on an H100 the same (24 layers).
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
