@@ -102,11 +102,11 @@ class W4A4MatmulConfig:
     # serial walk over an expert's rows is latency-bound; 64 rows per step: 21.67 ms).
     rac_select_kernel: bool = False
     rac_select_block_rows: int = 16
-    # Off: on the H200 (2026-12-05, 7e950af, M = 8192, K x N = 4096 x 14336) the residual GEMM
-    # over the selected columns took 584 us against 1093 over all K, but gathering the columns
-    # element by element (`b[:, cols]`, `wd[:, cols]`) took 355 + 2 x 264 us: device time 2958
-    # against 2619 us. The block-wise takes below replace those gathers (not yet measured:
-    # `bench_kernels --part prefill`).
+    # On: the residual GEMM over the selected blocks. On the H200 (2026-12-05, 7e950af, M =
+    # 8192, K x N = 4096 x 14336) it took 584 us against 1093 over all K, but the columns
+    # gathered element by element (`b[:, cols]`, `wd[:, cols]`) took 355 + 2 x 264 us (device
+    # 2958 against 2619 us); taken as whole 16-column blocks (`_take_blocks`), on an H100
+    # (1657f33): 2207 against 2719 us, W4A4 alone 1447.
     rac_prefill_columns: bool = True
     windowed_operands: bool = True
     # On the H200 (2026-12-04, 22273a2, batch-128 decode step, same call): 8.2 + 4.4 us per
