@@ -111,6 +111,7 @@ def schedules(params, cfg, recipe, tokens, mask, sc, args) -> dict:
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tiny", action="store_true", help="bench_rollout's tiny model (CPU)")
+    bench_rollout.add_layers_flag(p)
     p.add_argument("--precision", default=None, choices=sorted(bench_rollout.PRECISIONS),
                    help="default: nvfp4_rac on a GPU, bf16 elsewhere")
     p.add_argument("--sequences", type=int, default=512, help="responses in all")
@@ -165,7 +166,7 @@ def run(args) -> int:
         with open(path, "a") as f:
             f.write(json.dumps(row) + "\n")
 
-    cfg = ModelConfig(**(bench_rollout.TINY if args.tiny else bench_rollout.QWEN3_30B_A3B))
+    cfg = bench_rollout.bench_model_config(args.tiny, args.layers)
     gpu = jax.devices()[0].platform == "gpu"
     precision = args.precision or ("nvfp4_rac" if gpu else "bf16")
     recipe = get_recipe(bench_rollout.PRECISIONS[precision],
@@ -178,7 +179,7 @@ def run(args) -> int:
     del master
     tokens, mask, sc = workload(cfg, args)
     record(dict(kind="device", device=str(jax.devices()[0].device_kind), commit=args.commit,
-                precision=precision, sequences=args.sequences, n_samples=args.n_samples,
+                layers=cfg.num_hidden_layers, precision=precision, sequences=args.sequences, n_samples=args.n_samples,
                 batch_rows=args.batch_rows, prompt=args.prompt, new_tokens=args.new_tokens,
                 stop_fraction=args.stop_fraction, stop_ids=len(sc.stop_token_ids),
                 segment_steps=args.segment_steps, kv_cache_dtype=args.kv_cache_dtype,

@@ -101,6 +101,25 @@ TINY = dict(QWEN3_30B_A3B, vocab_size=512, hidden_size=64, moe_intermediate_size
             num_experts=8, num_experts_per_tok=2, max_position_embeddings=4096)
 
 
+def bench_model_config(tiny: bool, layers: int | None = None) -> ModelConfig:
+    """The benchmarks' model: Qwen3-30B-A3B's shape (``tiny``: ``TINY``), with ``layers``
+    decoder layers instead of its own count when given (``--layers``)."""
+    shape = dict(TINY if tiny else QWEN3_30B_A3B)
+    if layers is not None:
+        if layers < 1:
+            raise ValueError(f"--layers={layers}: need at least 1 decoder layer")
+        shape["num_hidden_layers"] = layers
+    return ModelConfig(**shape)
+
+
+def add_layers_flag(p) -> None:
+    """``--layers`` (``bench_model_config``'s ``layers``)."""
+    p.add_argument("--layers", type=int, default=None,
+                   help="decoder layers (default: the model's, 48 for the 30B shape): fewer "
+                        "fit an 80 GB H100 (the 48-layer sync needs ~78 GB); every layer is "
+                        "the same, so the arms' per-step ratios hold, not their absolute times")
+
+
 # ------------------------------------------------------------------------------ helpers
 class Clock:
     """Wall time since start, and whether the time budget still allows new work."""
@@ -501,10 +520,7 @@ def parse_args(argv):
     p.add_argument("--quick", action="store_true",
                    help="batch 128, prompt 256, 16 timed decode steps, 2 reps")
     p.add_argument("--tiny", action="store_true", help="a tiny model (CPU dry run)")
-    p.add_argument("--layers", type=int, default=None,
-                   help="decoder layers (default: the model's, 48 for the 30B shape): fewer "
-                        "fit an 80 GB H100 (the 48-layer sync needs ~78 GB); every layer is "
-                        "the same, so the arms' per-step ratios hold, not their absolute times")
+    add_layers_flag(p)
     p.add_argument("--batches", default="32,128,256")
     p.add_argument("--prompts", default="256,1024")
     p.add_argument("--new-tokens", type=int, default=1024)
@@ -661,12 +677,7 @@ def main(argv=None) -> int:
     clock = Clock(args.budget_s)
     os.makedirs(args.out, exist_ok=True)
     open(os.path.join(args.out, "rollout.jsonl"), "w").close()
-    shape = dict(TINY if args.tiny else QWEN3_30B_A3B)
-    if args.layers is not None:
-        if args.layers < 1:
-            raise ValueError(f"--layers={args.layers}: need at least 1 decoder layer")
-        shape["num_hidden_layers"] = args.layers
-    cfg = ModelConfig(**shape)
+    cfg = bench_model_config(args.tiny, args.layers)
     device = jax.devices()[0]
     gpu = device.platform == "gpu"
     bandwidth = copy_bandwidth(2**32 if gpu else 2**26)

@@ -202,8 +202,9 @@ if [ -z "${COMMIT:-}" ]; then
 fi
 ALL=nvfp4,nvfp4_rac,bf16,fp8
 # An 80 GB H100 cannot hold the 48-layer 30B shape (session 27: `sync` out of memory with 61 GB
-# of BF16 weights and their NVFP4 copy): there the rollout steps run 24 of its identical layers
-# (the arms' per-step ratios hold, their absolute times do not: the JSON records `layers`).
+# of BF16 weights and their NVFP4 copy): there the rollout and continuous-batching steps run 24
+# of its identical layers (the arms' per-step ratios hold, their absolute times do not: the
+# JSON records `layers`).
 GPU_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
 LAYERS=()
 if [ -n "$GPU_MIB" ] && [ "$GPU_MIB" -lt 100000 ]; then
@@ -223,7 +224,7 @@ continuous() {  # continuous TAG SECONDS ARGS...: the `cont` workload (bench_con
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -k 15 "$limit" python3 scripts/bench_continuous.py \
     --precision nvfp4_rac --sequences 256 --n-samples 8 --batch-rows 128 --prompt 256 \
     --new-tokens 512 --stop-fraction 0.004 --segment-steps 32 --commit "$COMMIT" \
-    --out "$OUT/$tag" "$@" > "$OUT/$tag.log" 2>&1
+    ${LAYERS[@]+"${LAYERS[@]}"} --out "$OUT/$tag" "$@" > "$OUT/$tag.log" 2>&1
   echo "$tag rc $?"; grep -E '"schedule"|Error' "$OUT/$tag.log" | cut -c1-300
 }
 check() {  # check PART SECONDS

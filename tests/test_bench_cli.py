@@ -76,11 +76,12 @@ def test_bench_continuous_runs_every_schedule_on_one_workload(tmp_path):
 
     argv = ["--tiny", "--sequences", "8", "--n-samples", "2", "--batch-rows", "4", "--prompt",
             "6", "--new-tokens", "6", "--stop-fraction", "0.1", "--segment-steps", "2",
-            "--share-prompt-cache", "--attention-prefix-mode", "per_group",
+            "--share-prompt-cache", "--attention-prefix-mode", "per_group", "--layers", "1",
             "--out", str(tmp_path)]
     assert bench_continuous.main(argv) == 0
     rows = [json.loads(line) for line in open(tmp_path / "continuous.jsonl")]
     assert [r["attention_prefix_mode"] for r in rows if r["kind"] == "device"] == ["per_group"]
+    assert [r["layers"] for r in rows if r["kind"] == "device"] == [1]
     runs = {r["schedule"]: r for r in rows if r["kind"] == "schedule"}
     assert sorted(runs) == ["compacting", "continuous", "static"]
     for r in runs.values():
