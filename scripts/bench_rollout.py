@@ -2,6 +2,7 @@
 
     python scripts/bench_rollout.py --quick --out $OUT          # one H200, a few minutes
     python scripts/bench_rollout.py --batches 32,128,256 --prompts 256,1024 --new-tokens 1024
+    python scripts/bench_rollout.py --quick --layers 24 --out $OUT  # an 80 GB H100: 24 layers
     python scripts/bench_rollout.py --tiny --quick              # CPU dry run of every code path
 
 What it does, in one process (results are appended to ``OUT/rollout.jsonl`` as they come, and a
