@@ -80,18 +80,17 @@ def trace(run, tag: str, logdir: str | None = None, **summarize_kwargs) -> dict:
     return ``summarize`` of the trace. ``logdir``: where the trace stays (for TensorBoard or
     Perfetto); None: a temporary directory named by ``tag``, removed afterwards (a benchmark
     traces every row: their traces filled ``/tmp``)."""
+    import contextlib
     import tempfile
 
     import jax
 
-    if logdir is not None:
-        with jax.profiler.trace(logdir):
+    where = (contextlib.nullcontext(logdir) if logdir is not None
+             else tempfile.TemporaryDirectory(prefix=f"quads_trace_{tag}_"))
+    with where as d:
+        with jax.profiler.trace(d):
             run()
-        return summarize(logdir, **summarize_kwargs)
-    with tempfile.TemporaryDirectory(prefix=f"quads_trace_{tag}_") as tmp:
-        with jax.profiler.trace(tmp):
-            run()
-        return summarize(tmp, **summarize_kwargs)
+        return summarize(d, **summarize_kwargs)
 
 
 def format_summary(summary: dict) -> str:
