@@ -180,7 +180,8 @@ def run(args) -> int:
     tokens, mask, sc = workload(cfg, args)
     record(dict(kind="device", device=str(jax.devices()[0].device_kind), commit=args.commit,
                 layers=cfg.num_hidden_layers, precision=precision, sequences=args.sequences,
-                n_samples=args.n_samples, batch_rows=args.batch_rows, prompt=args.prompt, new_tokens=args.new_tokens,
+                n_samples=args.n_samples, batch_rows=args.batch_rows, prompt=args.prompt,
+                new_tokens=args.new_tokens,
                 stop_fraction=args.stop_fraction, stop_ids=len(sc.stop_token_ids),
                 segment_steps=args.segment_steps, kv_cache_dtype=args.kv_cache_dtype,
                 share_prompt_cache=args.share_prompt_cache,
