@@ -28,9 +28,9 @@ scales float32 ``[M, nb]`` (E4M3 values, 0 outside the selection), reciprocals f
 Triton needs power-of-two block shapes: ``nb`` and ``E`` are padded in the wrapper (scores with
 NaN, which ranks after every real block and never before one; the pad columns are dropped).
 The per-expert sums add a step's rows as a tree, then the steps in order: where float32
-addition is inexact the last bit of a sum can differ from the jnp path's (a float32 GEMM of
-row counts with the score rows, ``rac.aggregate_scores``), and two sums within an ulp may then
-rank the other way. With exactly representable sums (the tests) the results are bit-identical.
+addition is inexact the last bit of a sum can differ from ``segment_sum``'s sequential order
+(XLA's GPU scatter-add adds in any order anyway), and two sums within an ulp may then rank the
+other way. With exactly representable sums (the tests) the results are bit-identical.
 
 The row loop is serial per expert, so the kernel is for decode-sized GEMMs: ``MAX_ROWS``
 bounds where ``pallas_kernels.w4a4_grouped`` uses it (prefill keeps the jnp path).

@@ -55,48 +55,6 @@ def block_view(x: jax.Array) -> jax.Array:
     return x.reshape(x.shape[:-1] + (x.shape[-1] // BLOCK, BLOCK))
 
 
-SCORES = ("residual_l2", "residual_l1", "act_amax")
-
-
-def _check_score(score: str) -> None:
-    if score not in SCORES:
-        raise ValueError(f"score={score!r}: must be one of {SCORES}")
-
-
-def residual_block_stats(
-    x: jax.Array, r: jax.Array, score: str, row_valid: jax.Array | None = None
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """RAC's per-block statistics of activations ``x [M, K]`` and residual ``r [M, K]``, in one
-    variadic reduction over each 16-element block: ``(amax, finite, scores)``.
-
-    ``amax`` float32 and ``finite`` bool ``[M, K/16, 1]`` are ``nvfp4.block_amax(block_view(
-    r))``; ``scores`` float32 ``[M, K/16]`` are ``row_block_scores``'. One reduction because
-    XLA ran the three as three fusions on the GPU, each recomputing the residual from ``x`` and
-    its codes (the grouped prefill at 8 192 rows: ~55 us each on the H100, 2026-12-05).
-    """
-    _check_score(score)
-    rb = block_view(r).astype(jnp.float32)
-    absr = jnp.abs(rb)
-    fin = jnp.isfinite(rb)
-    if score == "residual_l2":
-        s_in, s_op, s_init = jnp.square(rb), jax.lax.add, 0.0
-    elif score == "residual_l1":
-        s_in, s_op, s_init = absr, jax.lax.add, 0.0
-    else:
-        s_in, s_op, s_init = jnp.abs(block_view(x).astype(jnp.float32)), jax.lax.max, -jnp.inf
-
-    def combine(a, b):
-        return (jax.lax.max(a[0], b[0]), jax.lax.min(a[1], b[1]), s_op(a[2], b[2]))
-
-    # "All finite" as a min over int32, as nvfp4.block_amax: the same bool.
-    amax, fin_min, scores = jax.lax.reduce(
-        (jnp.where(fin, absr, 0.0), fin.astype(jnp.int32), s_in),
-        (jnp.float32(-jnp.inf), jnp.int32(1), jnp.float32(s_init)), combine, (rb.ndim - 1,))
-    if row_valid is not None:
-        scores = jnp.where(row_valid[:, None], scores, jnp.zeros((), scores.dtype))
-    return amax[..., None], (fin_min > 0)[..., None], scores
-
-
 def row_block_scores(x: jax.Array, r: jax.Array, score: str,
                      row_valid: jax.Array | None = None) -> jax.Array:
     """Per-row block scores ``[M, K/16]`` f32 of activations ``x`` and residual ``r``.
@@ -104,51 +62,30 @@ def row_block_scores(x: jax.Array, r: jax.Array, score: str,
     ``row_valid``: None, or bool ``[M]``: the rows that are tokens. ``online_batch`` scores
     the GEMM's own tokens, so rows that are not (left padding, sequences that finished
     decoding) score 0: every score is >= 0, so they add nothing to the batch's or an expert's
-    sum or maximum. The scores of ``residual_block_stats`` (one function computes them)."""
-    return residual_block_stats(x, r, score, row_valid)[2]
+    sum or maximum."""
+    if score == "residual_l2":
+        scores = jnp.sum(jnp.square(block_view(r)), axis=-1)
+    elif score == "residual_l1":
+        scores = jnp.sum(jnp.abs(block_view(r)), axis=-1)
+    elif score == "act_amax":
+        scores = jnp.max(jnp.abs(block_view(x.astype(jnp.float32))), axis=-1)
+    else:
+        raise ValueError(f"score={score!r}: must be residual_l2, residual_l1 or act_amax")
+    if row_valid is not None:
+        scores = jnp.where(row_valid[:, None], scores, jnp.zeros((), scores.dtype))
+    return scores
 
 
 def aggregate_scores(
-    row_scores: jax.Array, score: str, row_expert: jax.Array | None, num_experts: int | None,
-    rows: jax.Array | None = None,
+    row_scores: jax.Array, score: str, row_expert: jax.Array | None, num_experts: int | None
 ) -> jax.Array:
     """Combine per-row scores into one score per block (``[K/16]``) or per expert block
-    (``[E, K/16]``): sums for the residual norms, max for ``act_amax``.
-
-    ``row_scores``: float32 ``[R, K/16]``; ``rows``: None (GEMM row ``i`` is score row ``i``)
-    or int32 ``[M]``, the score row of each GEMM row; ``row_expert``: None (dense: all rows)
-    or int32 ``[M]``, the expert of each GEMM row (rows of experts outside ``[0, E)`` count for
-    none). A MoE token's k GEMM rows share its score row.
-
-    The per-expert sums are a float32 GEMM (``precision=HIGHEST``: exact products) of the
-    rows-per-(expert, score row) counts ``[E, R]`` with the score rows, not a scatter-add of
-    the ``[M, K/16]`` gathered rows: on the H100 that scatter took 44 us at 8 192 prefill rows
-    (2026-12-05), and XLA's GPU scatter-add adds in no fixed order, so the selection could
-    differ between runs where two sums are within an ulp. Non-finite scores count as they
-    would in a sum (any NaN: NaN, else any +inf: inf) without reaching other experts' sums
-    through the GEMM's zero counts (0 x inf is NaN).
-    """
+    (``[E, K/16]``): sums for the residual norms, max for ``act_amax``."""
     if row_expert is None:
-        per_row = row_scores if rows is None else row_scores[rows]
-        return jnp.max(per_row, 0) if score == "act_amax" else jnp.sum(per_row, 0)
+        return jnp.max(row_scores, 0) if score == "act_amax" else jnp.sum(row_scores, 0)
     if score == "act_amax":
-        per_row = row_scores if rows is None else row_scores[rows]
-        return jax.ops.segment_max(per_row, row_expert, num_segments=num_experts)
-    experts = jnp.arange(num_experts, dtype=row_expert.dtype)
-    if rows is None:
-        counts = (row_expert[None, :] == experts[:, None]).astype(jnp.float32)  # [E, R = M]
-    else:
-        counts = jnp.zeros((num_experts, row_scores.shape[0]), jnp.float32).at[
-            row_expert, rows].add(1.0, mode="drop")
-    finite = jnp.isfinite(row_scores)
-    nb = row_scores.shape[-1]
-    operand = jnp.concatenate([jnp.where(finite, row_scores, 0.0),
-                               jnp.isnan(row_scores).astype(jnp.float32),
-                               jnp.isposinf(row_scores).astype(jnp.float32)], axis=-1)
-    out = jnp.dot(counts, operand, precision=jax.lax.Precision.HIGHEST,
-                  preferred_element_type=jnp.float32)  # [E, 3 nb]
-    sums, nans, infs = out[:, :nb], out[:, nb:2 * nb], out[:, 2 * nb:]
-    return jnp.where(nans > 0, jnp.nan, jnp.where(infs > 0, jnp.inf, sums))
+        return jax.ops.segment_max(row_scores, row_expert, num_segments=num_experts)
+    return jax.ops.segment_sum(row_scores, row_expert, num_segments=num_experts)
 
 
 # Above this many pairwise comparisons (rows x nb x nb) ``select_blocks`` ranks by sorting.
@@ -236,10 +173,11 @@ def selection_mask(
     if sel == "online_token":
         chosen = select_blocks(scores, recipe.rac_ratio, recipe.rac_energy_target)
         return chosen if rows is None else chosen[rows]
-    agg = aggregate_scores(scores, recipe.rac_score, row_expert, num_experts, rows=rows)
+    per_row = scores if rows is None else scores[rows]
+    agg = aggregate_scores(per_row, recipe.rac_score, row_expert, num_experts)
     chosen = select_blocks(agg, recipe.rac_ratio, recipe.rac_energy_target)
     if row_expert is None:
-        return jnp.broadcast_to(chosen, (m, scores.shape[-1]))
+        return jnp.broadcast_to(chosen, per_row.shape)
     return chosen[row_expert]
 
 
@@ -390,7 +328,8 @@ def select_residual(
         accepts; it traces this module's and ``nvfp4``'s functions).
     """
     r = nvfp4.residual(x, q)
-    amax, finite, scores = residual_block_stats(x, r, recipe.rac_score, row_valid)
+    amax, finite = nvfp4.block_amax(block_view(r))  # [R, K/16, 1]
+    scores = row_block_scores(x, r, recipe.rac_score, row_valid)
     if selector is not None:
         s, rcp, mask, g = selector(scores, amax[..., 0], finite[..., 0])
         return SelectedResidual(r=r, scales=s.astype(jnp.float8_e4m3fn), reciprocals=rcp,

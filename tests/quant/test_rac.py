@@ -64,52 +64,6 @@ def test_pairwise_ranks_equal_the_sorting_path(monkeypatch):
         np.testing.assert_array_equal(fast, slow)
 
 
-@pytest.mark.parametrize("score", rac.SCORES)
-def test_residual_block_stats_equal_the_separate_reductions(score):
-    """The one variadic reduction gives ``block_amax``'s amax and finiteness bit for bit and the
-    scores of the plain reductions (to f32 summation order), non-finite residuals included."""
-    rng = np.random.default_rng(1)
-    x = rng.standard_normal((6, 64)).astype(np.float32) * 4
-    r = rng.standard_normal((6, 64)).astype(np.float32)
-    r[0, 3], r[1, 20], r[2, 40], x[3, 5] = np.inf, np.nan, -np.inf, np.nan
-    valid = np.asarray([True, True, False, True, True, True])
-    amax, finite, scores = jax.jit(rac.residual_block_stats, static_argnums=2)(
-        x, r, score, valid)
-    amax0, finite0 = nvfp4.block_amax(rac.block_view(jnp.asarray(r)))
-    np.testing.assert_array_equal(np.asarray(amax), np.asarray(amax0))
-    np.testing.assert_array_equal(np.asarray(finite), np.asarray(finite0))
-    rb, xb = r.reshape(6, 4, 16), x.reshape(6, 4, 16)
-    want = {"residual_l2": np.sum(rb.astype(np.float64) ** 2, -1),
-            "residual_l1": np.sum(np.abs(rb.astype(np.float64)), -1),
-            "act_amax": np.max(np.abs(xb), -1)}[score]
-    want = np.where(valid[:, None], want, 0.0)
-    np.testing.assert_allclose(np.asarray(scores), want, rtol=1e-6)
-    assert np.isnan(np.asarray(scores)[1, 1]) == (score != "act_amax")
-    with pytest.raises(ValueError, match="score='l3'"):
-        rac.residual_block_stats(x, r, "l3")
-
-
-def test_expert_sums_equal_segment_sum_and_keep_nonfinite_local():
-    """Per-expert score sums as a counts GEMM equal the gather + segment_sum they replace (to
-    f32 order), with and without GEMM-row -> score-row maps; a NaN or inf score row poisons only
-    the experts it is routed to, as in a sum; rows of experts past E count for none."""
-    rng = np.random.default_rng(2)
-    e, r_rows, m, nb = 5, 7, 19, 8
-    scores = rng.random((r_rows, nb)).astype(np.float32) * 10
-    scores[2, 1], scores[4, 6] = np.nan, np.inf
-    rows = rng.integers(0, r_rows, m).astype(np.int32)
-    row_expert = np.sort(rng.integers(0, e + 1, m)).astype(np.int32)  # some rows past E
-    agg = jax.jit(rac.aggregate_scores, static_argnums=(1, 3))
-    for rows_arg, per_row in ((rows, scores[rows]), (None, scores[:m])):
-        if rows_arg is None:
-            per_row = np.resize(scores, (m, nb))
-        got = np.asarray(agg(per_row if rows_arg is None else scores, "residual_l2",
-                             row_expert, e, rows=rows_arg))
-        want = np.asarray(jax.ops.segment_sum(per_row, row_expert, num_segments=e))
-        np.testing.assert_allclose(got, want, rtol=1e-6)  # NaN where want is NaN, inf alike
-        assert np.isfinite(want).sum() > 0 and not np.isfinite(want).all()
-
-
 def test_online_batch_scores_only_the_valid_rows(xw):
     """``row_valid``: rows that are not tokens (padding, finished sequences) take no part in
     ``online_batch``'s selection. Valid rows then get what a batch of the valid rows alone
