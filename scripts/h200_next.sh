@@ -73,6 +73,8 @@
 #          arms at batch 128 with --kv-cache-dtype float8_e4m3fn (compare with b128)
 #   attn   kv8's decode attention probe alone (checks, then bf16 / FP8 timings, bf16 configs:
 #          num_stages, block_s, num_warps; FP8 configs; 240 s)
+#   kv8r   kv8's four arms on the FP8 cache without the attention probe, then nvfp4_rac on the
+#          bf16 cache (the same call's baseline)
 #   kv8s   nvfp4_rac and nvfp4 on the FP8 cache with the decode attention split over 2 slot
 #          ranges per (row, KV head) (slot_splits, flash-decoding) and without, same call
 #          (run `attn` first: its timings include the slot_splits variants)
@@ -365,6 +367,9 @@ for step in "$@"; do
       echo "attn rc $?"; grep -E "attention|FAIL|PASS|Error" "$OUT/attn.log" | cut -c1-140
       rollout kv8 250 --quick --profile-steps 4 --precisions $ALL --kv-cache-dtype float8_e4m3fn \
       --budget-s 200 ;;
+    kv8r) rollout kv8 250 --quick --profile-steps 4 --precisions $ALL --kv-cache-dtype float8_e4m3fn \
+      --budget-s 200
+      rollout b128rac 120 --quick --profile-steps 4 --precisions nvfp4_rac --budget-s 90 ;;
     kv8s) rollout kv8s2 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \
       --kv-cache-dtype float8_e4m3fn --attention-slot-splits 2 --budget-s 110
       rollout kv8s1 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \
@@ -426,6 +431,6 @@ for step in "$@"; do
       --budget-s 150 ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
-    *) echo "unknown step $step (check gcheck mcheck b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 nobar1 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop ropad hlo prof2 plan plan2 b128p cont contshare contgroup share pgroup kpre tgrouped train traindw trainprof)"; exit 2 ;;
+    *) echo "unknown step $step (check gcheck mcheck kv8r b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 nobar1 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop ropad hlo prof2 plan plan2 b128p cont contshare contgroup share pgroup kpre tgrouped train traindw trainprof)"; exit 2 ;;
   esac
 done
