@@ -89,12 +89,16 @@ class QuantizedActivations:
       mask: bool ``[M, K/16]`` selected blocks, or None without RAC.
       q_rows: None, or int32 ``[M]``: ``q`` holds the distinct rows ``[R, K]`` and GEMM row
         ``i`` is ``q``'s row ``q_rows[i]`` (``nvfp4_quantize``'s ``source_rows``).
+      operand: None, or ``q``'s ``mma_operand`` ``(values [R, K], g float32 [R])`` as a kernel
+        wrote it (``pallas_kernels.rac_rows``): then nothing computes it from the codes, and
+        XLA drops the codes' pass where nothing else reads them.
     """
 
     q: nvfp4.NVFP4Codes
     residual: rac.SelectedResidual | jax.Array | None = None
     mask: jax.Array | None = None
     q_rows: jax.Array | None = None
+    operand: tuple[jax.Array, jax.Array] | None = None
 
 
 def _check_x(x: jax.Array, act_scale_mode: str, static_scale) -> None:
@@ -121,6 +125,7 @@ def nvfp4_quantize(
     source_rows: jax.Array | None = None,
     rac_selector=None,
     row_valid: jax.Array | None = None,
+    row_pass=None,
 ) -> QuantizedActivations:
     """Quantize activations ``x: [M, K]`` (bf16/f16/f32, K % 16 == 0) and their RAC residual.
 
@@ -140,6 +145,10 @@ def nvfp4_quantize(
         ``selector``; ``pallas_kernels.w4a4_grouped`` makes it).
       row_valid: None, or bool per row of ``x``: the rows that are tokens (RAC's
         ``online_batch`` selection scores only those; ``rac.selection_mask``).
+      row_pass: None, or a ``pallas_kernels.rac_rows.RACRowsConfig`` (with ``interpret``):
+        with RAC, per-token scales and a residual score the kernel computes, the operand values
+        and the residual's statistics come from its one kernel (``rac_rows``), not from the
+        codes' XLA passes (``QuantizedActivations.operand``).
     """
     _check_x(x, act_scale_mode, static_scale)
     if source_rows is not None and act_scale_mode != "per_token":
@@ -149,13 +158,39 @@ def nvfp4_quantize(
     q = nvfp4.quantize_activations(x, act_scale_mode, static_scale)
     if rac_config is None:
         return QuantizedActivations(q=q, q_rows=source_rows)
+    operand = row_stats = None
+    if row_pass is not None and row_pass_applies(rac_config, act_scale_mode):
+        from pallas_kernels import rac_rows
+
+        config, interpret, dtype = row_pass
+        g = nvfp4.compute_global_scale(x, "row")[:, 0]
+        rp = rac_rows.rac_row_pass(x, g, score=rac_config.rac_score, dtype=dtype, config=config,
+                                   interpret=interpret)
+        operand, row_stats = (rp.values, g), (rp.residual, rp.amax, rp.finite, rp.scores)
     sel = rac.select_residual(
         x, q, rac_config, act_scale_mode=act_scale_mode, rows=source_rows,
         row_expert=row_expert, num_experts=num_experts, static_blocks=static_blocks,
-        selector=rac_selector, row_valid=row_valid,
+        selector=rac_selector, row_valid=row_valid, row_stats=row_stats,
     )
     residual = sel.masked().astype(jnp.bfloat16) if rac_config.rac_residual_format == "bf16" else sel
-    return QuantizedActivations(q=q, residual=residual, mask=sel.mask, q_rows=source_rows)
+    return QuantizedActivations(q=q, residual=residual, mask=sel.mask, q_rows=source_rows,
+                                operand=operand)
+
+
+def row_pass_applies(rac_config: RACConfig, act_scale_mode: str) -> bool:
+    """Whether ``rac_rows``' kernel computes this configuration's row pass: per-token scales
+    and a residual score (``act_amax`` scores the activations: the jnp path)."""
+    from pallas_kernels.rac_rows import SCORES
+
+    return act_scale_mode == "per_token" and rac_config.rac_score in SCORES
+
+
+def acts_operand(acts: QuantizedActivations, dtype) -> tuple[jax.Array, jax.Array]:
+    """``mma_operand(acts.q, dtype)``, the kernel-written copy where ``acts`` has one in
+    ``dtype``."""
+    if acts.operand is not None and acts.operand[0].dtype == jnp.dtype(dtype):
+        return acts.operand
+    return mma_operand(acts.q, dtype)
 
 
 def mma_operand(q: nvfp4.NVFP4Codes | nvfp4.NVFP4Tensor, dtype) -> tuple[jax.Array, jax.Array]:
@@ -170,7 +205,7 @@ def kernel_operands(
 ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
     """The kernel's B operands (1 or 2 arrays ``[M, K]`` in ``dtype``; the first ``[R, K]``
     with ``acts.q_rows``) and their per-row scales."""
-    b0, g0 = mma_operand(acts.q, dtype)
+    b0, g0 = acts_operand(acts, dtype)
     if acts.residual is None:
         return (b0,), (g0,)
     if isinstance(acts.residual, rac.SelectedResidual):  # values without the codes' pass

@@ -71,17 +71,24 @@ class RACOperandsConfig:
     padding_rows: str = "zeros"
 
     def __post_init__(self):
-        for name in ("block_rows", "block_k"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1 or v & (v - 1):
-                raise ValueError(f"RACOperandsConfig.{name}={v!r}: a power of two >= 1")
-        if self.block_k < BLOCK:
-            raise ValueError(f"RACOperandsConfig.block_k={self.block_k}: at least {BLOCK}")
-        if self.num_warps not in (1, 2, 4, 8):
-            raise ValueError(f"RACOperandsConfig.num_warps={self.num_warps}: one of 1, 2, 4, 8")
+        check_row_grid(self)
         if self.padding_rows not in PADDING_ROWS:
             raise ValueError(f"RACOperandsConfig.padding_rows={self.padding_rows!r}: one of "
                              f"{PADDING_ROWS}")
+
+
+def check_row_grid(config) -> None:
+    """A rows x columns Triton grid config (``block_rows``, ``block_k``, ``num_warps``): a
+    ``ValueError`` naming the field and what it must be."""
+    cls = type(config).__name__
+    for name in ("block_rows", "block_k"):
+        v = getattr(config, name)
+        if not isinstance(v, int) or v < 1 or v & (v - 1):
+            raise ValueError(f"{cls}.{name}={v!r}: a power of two >= 1")
+    if config.block_k < BLOCK:
+        raise ValueError(f"{cls}.block_k={config.block_k}: at least {BLOCK}")
+    if config.num_warps not in (1, 2, 4, 8):
+        raise ValueError(f"{cls}.num_warps={config.num_warps}: one of 1, 2, 4, 8")
 
 
 def window_program(wr_ref, m: int, block_rows: int, blocks_k: int):

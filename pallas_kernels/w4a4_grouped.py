@@ -152,14 +152,14 @@ def _static_rows(scale, rexp: jax.Array, e: int):
 
 
 def _grouped_acts(x, rexp, e, act_scale_mode, rac, rac_blocks, act_global_scale,
-                  source_rows=None, selector=None, row_valid=None):
+                  source_rows=None, selector=None, row_valid=None, row_pass=None):
     """Quantized activations of sorted rows; RAC's online_batch selection is per expert (over
     the rows that are tokens, with ``row_valid``)."""
     return aq.nvfp4_quantize(
         x, act_scale_mode=act_scale_mode, rac_config=rac,
         row_expert=jnp.minimum(rexp, e - 1), num_experts=e, static_blocks=rac_blocks,
         static_scale=_static_rows(act_global_scale, rexp, e), source_rows=source_rows,
-        rac_selector=selector, row_valid=row_valid,
+        rac_selector=selector, row_valid=row_valid, row_pass=row_pass,
     )
 
 
@@ -269,7 +269,8 @@ def w4a4_grouped_matmul(
     else:
         selector = rac_selector(rac, act_scale_mode, gs, source_rows, m, config, interpret)
         acts = _grouped_acts(x_sorted, rexp, e, act_scale_mode, rac, rac_blocks,
-                             act_global_scale, source_rows, selector, row_valid)
+                             act_global_scale, source_rows, selector, row_valid,
+                             config.rac_row_pass(interpret))
 
         def operand_of(idx):
             return operand_rows(acts, idx, w.mma_dtype, w.k_pad, config.materialize_operands,

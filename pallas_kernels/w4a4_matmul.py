@@ -68,6 +68,8 @@ class W4A4MatmulConfig:
       act_operand_kernel: plain W4A4 with per-token activation scales (no RAC) and row
         windows: the B operand is quantized and laid out by ``pallas_kernels.act_operands``
         (bit-identical); act_operand_block_rows: its ``block_rows``.
+      rac_row_kernel: RAC with per-token scales and a residual score: the distinct rows'
+        operand values and residual statistics from ``pallas_kernels.rac_rows`` (one kernel).
       tile_plan_kernel: grouped GEMMs compute their token-tile plan in
         ``pallas_kernels.tile_plan`` (one kernel) instead of jnp (same arrays);
         tile_plan_block / tile_plan_warps: its ``TilePlanConfig``.
@@ -123,6 +125,11 @@ class W4A4MatmulConfig:
     # kernels each) against 14.9 + 10.7 us (7 + 6 kernels); bit-identical.
     act_operand_kernel: bool = True
     act_operand_block_rows: int = 8
+    # RAC with per-token scales: the activations' operand values and the residual's block
+    # statistics of the distinct rows from one Triton kernel (``pallas_kernels.rac_rows``)
+    # instead of the quantizer's and the residual's XLA passes (5-6 kernels of 1.1-3.3 us per
+    # GEMM in the H100's batch-128 decode step, 2026-12-05).
+    rac_row_kernel: bool = True
     # Grouped GEMMs: the token-tile plan (``w4a4_grouped.tile_plan``) in one Pallas kernel
     # (``pallas_kernels.tile_plan``) instead of ~10 small XLA kernels per layer. On the H200
     # (2026-12-04, b9d0759, batch-128 decode step, same call, with act_operand_kernel): 5.2 us
@@ -168,6 +175,14 @@ class W4A4MatmulConfig:
         if not (self.act_operand_kernel and self.windowed_operands):
             return None
         return ActOperandsConfig(block_rows=self.act_operand_block_rows)
+
+    def rac_row_pass(self, interpret: bool):
+        """``nvfp4_quantize``'s ``row_pass`` argument: None when ``rac_row_kernel`` is off."""
+        from pallas_kernels.rac_rows import RACRowsConfig
+
+        if not self.rac_row_kernel:
+            return None
+        return RACRowsConfig(), interpret, jnp.dtype(self.mma_dtype)
 
     def tile_plan_config(self):
         """The ``tile_plan`` kernel's config (``tile_plan_block`` entries per program,
@@ -270,7 +285,7 @@ def operand_rows(acts: aq.QuantizedActivations, index: jax.Array, dtype, k_pad: 
     come back as one stacked array ``[2, I, Kp]`` written by ``rac_operands`` (bit-identical;
     ``interpret`` runs it in the Triton interpreter).
     """
-    b0, g0 = aq.mma_operand(acts.q, dtype)
+    b0, g0 = aq.acts_operand(acts, dtype)
     res = acts.residual
     if materialize and isinstance(res, rac.SelectedResidual):
         # The block scales too, as float32 (exact): inside the gather fusion XLA would convert
@@ -546,7 +561,9 @@ def w4a4_matmul(
                          m, w, config, interpret, x.dtype)
     acts = aq.nvfp4_quantize(x, act_scale_mode=act_scale_mode, rac_config=rac,
                              static_blocks=rac_blocks, static_scale=act_global_scale,
-                             row_valid=row_valid)
+                             row_valid=row_valid,
+                             # the large-M path runs no Pallas kernel (any backend)
+                             row_pass=config.rac_row_pass(interpret) if decode else None)
     if decode:
         return run_dense(lambda idx: operand_rows(acts, idx, w.mma_dtype, w.k_pad,
                                                   config.materialize_operands,

@@ -589,6 +589,10 @@ def parse_args(argv):
                    help="plain W4A4's B operand quantized by the Triton kernel "
                    "(pallas_kernels.act_operands) or by XLA's quantizer fusions and a gather "
                    "(default: W4A4MatmulConfig.act_operand_kernel)")
+    p.add_argument("--rac-row-kernel", action=argparse.BooleanOptionalAction, default=None,
+                   help="RAC's operand values and residual statistics of the distinct rows "
+                   "from one Triton kernel (pallas_kernels.rac_rows) or from XLA's quantizer "
+                   "and residual fusions (default: W4A4MatmulConfig.rac_row_kernel)")
     p.add_argument("--tile-plan-kernel", action=argparse.BooleanOptionalAction, default=None,
                    help="the grouped kernels' token-tile plan (NVFP4 and FP8) in one Pallas "
                    "kernel (pallas_kernels.tile_plan) or in jnp (default: "
@@ -652,7 +656,7 @@ def main(argv=None) -> int:
             or not args.grouped_barrier or not args.windowed_operands
             or args.rac_operand_kernel is not None or args.rac_operand_padding != "zeros"
             or args.tile_plan_kernel is not None or args.act_operand_kernel is not None
-            or args.tile_plan_block != W4A4MatmulConfig.tile_plan_block
+            or args.rac_row_kernel is not None or args.tile_plan_block != W4A4MatmulConfig.tile_plan_block
             or args.tile_plan_warps != W4A4MatmulConfig.tile_plan_warps):
         operand_kernel = ({} if args.rac_operand_kernel is None
                           else dict(rac_operand_kernel=args.rac_operand_kernel))
@@ -663,6 +667,8 @@ def main(argv=None) -> int:
         operand_kernel.update(plan)
         if args.act_operand_kernel is not None:
             operand_kernel["act_operand_kernel"] = args.act_operand_kernel
+        if args.rac_row_kernel is not None:
+            operand_kernel["rac_row_kernel"] = args.rac_row_kernel
         kernel_backend.set_w4a4_overrides(n_group=args.w4a4_n_group,
                                           stack_operands=args.w4a4_stack_operands,
                                           mma_overlap=args.w4a4_mma_overlap,
@@ -705,6 +711,9 @@ def main(argv=None) -> int:
                           act_operand_kernel=(W4A4MatmulConfig().act_operand_kernel
                                               if args.act_operand_kernel is None
                                               else args.act_operand_kernel),
+                          rac_row_kernel=(W4A4MatmulConfig().rac_row_kernel
+                                          if args.rac_row_kernel is None
+                                          else args.rac_row_kernel),
                           tile_plan_kernel=(W4A4MatmulConfig().tile_plan_kernel
                                             if args.tile_plan_kernel is None
                                             else args.tile_plan_kernel),

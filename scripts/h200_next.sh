@@ -75,6 +75,9 @@
 #          num_stages, block_s, num_warps; FP8 configs; 240 s)
 #   kv8r   kv8's four arms on the FP8 cache without the attention probe, then nvfp4_rac on the
 #          bf16 cache (the same call's baseline)
+#   rrows  RAC's row pass (pallas_kernels.rac_rows, session 29): GPU bit-identity and programs
+#          (kernel_probe --rac-rows), the decode MoE operand checks (check-moe), then nvfp4_rac
+#          and nvfp4 at batch 128 traced, and nvfp4_rac with --no-rac-row-kernel (same call)
 #   kv8s   nvfp4_rac and nvfp4 on the FP8 cache with the decode attention split over 2 slot
 #          ranges per (row, KV head) (slot_splits, flash-decoding) and without, same call
 #          (run `attn` first: its timings include the slot_splits variants)
@@ -370,6 +373,13 @@ for step in "$@"; do
     kv8r) rollout kv8 250 --quick --profile-steps 4 --precisions $ALL --kv-cache-dtype float8_e4m3fn \
       --budget-s 200
       rollout b128rac 120 --quick --profile-steps 4 --precisions nvfp4_rac --budget-s 90 ;;
+    rrows) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 150 python3 scripts/kernel_probe.py \
+      --rac-rows --out "$OUT/rrows_probe" > "$OUT/rrows_probe.log" 2>&1
+      echo "rrows probe rc $?"; grep -E "rac_rows|FAIL|Error" "$OUT/rrows_probe.log" | cut -c1-140
+      check check-moe 100
+      rollout rrows 200 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 --budget-s 160
+      rollout rrows_off 110 --quick --profile-steps 4 --precisions nvfp4_rac --no-rac-row-kernel \
+        --budget-s 80 ;;
     kv8s) rollout kv8s2 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \
       --kv-cache-dtype float8_e4m3fn --attention-slot-splits 2 --budget-s 110
       rollout kv8s1 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \
@@ -431,6 +441,6 @@ for step in "$@"; do
       --budget-s 150 ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
-    *) echo "unknown step $step (check gcheck mcheck kv8r b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 nobar1 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop ropad hlo prof2 plan plan2 b128p cont contshare contgroup share pgroup kpre tgrouped train traindw trainprof)"; exit 2 ;;
+    *) echo "unknown step $step (check gcheck mcheck kv8r rrows b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 nobar1 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop ropad hlo prof2 plan plan2 b128p cont contshare contgroup share pgroup kpre tgrouped train traindw trainprof)"; exit 2 ;;
   esac
 done

@@ -828,6 +828,51 @@ def run_act_operands(tokens: int = 128, variants=RAC_OPERAND_VARIANTS[:4]):
                                          window, want)
 
 
+def run_rac_rows(tokens: int = 128):
+    """RAC's row pass at the decode step's shapes (gate_up: 128 distinct rows, K = 2048; down:
+    1 024 rows, K = 768): ``pallas_kernels.rac_rows`` against the jnp quantizer and residual
+    passes -- bit-identity of every output on the GPU (the scores to their summation order),
+    then the traced RAC quantizer + selection + operands program each way (``nvfp4_quantize``
+    and ``operand_rows`` with and without ``row_pass``)."""
+    from pallas_kernels import rac_rows as rr
+    from pallas_kernels.w4a4_matmul import operand_rows
+
+    bk.log("== RAC row pass (pallas_kernels.rac_rows) vs the jnp path")
+    interpret = jax.devices()[0].platform != "gpu"
+    row_pass = W4A4MatmulConfig().rac_row_pass(interpret)
+    for name, k, x, src, rexp, window in decode_operand_cases(tokens):
+        want, g = jax.jit(rr.rac_row_pass_reference)(x)
+        got = jax.jit(lambda x, g: rr.rac_row_pass(x, g, interpret=interpret))(x, g)
+        for field, a, b in zip(want._fields, got, want, strict=True):
+            a, b = np.asarray(a), np.asarray(b)
+            bits = a.view(np.uint16 if a.itemsize == 2 else np.uint32) if a.dtype != bool else a
+            ref = b.view(bits.dtype) if a.dtype != bool else b
+            diff = int(np.sum(bits != ref))
+            with np.errstate(invalid="ignore"):  # inf - inf in the NaN / inf blocks
+                rel = float(np.nanmax(np.abs(a.astype(np.float64) - b)
+                                      / np.maximum(np.abs(b), 1e-30))) if a.dtype != bool else 0.0
+            ok = diff == 0 or (field == "scores" and rel < 1e-6)
+            bk.log(f"  {'PASS' if ok else 'FAIL'} rac_rows {name} {field}: {diff} of {a.size} "
+                   f"differ (max rel {rel:.1e})")
+
+        def program(x, window, rp, rexp=rexp, src=src, k=k):
+            acts = aq.nvfp4_quantize(x, rac_config=aq.RACConfig(), row_expert=rexp,
+                                     num_experts=GE, source_rows=src, row_pass=rp)
+            return operand_rows(acts, window, jnp.float16, k, True,
+                                W4A4MatmulConfig().rac_operands_config(), interpret)[0]
+
+        outs = {}
+        for label, rp in (("jnp", None), ("kernel", row_pass)):
+            fn = jax.jit(lambda x, w, rp=rp: program(x, w, rp))
+            outs[label] = np.asarray(fn(x, window))
+            us, count, _ = traced_kernels(fn, x, window, match="", tag=f"rrows_{name}_{label}")
+            bk.log(f"  rac_rows {name}: quantizer + selection + operands ({label}) "
+                   f"{us * count:7.1f} us in {count} kernels")
+        diff = int(np.sum(outs["jnp"].view(np.uint16) != outs["kernel"].view(np.uint16)))
+        bk.log(f"  {'PASS' if diff == 0 else 'FAIL'} rac_rows {name} stacked operands: {diff} of "
+               f"{outs['jnp'].size} values differ")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="/tmp/probe_out")
@@ -849,6 +894,8 @@ def main(argv=None):
                    help="RAC's stacked-operand kernel: GPU bit-identity with jnp, traced times")
     p.add_argument("--act-operands", action="store_true",
                    help="plain W4A4's operand kernel: GPU bit-identity with jnp, traced times")
+    p.add_argument("--rac-rows", action="store_true",
+                   help="floors + RAC's row pass (pallas_kernels.rac_rows) vs the jnp path")
     p.add_argument("--tile-plan", action="store_true",
                    help="the token-tile plan kernel: GPU equality with jnp, traced times")
     p.add_argument("--variants", default=None,
@@ -889,6 +936,10 @@ def main(argv=None):
         if args.rac_operands:
             bk.measure_floors()
             run_rac_operands()
+            return 0
+        if args.rac_rows:
+            bk.measure_floors()
+            run_rac_rows()
             return 0
         if args.n_group:
             bk.measure_floors()

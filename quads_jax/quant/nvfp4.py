@@ -411,5 +411,32 @@ def fake_quant(x: jax.Array, *, global_scale=None, scale_mode: ScaleMode = "tens
 
 
 def residual(x: jax.Array, q: NVFP4Tensor | NVFP4Codes) -> jax.Array:
-    """``x - dequantize(q)`` in float32: the activation residual that RAC compensates."""
-    return x.astype(jnp.float32) - dequantize(q, jnp.float32)
+    """``x - dequantize(q)`` in float32: the activation residual that RAC compensates
+    (``residual_from_values``' arithmetic)."""
+    return residual_from_values(x.astype(jnp.float32), unscaled_values(q), q.global_scale)
+
+
+# The low significand bits of a decode scale that ``residual_from_values`` splits off: the
+# values ``e2m1 * s_b`` have at most 6 significant bits (2 + E4M3's 4), so their products with
+# the remaining 18 bits, and with the 6 split-off bits, are exact in float32.
+_SCALE_LOW_BITS = 6
+
+
+def residual_from_values(x: jax.Array, vals: jax.Array, g: jax.Array) -> jax.Array:
+    """float32 ``x - vals * g`` for the unscaled values ``vals = e2m1 * s_b`` of ``x``'s codes
+    and their decode scale ``g`` (broadcastable, positive and finite), computed as ``(x - vals
+    * g_hi) - vals * g_lo`` with ``g = g_hi + g_lo`` split so that both products are exact.
+
+    Why: written as ``x - vals * g`` the result depends on whether the compiler contracts the
+    product and the subtraction into one fused multiply-add (one rounding instead of two).
+    XLA on the CPU, XLA on the GPU and Triton each decide that for themselves, and the RAC
+    row-pass kernel (``pallas_kernels.rac_rows``) and the jnp path must give the same
+    residual bit for bit (its block scales and codes follow from it). With exact products a
+    contraction changes nothing.
+    """
+    g = jnp.asarray(g, jnp.float32)
+    mask = jnp.int32(-(1 << _SCALE_LOW_BITS))
+    g_hi = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(g, jnp.int32) & mask,
+                                        jnp.float32)
+    g_lo = g - g_hi
+    return (x - vals * g_hi) - vals * g_lo

@@ -71,9 +71,14 @@ def row_block_scores(x: jax.Array, r: jax.Array, score: str,
         scores = jnp.max(jnp.abs(block_view(x.astype(jnp.float32))), axis=-1)
     else:
         raise ValueError(f"score={score!r}: must be residual_l2, residual_l1 or act_amax")
-    if row_valid is not None:
-        scores = jnp.where(row_valid[:, None], scores, jnp.zeros((), scores.dtype))
-    return scores
+    return valid_row_scores(scores, row_valid)
+
+
+def valid_row_scores(scores: jax.Array, row_valid: jax.Array | None) -> jax.Array:
+    """``scores [M, K/16]`` with the rows that are not tokens (``row_valid`` False) at 0."""
+    if row_valid is None:
+        return scores
+    return jnp.where(row_valid[:, None], scores, jnp.zeros((), scores.dtype))
 
 
 def aggregate_scores(
@@ -308,6 +313,7 @@ def select_residual(
     static_blocks: jax.Array | None = None,
     selector=None,
     row_valid: jax.Array | None = None,
+    row_stats=None,
 ) -> SelectedResidual:
     """RAC's block selection and residual scales for activations ``x [R, K]`` quantized to
     ``q``: the one construction of ``Q(R_S)`` for the trainer-side reference (``ops``) and the
@@ -326,10 +332,17 @@ def select_residual(
         the E4M3 grid, reciprocals and mask ``[M, K/16]``, decode scales ``[M]``) in one
         kernel (``pallas_kernels.rac_select``, for the configurations its ``supports``
         accepts; it traces this module's and ``nvfp4``'s functions).
+      row_stats: None, or ``(r, amax, finite, scores)`` of the distinct rows as computed here
+        (``scores`` before the ``row_valid`` mask): ``pallas_kernels.rac_rows``'s one-kernel
+        row pass.
     """
-    r = nvfp4.residual(x, q)
-    amax, finite = nvfp4.block_amax(block_view(r))  # [R, K/16, 1]
-    scores = row_block_scores(x, r, recipe.rac_score, row_valid)
+    if row_stats is None:
+        r = nvfp4.residual(x, q)
+        amax, finite = nvfp4.block_amax(block_view(r))  # [R, K/16, 1]
+        scores = row_block_scores(x, r, recipe.rac_score, row_valid)
+    else:
+        r, amax, finite, scores = row_stats
+        scores = valid_row_scores(scores, row_valid)
     if selector is not None:
         s, rcp, mask, g = selector(scores, amax[..., 0], finite[..., 0])
         return SelectedResidual(r=r, scales=s.astype(jnp.float8_e4m3fn), reciprocals=rcp,

@@ -256,3 +256,22 @@ def test_round_to_e2m1_value_is_the_code_table():
     want = nvfp4.e2m1_code_to_float(nvfp4.round_to_e2m1_code(jnp.asarray(y)))
     got = nvfp4.round_to_e2m1_value(jnp.asarray(y))
     np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))
+
+
+def test_residual_products_are_exact_so_multiply_adds_change_nothing():
+    """``residual_from_values`` splits the decode scale so that both of its products are exact
+    in float32: each step is then one rounding of an exact value, the same whether or not a
+    compiler contracts it into a fused multiply-add (float64 emulates the contracted form), and
+    within one float32 rounding of the exact residual."""
+    x = jax.random.normal(jax.random.key(0), (64, 256), jnp.float32) * 3
+    q = nvfp4.quantize_codes(x.astype(jnp.bfloat16), scale_mode="row")
+    vals = np.asarray(nvfp4.unscaled_values(q), np.float64)
+    g = np.asarray(q.global_scale, np.float32)
+    got = np.asarray(nvfp4.residual(x.astype(jnp.bfloat16), q))
+    x64 = np.asarray(x.astype(jnp.bfloat16), np.float64)
+    g_hi = (g.view(np.int32) & np.int32(-64)).view(np.float32).astype(np.float64)
+    g_lo = g.astype(np.float64) - g_hi
+    fused = ((x64 - vals * g_hi).astype(np.float32).astype(np.float64) - vals * g_lo)
+    np.testing.assert_array_equal(got, fused.astype(np.float32))
+    exact = x64 - vals * g.astype(np.float64)
+    assert np.max(np.abs(got - exact) / np.maximum(np.abs(exact), 1e-30)) <= 2.0**-23

@@ -1,0 +1,157 @@
+"""RAC's row pass: per-token NVFP4 activations and their residual's block statistics in one
+kernel (Pallas, Triton backend).
+
+Before RAC selects blocks (``quads_jax.quant.rac.select_residual``) every distinct activation
+row is quantized and its residual ``R = x - dq(Q(x))`` reduced per 16-element block. In jnp
+that is the quantizer's passes (block amax, block finiteness, block scales: separate reductions
+XLA does not fuse) and a multi-output fusion for the residual: on the H100 (2026-12-05, the
+nvfp4_rac decode step at batch 128, traced against its HLO) five to six kernels of 1.1-3.3 us
+per RAC GEMM. Here one program per ``block_rows`` rows by ``block_k`` columns computes, from
+the rows and their per-token decode scales ``g`` (the quantizer's own, ``nvfp4.
+compute_global_scale(x, "row")``, an XLA row reduction before the kernel, as ``act_operands``):
+
+- the MMA operand values ``e2m1 * s_b`` of ``Q(x)`` in the MMA dtype (exact), what
+  ``nvfp4_quantize.mma_operand`` makes from the codes;
+- the residual ``R`` in float32 (``x - (e2m1 * s_b) * g``, ``nvfp4.residual``'s arithmetic:
+  exact products, so a fused multiply-add gives the same bits);
+- the residual's block amax (finite elements only) and finiteness (``nvfp4.block_amax``), and
+  the block scores of ``residual_l2`` / ``residual_l1`` (``rac.row_block_scores`` before its
+  ``row_valid`` mask, which the caller applies).
+
+The arithmetic is the quantizer's, traced into the kernel (``nvfp4.block_amax``,
+``nvfp4.block_scales_f32_from_amax``, ``nvfp4.round_to_e2m1_value``), as in ``act_operands``.
+Sums of 16 elements add in Triton's tree order: a score's last bit can differ from XLA's on
+the GPU (as ``rac_select``'s sums), equal in the interpreter (the tests).
+
+Shapes and dtypes: ``x`` ``[R, K]`` bf16 / f16 / f32 with K % 16 == 0, ``g`` float32 ``[R]``.
+Outputs (``RowPass``): values ``[R, K]`` in ``dtype``, residual float32 ``[R, K]``, amax
+float32 and finite bool ``[R, K/16, 1]``, scores float32 ``[R, K/16]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.rac_operands import check_row_grid
+from pallas_kernels.vma import varying_operands
+from quads_jax.quant import nvfp4
+
+BLOCK = nvfp4.BLOCK_SIZE
+SCORES = ("residual_l2", "residual_l1")  # act_amax scores x, not R: the jnp path keeps it
+
+
+@dataclasses.dataclass(frozen=True)
+class RACRowsConfig:
+    """block_rows: rows per program (a power of two); block_k: columns per program (a power of
+    two, a multiple of 16; a smaller power of two where it does not divide K); num_warps:
+    Triton warps per program."""
+
+    block_rows: int = 8
+    block_k: int = 256
+    num_warps: int = 4
+
+    def __post_init__(self):
+        check_row_grid(self)
+
+
+class RowPass(NamedTuple):
+    """The row pass's outputs (module docstring)."""
+
+    values: jax.Array
+    residual: jax.Array
+    amax: jax.Array
+    finite: jax.Array
+    scores: jax.Array
+
+
+def _blocks_per_program(nb: int, block_k: int) -> int:
+    """The largest power of two <= block_k / 16 that divides the K/16 blocks."""
+    p = block_k // BLOCK
+    while nb % p:
+        p //= 2
+    return p
+
+
+def _kernel(x_ref, g_ref, vals_ref, r_ref, amax_ref, fin_ref, score_ref, *, block_rows: int,
+            blocks_k: int, score: str):
+    rows = pl.ds(pl.program_id(0) * block_rows, block_rows)
+    cols = pl.ds(pl.program_id(1) * blocks_k, blocks_k)
+    xb = x_ref[rows, cols, :].astype(jnp.float32)  # [BR, blocks_k, 16]
+    g = g_ref[rows][:, None, None]
+    amax_b, finite = nvfp4.block_amax(xb)
+    s_f32, rcp = nvfp4.block_scales_f32_from_amax(amax_b, finite, g)
+    vals = nvfp4.round_to_e2m1_value(xb * rcp) * s_f32  # e2m1 * s_b: exact in f16 / bf16
+    r = nvfp4.residual_from_values(xb, vals, g)  # nvfp4.residual's arithmetic
+    r_amax, r_finite = nvfp4.block_amax(r)
+    sc = jnp.sum(r * r if score == "residual_l2" else jnp.abs(r), axis=-1)
+    pltriton.store(vals_ref.at[rows, cols, :], vals.astype(vals_ref.dtype))
+    pltriton.store(r_ref.at[rows, cols, :], r)
+    pltriton.store(amax_ref.at[rows, cols], r_amax[..., 0])
+    pltriton.store(fin_ref.at[rows, cols], r_finite[..., 0].astype(jnp.int32))
+    pltriton.store(score_ref.at[rows, cols], sc)
+
+
+@functools.partial(jax.jit, static_argnames=("score", "dtype", "config", "interpret"))
+def rac_row_pass(x: jax.Array, g: jax.Array, *, score: str = "residual_l2",
+                 dtype=jnp.float16, config: RACRowsConfig | None = None,
+                 interpret: bool = False) -> RowPass:
+    """The row pass of rows ``x [R, K]`` with decode scales ``g [R]`` (module docstring)."""
+    config = config or RACRowsConfig()
+    if x.ndim != 2 or x.shape[1] % BLOCK or jnp.dtype(x.dtype) not in nvfp4.FLOAT_DTYPES:
+        raise ValueError(f"rac_row_pass: x {x.dtype}{list(x.shape)} must be a float [R, K] "
+                         f"with K % {BLOCK} == 0")
+    r_rows, k = x.shape
+    if g.shape != (r_rows,):
+        raise ValueError(f"rac_row_pass: g {list(g.shape)} must be [R] = [{r_rows}]")
+    if score not in SCORES:
+        raise ValueError(f"rac_row_pass: score={score!r}: one of {SCORES} (act_amax scores "
+                         "the activations: the jnp path)")
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"rac_row_pass: dtype {dtype}; float16 or bfloat16")
+    nb = k // BLOCK
+    br = config.block_rows
+    r_pad = -(-r_rows // br) * br
+    g = g.astype(jnp.float32)
+    if r_pad != r_rows:  # whole programs; the pad rows' outputs are dropped
+        x = jnp.pad(x, ((0, r_pad - r_rows), (0, 0)))
+        g = jnp.pad(g, (0, r_pad - r_rows), constant_values=1.0)
+    bk = _blocks_per_program(nb, config.block_k)
+    xb = x.reshape(r_pad, nb, BLOCK)
+    vary, (xb, g) = varying_operands(xb, g)
+    whole = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))  # noqa: E731
+    shapes = [((r_pad, nb, BLOCK), dtype), ((r_pad, nb, BLOCK), jnp.float32),
+              ((r_pad, nb), jnp.float32), ((r_pad, nb), jnp.int32), ((r_pad, nb), jnp.float32)]
+    vals, r, amax, fin, sc = pl.pallas_call(
+        functools.partial(_kernel, block_rows=br, blocks_k=bk, score=score),
+        grid=(r_pad // br, nb // bk),
+        in_specs=[whole(xb.shape), whole(g.shape)],
+        out_specs=[whole(s) for s, _ in shapes],
+        out_shape=[jax.ShapeDtypeStruct(s, d, **vary) for s, d in shapes],
+        compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=1),
+        interpret=interpret,
+        name="rac_rows",
+    )(xb, g)
+    out = RowPass(vals.reshape(r_pad, k), r.reshape(r_pad, k), amax[..., None],
+                  (fin > 0)[..., None], sc)
+    return out if r_pad == r_rows else RowPass(*(a[:r_rows] for a in out))
+
+
+def rac_row_pass_reference(x: jax.Array, score: str = "residual_l2",
+                           dtype=jnp.float16) -> tuple[RowPass, jax.Array]:
+    """The jnp path on the same rows: ``(RowPass, g [R])`` from the per-token quantizer,
+    ``nvfp4.residual``, ``nvfp4.block_amax`` and ``rac.row_block_scores``."""
+    from quads_jax.quant import rac
+
+    q = nvfp4.quantize_activations(x, "per_token")
+    vals = nvfp4.unscaled_values(q).astype(dtype)
+    r = nvfp4.residual(x, q)
+    amax, finite = nvfp4.block_amax(rac.block_view(r))
+    return (RowPass(vals, r, amax, finite, rac.row_block_scores(x, r, score)),
+            q.global_scale[:, 0])

@@ -1,0 +1,104 @@
+"""RAC's row pass (pallas_kernels.rac_rows): interpret mode equals the jnp quantizer and
+residual statistics (NaN and inf blocks included), alone and through the grouped and dense RAC
+matmuls; where it applies; cuda lowering; bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import nvfp4_quantize as aq
+from pallas_kernels import rac_rows
+from pallas_kernels.layout import prepare_w4a4_weights
+from pallas_kernels.w4a4_grouped import w4a4_grouped_matmul
+from pallas_kernels.w4a4_matmul import W4A4MatmulConfig, w4a4_matmul
+from quads_jax.quant import nvfp4
+from quads_jax.testing import lower_for_h200
+
+
+def _x(r, k, seed):
+    x = jax.random.normal(jax.random.key(seed), (r, k), jnp.float32)
+    x = x * jnp.exp(jax.random.normal(jax.random.key(seed + 1), (k,)))
+    return x.at[0, 5].set(jnp.nan).at[1, 20].set(jnp.inf).astype(jnp.bfloat16)
+
+
+@pytest.mark.parametrize("r,k,score,block_rows,dtype", [
+    (12, 768, "residual_l2", 8, jnp.float16),  # rows padded to whole programs
+    (16, 96, "residual_l1", 4, jnp.bfloat16),  # K/16 = 6: two blocks per program
+])
+def test_interpret_equals_the_jnp_path(r, k, score, block_rows, dtype):
+    x = _x(r, k, seed=k)
+    want, g = rac_rows.rac_row_pass_reference(x, score, dtype)
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(nvfp4.compute_global_scale(
+        x, "row")[:, 0]))
+    got = rac_rows.rac_row_pass(x, g, score=score, dtype=dtype, interpret=True,
+                                config=rac_rows.RACRowsConfig(block_rows=block_rows))
+    for name, a, b in zip(want._fields, got, want, strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+    np.testing.assert_array_equal(np.asarray(got.values).view(np.uint16),
+                                  np.asarray(want.values).view(np.uint16))
+    np.testing.assert_array_equal(np.asarray(got.finite), np.asarray(want.finite))
+    assert not np.asarray(got.finite).all()  # the NaN / inf blocks
+    # The residual and its block amax bit for bit (nvfp4.residual_from_values: exact
+    # products, whether or not a compiler fuses them into multiply-adds); the scores' sums of
+    # 16 to their order.
+    for name in ("residual", "amax"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, name)).view(np.uint32),
+                                      np.asarray(getattr(want, name)).view(np.uint32))
+    a, b = np.asarray(got.scores), np.asarray(want.scores)
+    np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
+    np.testing.assert_allclose(a[np.isfinite(b)], b[np.isfinite(b)], rtol=1e-6)
+
+
+def _weights(e, n, k, seed):
+    w = jax.random.normal(jax.random.key(seed), (e, n, k), jnp.float32) * 0.1
+    return nvfp4.quantize(w if e > 1 else w[0], scale_mode="tensor")
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_rac_matmuls_with_the_row_kernel_equal_the_jnp_path(grouped):
+    """The RAC decode GEMMs give the same result with the row pass's kernel as with XLA's
+    passes: the same operands and residual, hence the same selection and codes."""
+    k, n, m = 128, 32, 24
+    x = jax.random.normal(jax.random.key(5), (m, k), jnp.float32).astype(jnp.bfloat16)
+    racc = aq.RACConfig()
+    outs = []
+    for row_kernel in (True, False):
+        cfg = W4A4MatmulConfig(a_via_smem=True, rac_row_kernel=row_kernel)
+        if grouped:
+            w = prepare_w4a4_weights(_weights(4, n, k, 1), mma_dtype=cfg.mma_dtype)
+            gs = jnp.asarray([7, 0, 12, 5], jnp.int32)
+            outs.append(w4a4_grouped_matmul(x, w, gs, rac=racc, config=cfg, interpret=True))
+        else:
+            w = prepare_w4a4_weights(_weights(1, n, k, 2), mma_dtype=cfg.mma_dtype)
+            outs.append(w4a4_matmul(x, w, rac=racc, config=cfg, interpret=True))
+    np.testing.assert_array_equal(np.asarray(outs[0], np.float32), np.asarray(outs[1],
+                                                                              np.float32))
+
+
+def test_applies_only_to_per_token_residual_scores():
+    assert aq.row_pass_applies(aq.RACConfig(), "per_token")
+    assert not aq.row_pass_applies(aq.RACConfig(rac_score="act_amax"), "per_token")
+    assert not aq.row_pass_applies(aq.RACConfig(), "per_batch")
+
+
+def test_lowers_for_cuda():
+    x = jnp.zeros((128, 2048), jnp.bfloat16)
+    g = jnp.ones((128,), jnp.float32)
+    lower_for_h200(lambda x, g: rac_rows.rac_row_pass(x, g), x, g)
+
+
+def test_bad_input():
+    x = jnp.zeros((8, 64), jnp.bfloat16)
+    g = jnp.ones((8,), jnp.float32)
+    with pytest.raises(ValueError, match="K % 16"):
+        rac_rows.rac_row_pass(jnp.zeros((8, 40), jnp.bfloat16), g)
+    with pytest.raises(ValueError, match=r"g \[4\] must be \[R\] = \[8\]"):
+        rac_rows.rac_row_pass(x, g[:4])
+    with pytest.raises(ValueError, match="act_amax"):
+        rac_rows.rac_row_pass(x, g, score="act_amax")
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        rac_rows.rac_row_pass(x, g, dtype=jnp.float32)
+    with pytest.raises(ValueError, match="block_rows=3"):
+        rac_rows.RACRowsConfig(block_rows=3)
