@@ -89,16 +89,17 @@ class QuantizedActivations:
       mask: bool ``[M, K/16]`` selected blocks, or None without RAC.
       q_rows: None, or int32 ``[M]``: ``q`` holds the distinct rows ``[R, K]`` and GEMM row
         ``i`` is ``q``'s row ``q_rows[i]`` (``nvfp4_quantize``'s ``source_rows``).
-      operand: None, or ``q``'s ``mma_operand`` ``(values [R, K], g float32 [R])`` as a kernel
-        wrote it (``pallas_kernels.rac_rows``): then nothing computes it from the codes, and
-        XLA drops the codes' pass where nothing else reads them.
+      operand: None, or ``(values [R, K], g float32 [R], x [R, K])``: ``q``'s ``mma_operand``
+        as a kernel wrote it (``pallas_kernels.rac_rows``) and the activations it quantized
+        (``rac_operands`` recomputes the residual from both): then nothing computes them from
+        the codes, and XLA drops the codes' pass where nothing else reads them.
     """
 
     q: nvfp4.NVFP4Codes
     residual: rac.SelectedResidual | jax.Array | None = None
     mask: jax.Array | None = None
     q_rows: jax.Array | None = None
-    operand: tuple[jax.Array, jax.Array] | None = None
+    operand: tuple[jax.Array, jax.Array, jax.Array] | None = None
 
 
 def _check_x(x: jax.Array, act_scale_mode: str, static_scale) -> None:
@@ -164,9 +165,11 @@ def nvfp4_quantize(
 
         config, interpret, dtype = row_pass
         g = nvfp4.compute_global_scale(x, "row")[:, 0]
+        # No float32 residual written: rac_operands recomputes it from x and the values (and
+        # any other consumer gets select_residual's XLA expression, bit-identical).
         rp = rac_rows.rac_row_pass(x, g, score=rac_config.rac_score, dtype=dtype, config=config,
-                                   interpret=interpret)
-        operand, row_stats = (rp.values, g), (rp.residual, rp.amax, rp.finite, rp.scores)
+                                   interpret=interpret, with_residual=False)
+        operand, row_stats = (rp.values, g, x), (None, rp.amax, rp.finite, rp.scores)
     sel = rac.select_residual(
         x, q, rac_config, act_scale_mode=act_scale_mode, rows=source_rows,
         row_expert=row_expert, num_experts=num_experts, static_blocks=static_blocks,
@@ -189,7 +192,7 @@ def acts_operand(acts: QuantizedActivations, dtype) -> tuple[jax.Array, jax.Arra
     """``mma_operand(acts.q, dtype)``, the kernel-written copy where ``acts`` has one in
     ``dtype``."""
     if acts.operand is not None and acts.operand[0].dtype == jnp.dtype(dtype):
-        return acts.operand
+        return acts.operand[:2]
     return mma_operand(acts.q, dtype)
 
 

@@ -23,6 +23,11 @@ The arithmetic is ``SelectedResidual.unscaled``'s own (``nvfp4.round_to_e2m1_val
 into the kernel: float32 products, compares and adds of exact steps), so the result is
 bit-identical to the jnp path (tests, and ``kernel_probe --rac-operands`` on the GPU).
 
+With ``residual_of=(x, g)`` (the rollout's per-token RAC: ``pallas_kernels.rac_rows`` wrote
+the values without a float32 residual) each program recomputes its rows' residual from the
+activations and the values (``nvfp4.residual_from_values``, bit-identical): 2 bytes of ``x``
+per element read instead of 4 of ``r``, and no pass writes ``r`` at all.
+
 Shapes and dtypes: ``b0`` ``[R0, K]`` in the MMA dtype, ``r`` float32 ``[R, K]``, ``scales`` /
 ``reciprocals`` float32 ``[M, K/16]``, ``window_rows`` int32 ``[P]``, ``q_rows`` / ``r_rows``
 None (GEMM row = distinct row) or int32 ``[M]``. Output ``[2, P, Kp]`` in ``b0``'s dtype, K
@@ -103,18 +108,26 @@ def window_program(wr_ref, m: int, block_rows: int, blocks_k: int):
 
 
 def _kernel(wr_ref, *refs, m: int, has_q: bool, has_r: bool, block_rows: int,
-            blocks_k: int, write_empty: bool, aliased: bool):
+            blocks_k: int, write_empty: bool, aliased: bool, recompute: bool):
     refs = list(refs)
     q_ref = refs.pop(0) if has_q else None
     rr_ref = refs.pop(0) if has_r else None
     if aliased:  # the NaN-filled buffer the output aliases: never read here
-        del refs[4]
-    b0_ref, r_ref, s_ref, rcp_ref, out_ref = refs
+        del refs[-2]
+    if recompute:
+        b0_ref, x_ref, g_ref, s_ref, rcp_ref, out_ref = refs
+    else:
+        b0_ref, r_ref, s_ref, rcp_ref, out_ref = refs
     rows, cols, valid, g = window_program(wr_ref, m, block_rows, blocks_k)
     q_src = q_ref[g] if has_q else g
     r_src = rr_ref[g] if has_r else g
     act = b0_ref[q_src, cols, :]  # [BP, blocks_k, 16]
-    y = r_ref[r_src, cols, :] * rcp_ref[g, cols][..., None]
+    if recompute:  # r_src is q_src: the residual of the row's own values, nvfp4.residual's
+        r = nvfp4.residual_from_values(x_ref[q_src, cols, :].astype(jnp.float32),
+                                       act.astype(jnp.float32), g_ref[q_src][:, None, None])
+    else:
+        r = r_ref[r_src, cols, :]
+    y = r * rcp_ref[g, cols][..., None]
     res = nvfp4.round_to_e2m1_value(y) * s_ref[g, cols][..., None]
     keep = valid[:, None, None]
     # Rows without a GEMM row: zeros, or left as they are (RACOperandsConfig.padding_rows).
@@ -131,9 +144,24 @@ def rac_stacked_operands(b0: jax.Array, r: jax.Array, scales: jax.Array,
                          reciprocals: jax.Array, window_rows: jax.Array,
                          q_rows: jax.Array | None = None, r_rows: jax.Array | None = None, *,
                          k_pad: int, config: RACOperandsConfig = RACOperandsConfig(),
-                         interpret: bool = False) -> jax.Array:
-    """The stacked operands ``[2, P, Kp]`` (module docstring)."""
+                         interpret: bool = False,
+                         residual_of: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+    """The stacked operands ``[2, P, Kp]`` (module docstring).
+
+    ``residual_of``: None, or ``(x [R0, K], g float32 [R0])``, the activations whose values
+    ``b0`` holds and their decode scales; ``r`` is then None and each residual row is
+    recomputed in the kernel (``nvfp4.residual_from_values``: bit-identical) from ``x`` and
+    ``b0`` at the row's ``q_rows`` entry (``r_rows`` must be None): 2 bytes of ``x`` read per
+    element instead of 4 of a float32 residual that no pass has to write first."""
     m, nb = scales.shape
+    if (residual_of is None) == (r is None):
+        raise ValueError("rac_stacked_operands: pass r or residual_of=(x, g), not both")
+    if residual_of is not None:
+        x, g_x = residual_of
+        if r_rows is not None or x.shape != b0.shape or g_x.shape != (b0.shape[0],):
+            raise ValueError(f"rac_stacked_operands: residual_of x {x.shape}, g {g_x.shape} "
+                             f"must be [R0, K] = {b0.shape} and [R0], with r_rows None")
+        r = x
     k = r.shape[1]
     if b0.shape[1] != k or nb * BLOCK != k or reciprocals.shape != (m, nb):
         raise ValueError(f"rac_stacked_operands: b0 {b0.shape}, r {r.shape}, scales "
@@ -151,7 +179,11 @@ def rac_stacked_operands(b0: jax.Array, r: jax.Array, scales: jax.Array,
             raise ValueError(f"rac_stacked_operands: {name} has {idx.shape[0]} rows; need M={m}")
     nbp = k_pad // BLOCK
     b0_blocks = _pad_k(b0, k_pad).reshape(b0.shape[0], nbp, BLOCK)
-    r_blocks = _pad_k(r.astype(jnp.float32), k_pad).reshape(r.shape[0], nbp, BLOCK)
+    if residual_of is None:
+        r_args = (_pad_k(r.astype(jnp.float32), k_pad).reshape(r.shape[0], nbp, BLOCK),)
+    else:
+        r_args = (_pad_k(residual_of[0], k_pad).reshape(r.shape[0], nbp, BLOCK),
+                  residual_of[1].astype(jnp.float32))
     s = _pad_k(scales.astype(jnp.float32), nbp)
     rcp = _pad_k(reciprocals.astype(jnp.float32), nbp)
     index_args = [a for a in (q_rows, r_rows) if a is not None]
@@ -159,8 +191,9 @@ def rac_stacked_operands(b0: jax.Array, r: jax.Array, scales: jax.Array,
     kernel = functools.partial(_kernel, m=m, has_q=q_rows is not None,
                                has_r=r_rows is not None, block_rows=config.block_rows,
                                blocks_k=config.block_k // BLOCK,
-                               write_empty=config.padding_rows == "zeros", aliased=aliased)
-    return window_operand_call(kernel, window_rows, m, (*index_args, b0_blocks, r_blocks, s, rcp),
+                               write_empty=config.padding_rows == "zeros", aliased=aliased,
+                               recompute=residual_of is not None)
+    return window_operand_call(kernel, window_rows, m, (*index_args, b0_blocks, *r_args, s, rcp),
                                (2,), k_pad, b0.dtype, config, interpret, "rac_operands",
                                poisoned=aliased)
 

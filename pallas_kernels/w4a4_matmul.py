@@ -287,21 +287,36 @@ def operand_rows(acts: aq.QuantizedActivations, index: jax.Array, dtype, k_pad: 
     """
     b0, g0 = aq.acts_operand(acts, dtype)
     res = acts.residual
+    stacked_kernel = (kernel is not None and materialize and index.ndim == 1
+                      and isinstance(res, rac.SelectedResidual))
+    # rac_rows' values came with their activations, and the residual's rows are the values'
+    # rows: rac_operands recomputes the residual from both (no float32 residual pass).
+    recompute = (stacked_kernel and acts.operand is not None and b0 is acts.operand[0]
+                 and res.rows is acts.q_rows)
     if materialize and isinstance(res, rac.SelectedResidual):
         # The block scales too, as float32 (exact): inside the gather fusion XLA would convert
         # each E4M3 scale once per element it scales (16 times per block, every windowed row).
-        b0, r, s32 = lax.optimization_barrier((b0, res.r, res.scales.astype(jnp.float32)))
-        res = dataclasses.replace(res, r=r, scales=s32)
+        if recompute:
+            b0, s32 = lax.optimization_barrier((b0, res.scales.astype(jnp.float32)))
+        else:
+            b0, r, s32 = lax.optimization_barrier((b0, res.r, res.scales.astype(jnp.float32)))
+            res = dataclasses.replace(res, r=r)
+        res = dataclasses.replace(res, scales=s32)
     q_index = index if acts.q_rows is None else source_tile_rows(
         acts.q_rows, b0.shape[0], index)
     if isinstance(res, rac.SelectedResidual):
         s1 = rac.rows_or_fill(res.global_scale, index, 0.0)
-        if kernel is not None and materialize and index.ndim == 1:
+        if stacked_kernel:
             from pallas_kernels.rac_operands import rac_stacked_operands
 
-            stacked = rac_stacked_operands(b0, res.r, res.scales, res.reciprocals, index,
-                                           acts.q_rows, res.rows, k_pad=k_pad, config=kernel,
-                                           interpret=interpret)
+            if recompute:
+                stacked = rac_stacked_operands(
+                    b0, None, res.scales, res.reciprocals, index, acts.q_rows, k_pad=k_pad,
+                    config=kernel, interpret=interpret, residual_of=(acts.operand[2], g0))
+            else:
+                stacked = rac_stacked_operands(b0, res.r, res.scales, res.reciprocals, index,
+                                               acts.q_rows, res.rows, k_pad=k_pad,
+                                               config=kernel, interpret=interpret)
             return stacked, (rac.rows_or_fill(g0, q_index, 0.0), s1)
     t0, s0 = plain_operand(b0, q_index, dtype, k_pad, g0)
     if res is None:

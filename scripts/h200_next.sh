@@ -78,6 +78,9 @@
 #   rrows  RAC's row pass (pallas_kernels.rac_rows, session 29): GPU bit-identity and programs
 #          (kernel_probe --rac-rows), the decode MoE operand checks (check-moe), then nvfp4_rac
 #          and nvfp4 at batch 128 traced, and nvfp4_rac with --no-rac-row-kernel (same call)
+#   rrec   the row pass without a float32 residual (rac_operands recomputes it, session 29): the
+#          probe's GPU checks, check-moe, the prefill table, then nvfp4_rac with and without the
+#          row kernel, two interleaved pairs, untraced
 #   kv8s   nvfp4_rac and nvfp4 on the FP8 cache with the decode attention split over 2 slot
 #          ranges per (row, KV head) (slot_splits, flash-decoding) and without, same call
 #          (run `attn` first: its timings include the slot_splits variants)
@@ -380,6 +383,15 @@ for step in "$@"; do
       rollout rrows 200 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 --budget-s 160
       rollout rrows_off 110 --quick --profile-steps 4 --precisions nvfp4_rac --no-rac-row-kernel \
         --budget-s 80 ;;
+    rrec) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 100 python3 scripts/kernel_probe.py \
+      --rac-rows --out "$OUT/rrec_probe" > "$OUT/rrec_probe.log" 2>&1
+      echo "rrec probe rc $?"; grep -E "rac_rows|FAIL|Error" "$OUT/rrec_probe.log" | cut -c1-140
+      check check-moe 80
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 120 python3 scripts/bench_kernels.py \
+        --part prefill --trace --out "$OUT/kpre" > "$OUT/kpre.log" 2>&1
+      echo "kpre rc $?"; grep -E "grouped" "$OUT/kpre.log" | cut -c1-200
+      for i in 1 2; do for f in --no-rac-row-kernel --rac-row-kernel; do
+        rollout "ab$i${f#--}" 75 --quick --precisions nvfp4_rac $f --budget-s 60; done; done ;;
     kv8s) rollout kv8s2 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \
       --kv-cache-dtype float8_e4m3fn --attention-slot-splits 2 --budget-s 110
       rollout kv8s1 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \
@@ -441,6 +453,6 @@ for step in "$@"; do
       --budget-s 150 ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
-    *) echo "unknown step $step (check gcheck mcheck kv8r rrows b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 nobar1 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop ropad hlo prof2 plan plan2 b128p cont contshare contgroup share pgroup kpre tgrouped train traindw trainprof)"; exit 2 ;;
+    *) echo "unknown step $step (check gcheck mcheck kv8r rrows rrec b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 nobar1 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop ropad hlo prof2 plan plan2 b128p cont contshare contgroup share pgroup kpre tgrouped train traindw trainprof)"; exit 2 ;;
   esac
 done

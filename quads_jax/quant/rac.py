@@ -333,8 +333,8 @@ def select_residual(
         kernel (``pallas_kernels.rac_select``, for the configurations its ``supports``
         accepts; it traces this module's and ``nvfp4``'s functions).
       row_stats: None, or ``(r, amax, finite, scores)`` of the distinct rows as computed here
-        (``scores`` before the ``row_valid`` mask): ``pallas_kernels.rac_rows``'s one-kernel
-        row pass.
+        (``scores`` before the ``row_valid`` mask; ``r`` None: computed here, where a consumer
+        needs it): ``pallas_kernels.rac_rows``'s one-kernel row pass.
     """
     if row_stats is None:
         r = nvfp4.residual(x, q)
@@ -342,6 +342,7 @@ def select_residual(
         scores = row_block_scores(x, r, recipe.rac_score, row_valid)
     else:
         r, amax, finite, scores = row_stats
+        r = nvfp4.residual(x, q) if r is None else r
         scores = valid_row_scores(scores, row_valid)
     if selector is not None:
         s, rcp, mask, g = selector(scores, amax[..., 0], finite[..., 0])

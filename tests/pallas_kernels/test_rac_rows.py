@@ -102,3 +102,42 @@ def test_bad_input():
         rac_rows.rac_row_pass(x, g, dtype=jnp.float32)
     with pytest.raises(ValueError, match="block_rows=3"):
         rac_rows.RACRowsConfig(block_rows=3)
+
+
+def test_without_the_residual_and_recomputed_in_the_operand_kernel():
+    """``with_residual=False`` writes everything but the float32 residual; ``rac_operands``
+    recomputes it from the activations and the values (``residual_of``) and writes the same
+    stacked operands as from the residual itself, NaN / inf blocks and repeated rows
+    included."""
+    from pallas_kernels import rac_operands as ro
+
+    r_rows, m, k = 10, 24, 160
+    x = _x(r_rows, k, seed=4)
+    g = nvfp4.compute_global_scale(x, "row")[:, 0]
+    full = rac_rows.rac_row_pass(x, g, interpret=True)
+    part = rac_rows.rac_row_pass(x, g, interpret=True, with_residual=False)
+    assert part.residual is None
+    for a, b in ((full.values, part.values), (full.amax, part.amax),
+                 (full.finite, part.finite), (full.scores, part.scores)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    rows = jax.random.randint(jax.random.key(9), (m,), 0, r_rows).astype(jnp.int32)
+    expert = jnp.sort(jax.random.randint(jax.random.key(10), (m,), 0, 3)).astype(jnp.int32)
+    acts = aq.nvfp4_quantize(x, rac_config=aq.RACConfig(), row_expert=expert, num_experts=3,
+                             source_rows=rows)
+    res = acts.residual
+    window = jnp.asarray(list(range(m)) + [m, m] + list(range(0, m, 5)), jnp.int32)
+    kw = dict(k_pad=256, interpret=True)
+    s32 = res.scales.astype(jnp.float32)
+    want = ro.rac_stacked_operands(full.values, res.r, s32, res.reciprocals, window, rows,
+                                   res.rows, **kw)
+    got = ro.rac_stacked_operands(part.values, None, s32, res.reciprocals, window, rows,
+                                  residual_of=(x, g), **kw)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16),
+                                  np.asarray(want).view(np.uint16))
+    assert np.count_nonzero(np.asarray(got[1])) > 0
+    with pytest.raises(ValueError, match="not both"):
+        ro.rac_stacked_operands(part.values, res.r, s32, res.reciprocals, window, rows,
+                                residual_of=(x, g), **kw)
+    with pytest.raises(ValueError, match="r_rows None"):
+        ro.rac_stacked_operands(part.values, None, s32, res.reciprocals, window, rows, rows,
+                                residual_of=(x, g), **kw)
