@@ -146,10 +146,11 @@ def nvfp4_quantize(
         ``selector``; ``pallas_kernels.w4a4_grouped`` makes it).
       row_valid: None, or bool per row of ``x``: the rows that are tokens (RAC's
         ``online_batch`` selection scores only those; ``rac.selection_mask``).
-      row_pass: None, or a ``pallas_kernels.rac_rows.RACRowsConfig`` (with ``interpret``):
-        with RAC, per-token scales and a residual score the kernel computes, the operand values
-        and the residual's statistics come from its one kernel (``rac_rows``), not from the
-        codes' XLA passes (``QuantizedActivations.operand``).
+      row_pass: None, or ``(rac_rows.RACRowsConfig, interpret, MMA dtype)``
+        (``W4A4MatmulConfig.rac_row_pass``): with RAC, per-token scales and a residual score,
+        the operand values and the residual's block statistics come from one kernel
+        (``pallas_kernels.rac_rows``), not from the codes' XLA passes
+        (``QuantizedActivations.operand``; ``rac_operands`` recomputes the residual itself).
     """
     _check_x(x, act_scale_mode, static_scale)
     if source_rows is not None and act_scale_mode != "per_token":
