@@ -200,6 +200,13 @@
 # default since), `trainprof` (0.257 s per update) and a short test of RAC scale coding in
 # rac_operands (slower: reverted). Next, on an H200: `b128 nobar`, `kpre`, `trainprof`, then
 # `contshare contgroup`, `kv8`, `kgroup`, `gcheck`, `b256`; on an H100 the same (24 layers).
+# Session 29 got H100s only: `kpre b128` (25783e6: a variadic RAC reduction and a counts GEMM,
+# slower: reverted), `kv8r` (c8fbbf2: the four arms on the FP8 cache, attention 46 against 75
+# us per layer), `prof2` (c8fbbf2: RAC's XLA kernels read off the HLO), `rrows` and an
+# interleaved A/B (da3d3b4: the rac_rows kernel, GPU bit-identical, -2.8 to -4.5 %), `kpre`
+# (da3d3b4) and `rrec` (9dc8005: no f32 residual written; grouped RAC prefill +67 %). Next, on
+# an H200: `b128` (all four arms at 48 layers with the row kernel), `rrec`, `kv8r`, then
+# `trainprof`, `contshare contgroup`, `kgroup`, `gcheck`, `b256`; on an H100 the same.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
