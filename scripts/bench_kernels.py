@@ -754,7 +754,8 @@ def enable_smoke():
     # The Triton kernels around the tile GEMM (operands, tile plan) cannot run on the CPU
     # outside interpret mode: their jnp paths compute the same arrays.
     BEST["config"] = {**BEST["config"], "act_operand_kernel": False,
-                      "rac_operand_kernel": False, "tile_plan_kernel": False}
+                      "rac_operand_kernel": False, "tile_plan_kernel": False,
+                      "rac_row_kernel": False}
 
 
 def write_outputs(out: str):
