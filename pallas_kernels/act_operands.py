@@ -54,9 +54,7 @@ def _kernel(wr_ref, *refs, m: int, has_q: bool, block_rows: int, blocks_k: int,
     rows, cols, valid, g_idx = window_program(wr_ref, m, block_rows, blocks_k)
     src = q_ref[g_idx] if has_q else g_idx
     xb = x_ref[src, cols, :].astype(jnp.float32)  # [BP, blocks_k, 16]
-    amax_b, finite = nvfp4.block_amax(xb)
-    s_f32, r = nvfp4.block_scales_f32_from_amax(amax_b, finite, g_ref[src][:, None, None])
-    vals = nvfp4.round_to_e2m1_value(xb * r) * s_f32
+    vals = nvfp4.unscaled_block_values(xb, g_ref[src][:, None, None])
     keep = valid[:, None, None]
     mask = None if write_empty else jnp.broadcast_to(keep, vals.shape)
     pltriton.store(out_ref.at[rows, cols, :], jnp.where(keep, vals, 0.0).astype(out_ref.dtype),

@@ -165,7 +165,7 @@ def nvfp4_quantize(
         from pallas_kernels import rac_rows
 
         config, interpret, dtype = row_pass
-        g = nvfp4.compute_global_scale(x, "row")[:, 0]
+        g = q.global_scale[:, 0]  # per token: [R, 1]
         # No float32 residual written: rac_operands recomputes it from x and the values (and
         # any other consumer gets select_residual's XLA expression, bit-identical).
         rp = rac_rows.rac_row_pass(x, g, score=rac_config.rac_score, dtype=dtype, config=config,

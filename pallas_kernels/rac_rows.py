@@ -18,8 +18,8 @@ compute_global_scale(x, "row")``, an XLA row reduction before the kernel, as ``a
   the block scores of ``residual_l2`` / ``residual_l1`` (``rac.row_block_scores`` before its
   ``row_valid`` mask, which the caller applies).
 
-The arithmetic is the quantizer's, traced into the kernel (``nvfp4.block_amax``,
-``nvfp4.block_scales_f32_from_amax``, ``nvfp4.round_to_e2m1_value``), as in ``act_operands``.
+The arithmetic is the quantizer's, traced into the kernel (``nvfp4.unscaled_block_values``,
+``nvfp4.residual_from_values``, ``nvfp4.block_amax``), as in ``act_operands``.
 Sums of 16 elements add in Triton's tree order: a score's last bit can differ from XLA's on
 the GPU (as ``rac_select``'s sums), equal in the interpreter (the tests).
 
@@ -89,9 +89,7 @@ def _kernel(x_ref, g_ref, vals_ref, *refs, block_rows: int, blocks_k: int, score
     cols = pl.ds(pl.program_id(1) * blocks_k, blocks_k)
     xb = x_ref[rows, cols, :].astype(jnp.float32)  # [BR, blocks_k, 16]
     g = g_ref[rows][:, None, None]
-    amax_b, finite = nvfp4.block_amax(xb)
-    s_f32, rcp = nvfp4.block_scales_f32_from_amax(amax_b, finite, g)
-    vals = nvfp4.round_to_e2m1_value(xb * rcp) * s_f32  # e2m1 * s_b: exact in f16 / bf16
+    vals = nvfp4.unscaled_block_values(xb, g)  # e2m1 * s_b: exact in f16 / bf16
     r = nvfp4.residual_from_values(xb, vals, g)  # nvfp4.residual's arithmetic
     r_amax, r_finite = nvfp4.block_amax(r)
     sc = jnp.sum(r * r if score == "residual_l2" else jnp.abs(r), axis=-1)

@@ -259,6 +259,16 @@ def block_scales_f32_from_amax(
     return s_f32, r
 
 
+def unscaled_block_values(x_blocks: jax.Array, g: jax.Array) -> jax.Array:
+    """float32 ``e2m1 * s_b`` ``[..., K/16, 16]`` of float32 ``x_blocks`` quantized with the
+    decode scale ``g`` (broadcastable to ``[..., K/16, 1]``): ``unscaled_values`` of the codes
+    ``quantize_codes`` would give, computed without the codes (elementwise arithmetic and
+    block reductions only: the Triton kernels that quantize activations trace it)."""
+    amax_b, finite = block_amax(x_blocks)
+    s_f32, r = block_scales_f32_from_amax(amax_b, finite, g)
+    return round_to_e2m1_value(x_blocks * r) * s_f32
+
+
 def block_scales_and_reciprocals(x_blocks: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
     """E4M3 block scales and the float32 code reciprocals for ``x_blocks [..., K/16, 16]``.
 
