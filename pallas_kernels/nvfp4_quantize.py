@@ -92,16 +92,14 @@ class QuantizedActivations:
       operand: None, or ``(values [R, K], g float32 [R], x [R, K])``: ``q``'s ``mma_operand``
         as a kernel wrote it (``pallas_kernels.rac_rows``) and the activations it quantized
         (``rac_operands`` recomputes the residual from both): then nothing computes them from
-        the codes, and XLA drops the codes' pass where nothing else reads them. ``values``
-        None: the row pass wrote none (``rac_operands`` quantizes ``x`` itself; any other
-        consumer gets ``mma_operand(q)``).
+        the codes, and XLA drops the codes' pass where nothing else reads them.
     """
 
     q: nvfp4.NVFP4Codes
     residual: rac.SelectedResidual | jax.Array | None = None
     mask: jax.Array | None = None
     q_rows: jax.Array | None = None
-    operand: tuple[jax.Array | None, jax.Array, jax.Array] | None = None
+    operand: tuple[jax.Array, jax.Array, jax.Array] | None = None
 
 
 def _check_x(x: jax.Array, act_scale_mode: str, static_scale) -> None:
@@ -148,13 +146,11 @@ def nvfp4_quantize(
         ``selector``; ``pallas_kernels.w4a4_grouped`` makes it).
       row_valid: None, or bool per row of ``x``: the rows that are tokens (RAC's
         ``online_batch`` selection scores only those; ``rac.selection_mask``).
-      row_pass: None, or ``(rac_rows.RACRowsConfig, interpret, MMA dtype, values)``
+      row_pass: None, or ``(rac_rows.RACRowsConfig, interpret, MMA dtype)``
         (``W4A4MatmulConfig.rac_row_pass``): with RAC, per-token scales and a residual score,
         the operand values and the residual's block statistics come from one kernel
         (``pallas_kernels.rac_rows``), not from the codes' XLA passes
         (``QuantizedActivations.operand``; ``rac_operands`` recomputes the residual itself).
-        ``values`` False: the kernel writes the statistics only (``operand[0]`` None), for an
-        ``rac_operands`` call that quantizes the rows itself.
     """
     _check_x(x, act_scale_mode, static_scale)
     if source_rows is not None and act_scale_mode != "per_token":
@@ -168,13 +164,12 @@ def nvfp4_quantize(
     if row_pass is not None and row_pass_applies(rac_config, act_scale_mode):
         from pallas_kernels import rac_rows
 
-        config, interpret, dtype, values = row_pass
+        config, interpret, dtype = row_pass
         g = q.global_scale[:, 0]  # per token: [R, 1]
         # No float32 residual written: rac_operands recomputes it from x and the values (and
         # any other consumer gets select_residual's XLA expression, bit-identical).
         rp = rac_rows.rac_row_pass(x, g, score=rac_config.rac_score, dtype=dtype, config=config,
-                                   interpret=interpret, with_residual=False,
-                                   with_values=values)
+                                   interpret=interpret, with_residual=False)
         operand, row_stats = (rp.values, g, x), (None, rp.amax, rp.finite, rp.scores)
     sel = rac.select_residual(
         x, q, rac_config, act_scale_mode=act_scale_mode, rows=source_rows,
@@ -197,8 +192,7 @@ def row_pass_applies(rac_config: RACConfig, act_scale_mode: str) -> bool:
 def acts_operand(acts: QuantizedActivations, dtype) -> tuple[jax.Array, jax.Array]:
     """``mma_operand(acts.q, dtype)``, the kernel-written copy where ``acts`` has one in
     ``dtype``."""
-    if (acts.operand is not None and acts.operand[0] is not None
-            and acts.operand[0].dtype == jnp.dtype(dtype)):
+    if acts.operand is not None and acts.operand[0].dtype == jnp.dtype(dtype):
         return acts.operand[:2]
     return mma_operand(acts.q, dtype)
 

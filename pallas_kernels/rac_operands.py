@@ -108,30 +108,24 @@ def window_program(wr_ref, m: int, block_rows: int, blocks_k: int):
 
 
 def _kernel(wr_ref, *refs, m: int, has_q: bool, has_r: bool, block_rows: int,
-            blocks_k: int, write_empty: bool, aliased: bool, recompute: bool, has_b0: bool):
+            blocks_k: int, write_empty: bool, aliased: bool, recompute: bool):
     refs = list(refs)
     q_ref = refs.pop(0) if has_q else None
     rr_ref = refs.pop(0) if has_r else None
-    b0_ref = refs.pop(0) if has_b0 else None
     if aliased:  # the NaN-filled buffer the output aliases: never read here
         del refs[-2]
     if recompute:
-        x_ref, g_ref, s_ref, rcp_ref, out_ref = refs
+        b0_ref, x_ref, g_ref, s_ref, rcp_ref, out_ref = refs
     else:
-        r_ref, s_ref, rcp_ref, out_ref = refs
+        b0_ref, r_ref, s_ref, rcp_ref, out_ref = refs
     rows, cols, valid, g = window_program(wr_ref, m, block_rows, blocks_k)
     q_src = q_ref[g] if has_q else g
     r_src = rr_ref[g] if has_r else g
+    act = b0_ref[q_src, cols, :]  # [BP, blocks_k, 16]
     if recompute:  # r_src is q_src: the residual of the row's own values, nvfp4.residual's
-        xb = x_ref[q_src, cols, :].astype(jnp.float32)  # [BP, blocks_k, 16]
-        gx = g_ref[q_src][:, None, None]
-        # Without b0 the values are quantized here (act_operands' arithmetic, exact in the
-        # MMA dtype): the row pass then wrote none, and each row is read once, not twice.
-        act = (b0_ref[q_src, cols, :].astype(jnp.float32) if has_b0
-               else nvfp4.unscaled_block_values(xb, gx))
-        r = nvfp4.residual_from_values(xb, act, gx)
+        r = nvfp4.residual_from_values(x_ref[q_src, cols, :].astype(jnp.float32),
+                                       act.astype(jnp.float32), g_ref[q_src][:, None, None])
     else:
-        act = b0_ref[q_src, cols, :]  # [BP, blocks_k, 16]
         r = r_ref[r_src, cols, :]
     y = r * rcp_ref[g, cols][..., None]
     res = nvfp4.round_to_e2m1_value(y) * s_ref[g, cols][..., None]
@@ -145,37 +139,23 @@ def _kernel(wr_ref, *refs, m: int, has_q: bool, has_r: bool, block_rows: int,
                        val.astype(out_ref.dtype)[None], mask=mask)
 
 
-@functools.partial(jax.jit, static_argnames=("k_pad", "config", "interpret", "dtype"))
+@functools.partial(jax.jit, static_argnames=("k_pad", "config", "interpret"))
 def rac_stacked_operands(b0: jax.Array, r: jax.Array, scales: jax.Array,
                          reciprocals: jax.Array, window_rows: jax.Array,
                          q_rows: jax.Array | None = None, r_rows: jax.Array | None = None, *,
                          k_pad: int, config: RACOperandsConfig = RACOperandsConfig(),
                          interpret: bool = False,
-                         residual_of: tuple[jax.Array, jax.Array] | None = None,
-                         dtype=None) -> jax.Array:
+                         residual_of: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """The stacked operands ``[2, P, Kp]`` (module docstring).
 
     ``residual_of``: None, or ``(x [R0, K], g float32 [R0])``, the activations whose values
     ``b0`` holds and their decode scales; ``r`` is then None and each residual row is
     recomputed in the kernel (``nvfp4.residual_from_values``: bit-identical) from ``x`` and
     ``b0`` at the row's ``q_rows`` entry (``r_rows`` must be None): 2 bytes of ``x`` read per
-    element instead of 4 of a float32 residual that no pass has to write first. With
-    ``residual_of``, ``b0`` may be None: the kernel quantizes ``x`` itself (the values
-    ``nvfp4.unscaled_block_values`` gives, bit-identical) and writes operand 0 in ``dtype``
-    (float16 / bfloat16); worth it where each distinct row fills about one window row."""
+    element instead of 4 of a float32 residual that no pass has to write first."""
     m, nb = scales.shape
     if (residual_of is None) == (r is None):
         raise ValueError("rac_stacked_operands: pass r or residual_of=(x, g), not both")
-    if b0 is None:
-        if residual_of is None or dtype is None:
-            raise ValueError("rac_stacked_operands: b0=None needs residual_of=(x, g) and the "
-                             "operands' dtype")
-        b0 = jax.ShapeDtypeStruct(residual_of[0].shape, dtype)  # shape and dtype only
-    elif dtype is not None and jnp.dtype(dtype) != b0.dtype:
-        raise ValueError(f"rac_stacked_operands: dtype {dtype} is not b0's {b0.dtype}")
-    if jnp.dtype(b0.dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
-        raise ValueError(f"rac_stacked_operands: operand dtype {b0.dtype}; float16 or "
-                         "bfloat16")
     if residual_of is not None:
         x, g_x = residual_of
         if r_rows is not None or x.shape != b0.shape or g_x.shape != (b0.shape[0],):
@@ -198,8 +178,7 @@ def rac_stacked_operands(b0: jax.Array, r: jax.Array, scales: jax.Array,
         if idx is not None and idx.shape[0] != m:
             raise ValueError(f"rac_stacked_operands: {name} has {idx.shape[0]} rows; need M={m}")
     nbp = k_pad // BLOCK
-    has_b0 = isinstance(b0, jax.Array)
-    b0_args = (_pad_k(b0, k_pad).reshape(b0.shape[0], nbp, BLOCK),) if has_b0 else ()
+    b0_blocks = _pad_k(b0, k_pad).reshape(b0.shape[0], nbp, BLOCK)
     if residual_of is None:
         r_args = (_pad_k(r.astype(jnp.float32), k_pad).reshape(r.shape[0], nbp, BLOCK),)
     else:
@@ -213,8 +192,8 @@ def rac_stacked_operands(b0: jax.Array, r: jax.Array, scales: jax.Array,
                                has_r=r_rows is not None, block_rows=config.block_rows,
                                blocks_k=config.block_k // BLOCK,
                                write_empty=config.padding_rows == "zeros", aliased=aliased,
-                               recompute=residual_of is not None, has_b0=has_b0)
-    return window_operand_call(kernel, window_rows, m, (*index_args, *b0_args, *r_args, s, rcp),
+                               recompute=residual_of is not None)
+    return window_operand_call(kernel, window_rows, m, (*index_args, b0_blocks, *r_args, s, rcp),
                                (2,), k_pad, b0.dtype, config, interpret, "rac_operands",
                                poisoned=aliased)
 

@@ -27,8 +27,8 @@ In the W4A4 path (``nvfp4_quantize``'s ``row_pass``) the residual itself is not 
 (``with_residual=False``): ``rac_operands`` recomputes it from ``x`` and the values.
 
 Shapes and dtypes: ``x`` ``[R, K]`` bf16 / f16 / f32 with K % 16 == 0, ``g`` float32 ``[R]``.
-Outputs (``RowPass``): values ``[R, K]`` in ``dtype`` (None without them), residual float32
-``[R, K]`` (None without it), amax float32 and finite bool ``[R, K/16, 1]``, scores float32 ``[R, K/16]``.
+Outputs (``RowPass``): values ``[R, K]`` in ``dtype``, residual float32 ``[R, K]`` (None
+without it), amax float32 and finite bool ``[R, K/16, 1]``, scores float32 ``[R, K/16]``.
 """
 
 from __future__ import annotations
@@ -82,12 +82,9 @@ def _blocks_per_program(nb: int, block_k: int) -> int:
     return p
 
 
-def _kernel(x_ref, g_ref, *refs, block_rows: int, blocks_k: int, score: str,
-            with_values: bool, with_residual: bool):
-    refs = list(refs)
-    vals_ref = refs.pop(0) if with_values else None
-    r_ref = refs.pop(0) if with_residual else None
-    amax_ref, fin_ref, score_ref = refs
+def _kernel(x_ref, g_ref, vals_ref, *refs, block_rows: int, blocks_k: int, score: str,
+            with_residual: bool):
+    r_ref, amax_ref, fin_ref, score_ref = refs if with_residual else (None, *refs)
     rows = pl.ds(pl.program_id(0) * block_rows, block_rows)
     cols = pl.ds(pl.program_id(1) * blocks_k, blocks_k)
     xb = x_ref[rows, cols, :].astype(jnp.float32)  # [BR, blocks_k, 16]
@@ -96,8 +93,7 @@ def _kernel(x_ref, g_ref, *refs, block_rows: int, blocks_k: int, score: str,
     r = nvfp4.residual_from_values(xb, vals, g)  # nvfp4.residual's arithmetic
     r_amax, r_finite = nvfp4.block_amax(r)
     sc = jnp.sum(r * r if score == "residual_l2" else jnp.abs(r), axis=-1)
-    if with_values:
-        pltriton.store(vals_ref.at[rows, cols, :], vals.astype(vals_ref.dtype))
+    pltriton.store(vals_ref.at[rows, cols, :], vals.astype(vals_ref.dtype))
     if with_residual:
         pltriton.store(r_ref.at[rows, cols, :], r)
     pltriton.store(amax_ref.at[rows, cols], r_amax[..., 0])
@@ -106,17 +102,13 @@ def _kernel(x_ref, g_ref, *refs, block_rows: int, blocks_k: int, score: str,
 
 
 @functools.partial(jax.jit, static_argnames=("score", "dtype", "config", "interpret",
-                                             "with_residual", "with_values"))
+                                             "with_residual"))
 def rac_row_pass(x: jax.Array, g: jax.Array, *, score: str = "residual_l2",
                  dtype=jnp.float16, config: RACRowsConfig | None = None,
-                 interpret: bool = False, with_residual: bool = True,
-                 with_values: bool = True) -> RowPass:
+                 interpret: bool = False, with_residual: bool = True) -> RowPass:
     """The row pass of rows ``x [R, K]`` with decode scales ``g [R]`` (module docstring).
     ``with_residual=False``: the float32 residual is not written (``RowPass.residual`` None;
-    ``rac_operands`` recomputes it from ``x`` and the values: half the kernel's bytes).
-    ``with_values=False``: nor the operand values (``RowPass.values`` None): only the block
-    statistics, for a ``rac_operands`` call that quantizes ``x`` itself (``residual_of``
-    without ``b0``: each distinct row read once, as in a prefill's down projection)."""
+    ``rac_operands`` recomputes it from ``x`` and the values: half the kernel's bytes)."""
     config = config or RACRowsConfig()
     if x.ndim != 2 or x.shape[1] % BLOCK or jnp.dtype(x.dtype) not in nvfp4.FLOAT_DTYPES:
         raise ValueError(f"rac_row_pass: x {x.dtype}{list(x.shape)} must be a float [R, K] "
@@ -142,11 +134,11 @@ def rac_row_pass(x: jax.Array, g: jax.Array, *, score: str = "residual_l2",
     whole = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))  # noqa: E731
     shapes = [((r_pad, nb, BLOCK), dtype), ((r_pad, nb, BLOCK), jnp.float32),
               ((r_pad, nb), jnp.float32), ((r_pad, nb), jnp.int32), ((r_pad, nb), jnp.float32)]
-    kept = (with_values, with_residual, True, True, True)
-    shapes = [s for s, keep in zip(shapes, kept, strict=True) if keep]
+    if not with_residual:
+        del shapes[1]
     outs = pl.pallas_call(
         functools.partial(_kernel, block_rows=br, blocks_k=bk, score=score,
-                          with_values=with_values, with_residual=with_residual),
+                          with_residual=with_residual),
         grid=(r_pad // br, nb // bk),
         in_specs=[whole(xb.shape), whole(g.shape)],
         out_specs=[whole(s) for s, _ in shapes],
@@ -155,11 +147,8 @@ def rac_row_pass(x: jax.Array, g: jax.Array, *, score: str = "residual_l2",
         interpret=interpret,
         name="rac_rows",
     )(xb, g)
-    outs = list(outs)
-    vals = outs.pop(0).reshape(r_pad, k) if with_values else None
-    r = outs.pop(0).reshape(r_pad, k) if with_residual else None
-    amax, fin, sc = outs
-    out = RowPass(vals, r,
+    vals, r, amax, fin, sc = outs if with_residual else (outs[0], None, *outs[1:])
+    out = RowPass(vals.reshape(r_pad, k), None if r is None else r.reshape(r_pad, k),
                   amax[..., None], (fin > 0)[..., None], sc)
     return out if r_pad == r_rows else RowPass(*(a if a is None else a[:r_rows] for a in out))
 

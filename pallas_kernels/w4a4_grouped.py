@@ -183,18 +183,6 @@ def rac_selector(rac, act_scale_mode: str, group_sizes: jax.Array, source_rows, 
     return select
 
 
-def row_pass_values(source_rows, m: int, config: W4A4MatmulConfig) -> bool:
-    """Whether RAC's row pass (``rac_rows``) writes the operand values of a grouped GEMM of
-    ``m`` rows. Not when each row is its own distinct row (no ``source_rows``), the call is
-    prefill-sized (``m >= config.prefill_min_rows``) and ``rac_operands`` writes the operands:
-    that kernel then quantizes the rows itself, so the values are neither written nor read
-    back (at 8 192 x 2 048 bf16 rows, 64 of the two kernels' ~200 MB). A decode step's rows
-    (few, each copied into several window rows) keep them: writing them costs nothing there,
-    quantizing each window row again does."""
-    return not (source_rows is None and config.prefill_min_rows is not None
-                and m >= config.prefill_min_rows and config.rac_operands_config() is not None)
-
-
 def check_source_rows(source_rows, num_rows: int, name: str = "source_rows",
                       of: str = "rows of x") -> jax.Array:
     """``source_rows`` (or the index called ``name``) must be an int vector with values in
@@ -282,8 +270,7 @@ def w4a4_grouped_matmul(
         selector = rac_selector(rac, act_scale_mode, gs, source_rows, m, config, interpret)
         acts = _grouped_acts(x_sorted, rexp, e, act_scale_mode, rac, rac_blocks,
                              act_global_scale, source_rows, selector, row_valid,
-                             config.rac_row_pass(interpret, row_pass_values(source_rows, m,
-                                                                            config)))
+                             config.rac_row_pass(interpret))
 
         def operand_of(idx):
             return operand_rows(acts, idx, w.mma_dtype, w.k_pad, config.materialize_operands,

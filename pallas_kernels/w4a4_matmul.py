@@ -176,14 +176,13 @@ class W4A4MatmulConfig:
             return None
         return ActOperandsConfig(block_rows=self.act_operand_block_rows)
 
-    def rac_row_pass(self, interpret: bool, values: bool = True):
-        """``nvfp4_quantize``'s ``row_pass`` argument: None when ``rac_row_kernel`` is off;
-        ``values`` False: the row pass writes no operand values (``rac_operands`` quantizes)."""
+    def rac_row_pass(self, interpret: bool):
+        """``nvfp4_quantize``'s ``row_pass`` argument: None when ``rac_row_kernel`` is off."""
         from pallas_kernels.rac_rows import RACRowsConfig
 
         if not self.rac_row_kernel:
             return None
-        return RACRowsConfig(), interpret, jnp.dtype(self.mma_dtype), values
+        return RACRowsConfig(), interpret, jnp.dtype(self.mma_dtype)
 
     def tile_plan_config(self):
         """The ``tile_plan`` kernel's config (``tile_plan_block`` entries per program,
@@ -286,18 +285,14 @@ def operand_rows(acts: aq.QuantizedActivations, index: jax.Array, dtype, k_pad: 
     come back as one stacked array ``[2, I, Kp]`` written by ``rac_operands`` (bit-identical;
     ``interpret`` runs it in the Triton interpreter).
     """
+    b0, g0 = aq.acts_operand(acts, dtype)
     res = acts.residual
     stacked_kernel = (kernel is not None and materialize and index.ndim == 1
                       and isinstance(res, rac.SelectedResidual))
     # rac_rows' values came with their activations, and the residual's rows are the values'
-    # rows: rac_operands recomputes the residual from both (no float32 residual pass). Where
-    # the row pass wrote no values, rac_operands quantizes the activations too.
-    recompute = (stacked_kernel and acts.operand is not None and res.rows is acts.q_rows
-                 and (acts.operand[0] is None or acts.operand[0].dtype == jnp.dtype(dtype)))
-    if recompute:
-        b0, g0 = acts.operand[:2]
-    else:
-        b0, g0 = aq.acts_operand(acts, dtype)
+    # rows: rac_operands recomputes the residual from both (no float32 residual pass).
+    recompute = (stacked_kernel and acts.operand is not None and b0 is acts.operand[0]
+                 and res.rows is acts.q_rows)
     if materialize and isinstance(res, rac.SelectedResidual):
         # The block scales too, as float32 (exact): inside the gather fusion XLA would convert
         # each E4M3 scale once per element it scales (16 times per block, every windowed row).
@@ -308,7 +303,7 @@ def operand_rows(acts: aq.QuantizedActivations, index: jax.Array, dtype, k_pad: 
             res = dataclasses.replace(res, r=r)
         res = dataclasses.replace(res, scales=s32)
     q_index = index if acts.q_rows is None else source_tile_rows(
-        acts.q_rows, g0.shape[0], index)
+        acts.q_rows, b0.shape[0], index)
     if isinstance(res, rac.SelectedResidual):
         s1 = rac.rows_or_fill(res.global_scale, index, 0.0)
         if stacked_kernel:
@@ -317,8 +312,7 @@ def operand_rows(acts: aq.QuantizedActivations, index: jax.Array, dtype, k_pad: 
             if recompute:
                 stacked = rac_stacked_operands(
                     b0, None, res.scales, res.reciprocals, index, acts.q_rows, k_pad=k_pad,
-                    config=kernel, interpret=interpret, residual_of=(acts.operand[2], g0),
-                    dtype=jnp.dtype(dtype))
+                    config=kernel, interpret=interpret, residual_of=(acts.operand[2], g0))
             else:
                 stacked = rac_stacked_operands(b0, res.r, res.scales, res.reciprocals, index,
                                                acts.q_rows, res.rows, k_pad=k_pad,

@@ -81,10 +81,6 @@
 #   rrec   the row pass without a float32 residual (rac_operands recomputes it, session 29): the
 #          probe's GPU checks, check-moe, the prefill table, then nvfp4_rac with and without the
 #          row kernel, two interleaved pairs, untraced
-#   rpre   RAC's row pass without operand values at prefill shapes (session 30: rac_operands
-#          quantizes each row itself; w4a4_grouped.row_pass_values): kernel_probe --rac-prefill
-#          (bit-identity with the jnp path, the program and its two kernels, block variants),
-#          then the prefill table (bench_kernels --part prefill --trace)
 #   kv8s   nvfp4_rac and nvfp4 on the FP8 cache with the decode attention split over 2 slot
 #          ranges per (row, KV head) (slot_splits, flash-decoding) and without, same call
 #          (run `attn` first: its timings include the slot_splits variants)
@@ -403,12 +399,6 @@ for step in "$@"; do
       echo "kpre rc $?"; grep -E "grouped" "$OUT/kpre.log" | cut -c1-200
       for i in 1 2; do for f in --no-rac-row-kernel --rac-row-kernel; do
         rollout "ab$i${f#--}" 75 --quick --precisions nvfp4_rac $f --budget-s 60; done; done ;;
-    rpre) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 200 python3 scripts/kernel_probe.py \
-      --rac-prefill --out "$OUT/rpre_probe" > "$OUT/rpre_probe.log" 2>&1
-      echo "rpre probe rc $?"; grep -E "gate_up|down|FAIL|Error|bw" "$OUT/rpre_probe.log" | cut -c1-200
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 150 python3 scripts/bench_kernels.py \
-        --part prefill --trace --out "$OUT/kpre" > "$OUT/kpre.log" 2>&1
-      echo "kpre rc $?"; grep -E "grouped|floor|bw" "$OUT/kpre.log" | cut -c1-220 ;;
     kv8s) rollout kv8s2 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \
       --kv-cache-dtype float8_e4m3fn --attention-slot-splits 2 --budget-s 110
       rollout kv8s1 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \

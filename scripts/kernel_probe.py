@@ -873,58 +873,6 @@ def run_rac_rows(tokens: int = 128):
                f"{outs['jnp'].size} values differ")
 
 
-def run_rac_prefill(rows: int = 8192):
-    """RAC's operand program at prefill shapes (``rows`` sorted rows over 128 experts, each its
-    own distinct row, as ``bench_kernels --part prefill``'s grouped case; K = 2048 and 768):
-    the jnp passes, the row pass writing the operand values (the decode default) and the row
-    pass writing statistics only with ``rac_operands`` quantizing the rows itself
-    (``w4a4_grouped.row_pass_values``, the prefill default), then that path's block_rows /
-    warps variants. Each: bit-identity of the stacked operands with the jnp path, the traced
-    program and its two kernels' device times."""
-    from pallas_kernels import rac_operands as ro
-    from pallas_kernels import rac_rows as rr
-    from pallas_kernels.w4a4_grouped import grouped_block_m, tile_plan
-    from pallas_kernels.w4a4_matmul import operand_rows
-
-    bk.log(f"== RAC operands at prefill shapes ({rows} rows, no source rows)")
-    interpret = jax.devices()[0].platform != "gpu"
-    for name, k in (("gate_up", 2048), ("down", 768)):
-        ks = jax.random.split(jax.random.key(k + 1), 2)
-        ids = jnp.sort(jax.random.randint(ks[0], (rows,), 0, GE)).astype(jnp.int32)
-        gs = jnp.bincount(ids, length=GE).astype(jnp.int32)
-        x = jax.random.normal(ks[1], (rows, k), jnp.bfloat16)
-        *_, window = tile_plan(gs, rows, grouped_block_m(rows, GE))
-
-        def program(x, window, rp, ocfg, ids=ids, k=k):
-            acts = aq.nvfp4_quantize(x, rac_config=aq.RACConfig(), row_expert=ids,
-                                     num_experts=GE, row_pass=rp)
-            return operand_rows(acts, window, jnp.float16, k, True, ocfg, interpret)[0]
-
-        base = ro.RACOperandsConfig()
-        arms = [("jnp", None, base), ("values written", (rr.RACRowsConfig(), interpret,
-                                                         jnp.float16, True), base)]
-        for rbr, rnw, obr, onw in ((8, 4, 8, 4), (32, 4, 8, 4), (8, 4, 32, 4), (8, 8, 8, 8),
-                                   (32, 8, 32, 8), (2, 4, 2, 4)):
-            arms.append((f"stats only rows {rbr}/{rnw}w ops {obr}/{onw}w",
-                         (rr.RACRowsConfig(block_rows=rbr, num_warps=rnw), interpret,
-                          jnp.float16, False),
-                         ro.RACOperandsConfig(block_rows=obr, num_warps=onw)))
-        want = None
-        for label, rp, ocfg in arms:
-            fn = jax.jit(lambda x, w, rp=rp, ocfg=ocfg: program(x, w, rp, ocfg))
-            got = np.asarray(fn(x, window))
-            if want is None:
-                want = got
-            diff = int(np.sum(got.view(np.uint16) != want.view(np.uint16)))
-            tag = f"rpre_{name}_{label}".replace(" ", "_").replace("/", "_")
-            us, count, _ = traced_kernels(fn, x, window, match="", tag=tag)
-            times = [traced_kernels(fn, x, window, match=kn, tag=f"{tag}_{kn}")[0]
-                     for kn in ("rac_rows", "rac_operands")]
-            bk.log(f"  {'PASS' if diff == 0 else 'FAIL'} {name} {label}: {diff} of {got.size} "
-                   f"differ; program {us * count:7.1f} us in {count} kernels; rac_rows "
-                   f"{times[0]:6.1f} us, rac_operands {times[1]:6.1f} us")
-
-
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="/tmp/probe_out")
@@ -948,8 +896,6 @@ def main(argv=None):
                    help="plain W4A4's operand kernel: GPU bit-identity with jnp, traced times")
     p.add_argument("--rac-rows", action="store_true",
                    help="floors + RAC's row pass (pallas_kernels.rac_rows) vs the jnp path")
-    p.add_argument("--rac-prefill", action="store_true",
-                   help="RAC's row pass and operands at prefill shapes, values written or not")
     p.add_argument("--tile-plan", action="store_true",
                    help="the token-tile plan kernel: GPU equality with jnp, traced times")
     p.add_argument("--variants", default=None,
@@ -991,12 +937,9 @@ def main(argv=None):
             bk.measure_floors()
             run_rac_operands()
             return 0
-        if args.rac_rows or args.rac_prefill:
+        if args.rac_rows:
             bk.measure_floors()
-            if args.rac_rows:
-                run_rac_rows()
-            if args.rac_prefill:
-                run_rac_prefill()
+            run_rac_rows()
             return 0
         if args.n_group:
             bk.measure_floors()

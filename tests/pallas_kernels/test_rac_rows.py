@@ -10,7 +10,7 @@ import pytest
 from pallas_kernels import nvfp4_quantize as aq
 from pallas_kernels import rac_rows
 from pallas_kernels.layout import prepare_w4a4_weights
-from pallas_kernels.w4a4_grouped import row_pass_values, w4a4_grouped_matmul
+from pallas_kernels.w4a4_grouped import w4a4_grouped_matmul
 from pallas_kernels.w4a4_matmul import W4A4MatmulConfig
 from quads_jax.quant import nvfp4
 from quads_jax.testing import lower_for_h200
@@ -65,18 +65,13 @@ def test_rac_matmul_with_the_row_kernel_equals_the_jnp_path():
     x = jax.random.normal(jax.random.key(5), (m, k), jnp.float32).astype(jnp.bfloat16)
     racc = aq.RACConfig()
     outs = []
-    # prefill_min_rows=16: a "prefill" call, whose row pass writes no values (rac_operands
-    # quantizes the rows itself); the default: the decode path, values written.
-    for row_kernel, min_rows in ((True, 16), (True, 2048), (False, 2048)):
-        cfg = W4A4MatmulConfig(a_via_smem=True, rac_row_kernel=row_kernel,
-                               prefill_min_rows=min_rows)
-        assert row_pass_values(None, m, cfg) == (min_rows > m or not row_kernel)
+    for row_kernel in (True, False):
+        cfg = W4A4MatmulConfig(a_via_smem=True, rac_row_kernel=row_kernel)
         w = prepare_w4a4_weights(_weights(4, n, k, 1), mma_dtype=cfg.mma_dtype)
         gs = jnp.asarray([7, 0, 12, 5], jnp.int32)
         outs.append(w4a4_grouped_matmul(x, w, gs, rac=racc, config=cfg, interpret=True))
-    for out in outs[1:]:
-        np.testing.assert_array_equal(np.asarray(outs[0], np.float32),
-                                      np.asarray(out, np.float32))
+    np.testing.assert_array_equal(np.asarray(outs[0], np.float32), np.asarray(outs[1],
+                                                                              np.float32))
 
 
 def test_applies_only_to_per_token_residual_scores():
@@ -118,14 +113,10 @@ def test_without_the_residual_and_recomputed_in_the_operand_kernel():
     g = nvfp4.compute_global_scale(x, "row")[:, 0]
     full = rac_rows.rac_row_pass(x, g, interpret=True)
     part = rac_rows.rac_row_pass(x, g, interpret=True, with_residual=False)
-    stats = rac_rows.rac_row_pass(x, g, interpret=True, with_residual=False, with_values=False)
-    assert part.residual is None and stats.residual is None and stats.values is None
-    for a, b, c in ((full.values, part.values, None), (full.amax, part.amax, stats.amax),
-                    (full.finite, part.finite, stats.finite),
-                    (full.scores, part.scores, stats.scores)):
-        for other in (b, c):
-            if other is not None:
-                np.testing.assert_array_equal(np.asarray(a), np.asarray(other))
+    assert part.residual is None
+    for a, b in ((full.values, part.values), (full.amax, part.amax),
+                 (full.finite, part.finite), (full.scores, part.scores)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     rows = jax.random.randint(jax.random.key(9), (m,), 0, r_rows).astype(jnp.int32)
     expert = jnp.sort(jax.random.randint(jax.random.key(10), (m,), 0, 3)).astype(jnp.int32)
     acts = aq.nvfp4_quantize(x, rac_config=aq.RACConfig(), row_expert=expert, num_experts=3,
@@ -138,19 +129,9 @@ def test_without_the_residual_and_recomputed_in_the_operand_kernel():
                                    res.rows, **kw)
     got = ro.rac_stacked_operands(part.values, None, s32, res.reciprocals, window, rows,
                                   residual_of=(x, g), **kw)
-    # Without b0: the kernel quantizes x itself (the values the row pass would have written).
-    quantized = ro.rac_stacked_operands(None, None, s32, res.reciprocals, window, rows,
-                                        residual_of=(x, g), dtype=jnp.float16, **kw)
-    for out in (got, quantized):
-        np.testing.assert_array_equal(np.asarray(out).view(np.uint16),
-                                      np.asarray(want).view(np.uint16))
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16),
+                                  np.asarray(want).view(np.uint16))
     assert np.count_nonzero(np.asarray(got[1])) > 0
-    with pytest.raises(ValueError, match="b0=None needs"):
-        ro.rac_stacked_operands(None, None, s32, res.reciprocals, window, rows,
-                                residual_of=(x, g), **kw)
-    with pytest.raises(ValueError, match="not b0's"):
-        ro.rac_stacked_operands(part.values, None, s32, res.reciprocals, window, rows,
-                                residual_of=(x, g), dtype=jnp.bfloat16, **kw)
     with pytest.raises(ValueError, match="not both"):
         ro.rac_stacked_operands(part.values, res.r, s32, res.reciprocals, window, rows,
                                 residual_of=(x, g), **kw)
