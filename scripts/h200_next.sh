@@ -81,6 +81,13 @@
 #   rrec   the row pass without a float32 residual (rac_operands recomputes it, session 29): the
 #          probe's GPU checks, check-moe, the prefill table, then nvfp4_rac with and without the
 #          row kernel, two interleaved pairs, untraced
+#   e2m1   the E2M1 rounding by powers of two (session 30; nvfp4.round_to_e2m1_value: the
+#          activation kernels' rounding in a third of the operations): GPU checks (against the
+#          decision-point ladder; act_operands and rac_rows against the jnp path) and the
+#          decode programs' times (kernel_probe --act-operands --rac-rows), then the prefill
+#          table at this commit and at BASE=<sha> (the commit before; git archive or a
+#          carried ./base.tar) in the same call
+#   e2m1ab nvfp4_rac at batch 128, untraced, at BASE and at this commit, interleaved twice
 #   kv8s   nvfp4_rac and nvfp4 on the FP8 cache with the decode attention split over 2 slot
 #          ranges per (row, KV head) (slot_splits, flash-decoding) and without, same call
 #          (run `attn` first: its timings include the slot_splits variants)
@@ -248,6 +255,13 @@ check() {  # check PART SECONDS
   echo "$1 rc $?"; grep -E "PASS|FAIL" "$OUT/$1.log" | cut -c1-110
 }
 short="--decode-steps 16 --reps 2 --prefill-reps 1"
+base_tree() {  # the tree of commit $BASE in /tmp/base (git archive; else ./base.tar, carried)
+  if [ ! -d /tmp/base ]; then
+    mkdir -p /tmp/base
+    { git archive "${BASE:?BASE=<sha> is required}" 2>/dev/null || cat base.tar; } \
+      | tar -x -C /tmp/base || return 1
+  fi
+}
 for step in "$@"; do
   case $step in
     check) check check 230; check check-grouped 240 ;;
@@ -399,6 +413,22 @@ for step in "$@"; do
       echo "kpre rc $?"; grep -E "grouped" "$OUT/kpre.log" | cut -c1-200
       for i in 1 2; do for f in --no-rac-row-kernel --rac-row-kernel; do
         rollout "ab$i${f#--}" 75 --quick --precisions nvfp4_rac $f --budget-s 60; done; done ;;
+    e2m1) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 200 python3 scripts/kernel_probe.py \
+      --act-operands --rac-rows --out "$OUT/e2m1_probe" > "$OUT/e2m1_probe.log" 2>&1
+      echo "e2m1 probe rc $?"; grep -E "PASS|FAIL|Error|us in|kernel " "$OUT/e2m1_probe.log" | cut -c1-160
+      for tree in new base; do
+        dir=.; [ $tree = base ] && { base_tree || continue; dir=/tmp/base; }
+        (cd $dir && XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 PYTHONPATH=$dir timeout -k 15 120 \
+          python3 scripts/bench_kernels.py --part prefill --trace --out "$OUT/kpre_$tree" \
+          > "$OUT/kpre_$tree.log" 2>&1; echo "kpre $tree rc $?")
+        grep -E "grouped|floor|bw" "$OUT/kpre_$tree.log" | cut -c1-220
+      done ;;
+    e2m1ab) base_tree || exit 1
+      for i in 1 2; do for tree in base new; do
+        dir=.; [ $tree = base ] && dir=/tmp/base
+        (cd $dir && PYTHONPATH=$dir OUT=$OUT COMMIT=$COMMIT-$tree; \
+          rollout "ab$i$tree" 120 --quick --precisions nvfp4_rac --budget-s 100)
+      done; done ;;
     kv8s) rollout kv8s2 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \
       --kv-cache-dtype float8_e4m3fn --attention-slot-splits 2 --budget-s 110
       rollout kv8s1 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \

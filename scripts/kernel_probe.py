@@ -804,6 +804,24 @@ def run_tile_plan(variants=TILE_PLAN_VARIANTS):
                    f"{us_k * count_k:6.1f} us in {count_k} kernels")
 
 
+def check_e2m1_rounding():
+    """``nvfp4.round_to_e2m1_value`` (the activation kernels' rounding: add and subtract of
+    powers of two) against the decision-point ladder of ``round_to_e2m1_code`` and its table,
+    both jitted for this device, on every float32 from 2^-30 to 16 at a stride of 2^7 ulps,
+    both signs, and the non-finite values: bit-identity (a compiler that reassociated the add
+    and subtract would fail it)."""
+    lo, hi = np.float32(2.0**-30).view(np.int32), np.float32(16.0).view(np.int32)
+    sweep = np.arange(lo, hi, 1 << 7, dtype=np.int32).view(np.float32)
+    y = jnp.asarray(np.concatenate([sweep, -sweep, [np.inf, -np.inf, np.nan, 0.0, -0.0]])
+                    .astype(np.float32))
+    got = np.asarray(jax.jit(nvfp4.round_to_e2m1_value)(y)).view(np.uint32)
+    want = np.asarray(jax.jit(lambda v: nvfp4.e2m1_code_to_float(
+        nvfp4.round_to_e2m1_code(v)))(y)).view(np.uint32)
+    diff = int(np.sum(got != want))
+    bk.log(f"  {'PASS' if diff == 0 else 'FAIL'} round_to_e2m1_value vs the code ladder on "
+           f"{jax.devices()[0].platform}: {diff} of {got.size} differ")
+
+
 def run_act_operands(tokens: int = 128, variants=RAC_OPERAND_VARIANTS[:4]):
     """Plain W4A4's windowed operand at the decode step's shapes (as ``run_rac_operands``,
     per-token scales, no RAC): ``pallas_kernels.act_operands`` against the jnp quantizer +
@@ -812,6 +830,7 @@ def run_act_operands(tokens: int = 128, variants=RAC_OPERAND_VARIANTS[:4]):
     from pallas_kernels import act_operands as ao
 
     bk.log("== plain W4A4 operand (pallas_kernels.act_operands) vs the jnp path")
+    check_e2m1_rounding()
     interpret = jax.devices()[0].platform != "gpu"
     for name, k, x, src, _, window in decode_operand_cases(tokens):
         ref = jax.jit(lambda x, w, src=src, k=k: ao.act_window_operand_reference(

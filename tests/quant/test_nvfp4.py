@@ -248,14 +248,21 @@ def test_bad_input_raises_clear_errors(x, kwargs, match):
 def test_round_to_e2m1_value_is_the_code_table():
     """The arithmetic E2M1 rounding gives the table value of the rounded code, bit for bit
     (ties at every decision point, both signs, zeros, saturation, non-finite)."""
-    points = np.array([0.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0], np.float32)
+    points = np.array([0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0,
+                       6.0, 7.0, 8.0], np.float32)
     near = np.concatenate([points, np.nextafter(points, np.inf), np.nextafter(points, -np.inf)])
     rand = np.asarray(jax.random.uniform(jax.random.key(9), (4096,), minval=-8.0, maxval=8.0))
-    y = np.concatenate([near, -near, rand, [np.inf, -np.inf, np.nan, 1e30, -1e-30]]).astype(
+    # Every float32 from 2^-30 to 16 at a stride of 2^13 ulps: all exponents, both tie sides.
+    sweep = np.arange(np.float32(2.0**-30).view(np.int32), np.float32(16.0).view(np.int32),
+                      1 << 13, dtype=np.int32).view(np.float32)
+    y = np.concatenate([near, -near, rand, sweep, -sweep,
+                        [np.inf, -np.inf, np.nan, -np.nan, 1e30, -1e-30, 1e-45]]).astype(
         np.float32)
     want = nvfp4.e2m1_code_to_float(nvfp4.round_to_e2m1_code(jnp.asarray(y)))
-    got = nvfp4.round_to_e2m1_value(jnp.asarray(y))
-    np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))
+    for fn in (nvfp4.round_to_e2m1_value, jax.jit(nvfp4.round_to_e2m1_value)):
+        got = fn(jnp.asarray(y))
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint32),
+                                      np.asarray(want).view(np.uint32))
 
 
 def test_residual_products_are_exact_so_multiply_adds_change_nothing():
