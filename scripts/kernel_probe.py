@@ -945,20 +945,18 @@ def main(argv=None):
         if args.rac_select:
             run_rac_select()
             return 0
-        if args.tile_plan or args.act_operands:
+        if args.tile_plan or args.act_operands or args.rac_rows:
             bk.measure_floors()
             if args.tile_plan:
                 run_tile_plan()
             if args.act_operands:
                 run_act_operands()
+            if args.rac_rows:
+                run_rac_rows()
             return 0
         if args.rac_operands:
             bk.measure_floors()
             run_rac_operands()
-            return 0
-        if args.rac_rows:
-            bk.measure_floors()
-            run_rac_rows()
             return 0
         if args.n_group:
             bk.measure_floors()
