@@ -822,6 +822,84 @@ def check_e2m1_rounding():
            f"{jax.devices()[0].platform}: {diff} of {got.size} differ")
 
 
+def _e2m1_ladder(y):
+    """The E2M1 value rounding before session 30 (seven compares, selects and adds)."""
+    mag = jnp.abs(y)
+    val = jnp.zeros(y.shape, jnp.float32)
+    for t, inclusive, step in nvfp4._E2M1_STEPS:
+        val = val + jnp.where((mag >= t) if inclusive else (mag > t), jnp.float32(step), 0.0)
+    return jnp.where((y < 0) & (val > 0), -val, val)
+
+
+def _plain_scales(amax_b, finite, g):
+    """A block scale without the exact E4M3 rounding and divisions (timing ablation only)."""
+    s = jnp.where(finite, amax_b * (1.0 / 6.0), jnp.nan)
+    return s, jnp.where(s > 0, 1.0 / jnp.where(s > 0, s, 1.0), 0.0)
+
+
+# Timing ablations of the activation kernels' arithmetic (run_act_ablations): which nvfp4
+# function each replaces. Not bit-identical (except "ladder"): times only.
+ACT_ABLATIONS = {
+    "base": {},
+    "ladder rounding": {"round_to_e2m1_value": _e2m1_ladder},
+    "no rounding": {"round_to_e2m1_value": lambda y: y},
+    "plain scales": {"block_scales_f32_from_amax": _plain_scales},
+    "plain scales, no rounding": {"block_scales_f32_from_amax": _plain_scales,
+                                  "round_to_e2m1_value": lambda y: y},
+    "copy": {"unscaled_block_values": lambda xb, g: xb},
+}
+
+
+def run_act_ablations(rows: int = 8192):
+    """Where the activation kernels' time goes: ``act_operands`` (decode gate_up windows from
+    128 rows, and ``rows`` prefill rows without source rows, K = 2048) and ``rac_rows`` (the
+    same prefill rows) with parts of the quantizer's arithmetic swapped out
+    (``ACT_ABLATIONS``): traced kernel time, and the bytes it moves per us against the run's
+    read bandwidth."""
+    from pallas_kernels import act_operands as ao
+    from pallas_kernels import rac_rows as rr
+    from pallas_kernels.w4a4_grouped import grouped_block_m, tile_plan
+
+    bk.log("== activation kernels' arithmetic ablations (timings only)")
+    interpret = jax.devices()[0].platform != "gpu"
+    _, k, xd, srcd, _, windowd = next(decode_operand_cases(128))
+    ids = jnp.sort(jax.random.randint(jax.random.key(3), (rows,), 0, GE)).astype(jnp.int32)
+    xp = jax.random.normal(jax.random.key(4), (rows, k), jnp.bfloat16)
+    *_, windowp = tile_plan(jnp.bincount(ids, length=GE).astype(jnp.int32), rows,
+                            grouped_block_m(rows, GE))
+    cases = (("act_operands decode", "act_operands", xd, srcd, windowd),
+             ("act_operands prefill", "act_operands", xp, None, windowp),
+             ("rac_rows prefill", "rac_rows", xp, None, None))
+    bw = bk.RESULTS["floors"].get("read_bw", float("nan"))
+    saved = {name: getattr(nvfp4, name) for v in ACT_ABLATIONS.values() for name in v}
+    for label, patch in ACT_ABLATIONS.items():
+        for name, fn in patch.items():
+            setattr(nvfp4, name, fn)
+        try:
+            jax.clear_caches()
+            for case, kname, x, src, window in cases:
+                g = ao.row_decode_scales(x)
+                if window is None:
+                    fn = jax.jit(lambda x, g: rr.rac_row_pass(
+                        x, g, interpret=interpret, with_residual=False))
+                    args = (x, g)
+                    nbytes = x.size * 2 * 2 + x.size // 16 * 12
+                else:
+                    fn = jax.jit(lambda x, g, w, src=src: ao.act_window_operand(
+                        x, g, w, src, k_pad=k, interpret=interpret))
+                    args = (x, g, window)
+                    nbytes = x.size * 2 + window.shape[0] * k * 2
+                us, _, _ = traced_kernels(fn, *args, match=kname,
+                                          tag=f"abl_{label}_{case}".replace(" ", "_"))
+                floor = nbytes / bw * 1e6
+                bk.log(f"  {case:22s} {label:26s} {us:7.1f} us  ({nbytes / 1e6:6.1f} MB: floor "
+                       f"{floor:6.1f} us, ratio {floor / us:.2f})")
+        finally:
+            for name, fn in saved.items():
+                setattr(nvfp4, name, fn)
+    jax.clear_caches()
+
+
 def run_act_operands(tokens: int = 128, variants=RAC_OPERAND_VARIANTS[:4]):
     """Plain W4A4's windowed operand at the decode step's shapes (as ``run_rac_operands``,
     per-token scales, no RAC): ``pallas_kernels.act_operands`` against the jnp quantizer +
@@ -915,6 +993,8 @@ def main(argv=None):
                    help="plain W4A4's operand kernel: GPU bit-identity with jnp, traced times")
     p.add_argument("--rac-rows", action="store_true",
                    help="floors + RAC's row pass (pallas_kernels.rac_rows) vs the jnp path")
+    p.add_argument("--act-ablations", action="store_true",
+                   help="floors + the activation kernels' arithmetic ablations (timings)")
     p.add_argument("--tile-plan", action="store_true",
                    help="the token-tile plan kernel: GPU equality with jnp, traced times")
     p.add_argument("--variants", default=None,
@@ -945,8 +1025,10 @@ def main(argv=None):
         if args.rac_select:
             run_rac_select()
             return 0
-        if args.tile_plan or args.act_operands or args.rac_rows:
+        if args.tile_plan or args.act_operands or args.rac_rows or args.act_ablations:
             bk.measure_floors()
+            if args.act_ablations:
+                run_act_ablations()
             if args.tile_plan:
                 run_tile_plan()
             if args.act_operands:
