@@ -187,26 +187,30 @@ def round_to_e2m1_code(y: jax.Array) -> jax.Array:
 
 
 def round_to_e2m1_value(y: jax.Array) -> jax.Array:
-    """``e2m1_code_to_float(round_to_e2m1_code(y))`` without the codes: float32, the same
-    decision points summed as value steps (exact). Elementwise arithmetic only, so XLA fuses it
-    with its producer and consumer; the table lookup of ``e2m1_code_to_float`` is a gather,
-    which on the H200 kept the codes as a separate uint8 pass of their own."""
-    mag = jnp.abs(jnp.asarray(y, jnp.float32))
-    # Round half to even onto the grid's spacing (0.5 below 2, 1 below 4, 2 above) by adding
-    # and subtracting 2^22 / 2^23 / 2^24, whose float32 ulp is that spacing: float32's own
-    # rounding, exact otherwise. Below 6 the grid is that spacing's multiples, so this equals
-    # the seven decision points' compare-and-add ladder (_E2M1_STEPS; the tests check it bit for
-    # bit) in about a third of the operations: the activation kernels (act_operands, rac_rows,
-    # rac_operands) run it on every element. The added value is a select, not a constant: XLA
-    # folds ``(v + c) - c`` for a constant ``c`` (arith.round_half_even_small), not this
-    # (jitted on the CPU in the tests; on the GPU, XLA and Triton: kernel_probe
-    # --act-operands, 2026-12-05, 0 of 4.5M values differ from the ladder).
-    magic = jnp.where(mag < 2.0, jnp.float32(2.0**22),
-                      jnp.where(mag < 4.0, jnp.float32(2.0**23), jnp.float32(2.0**24)))
-    val = (mag + magic) - magic
-    # Above 5 (the last tie goes down to 4): saturate to 6. NaN compares false: 0, as the codes.
-    val = jnp.where(mag > 5.0, jnp.float32(6.0), jnp.where(mag <= 5.0, val, jnp.float32(0.0)))
-    return jnp.where((y < 0) & (val > 0), -val, val)  # a negative value rounding to 0 is +0
+    """``e2m1_code_to_float(round_to_e2m1_code(y))`` without the codes: float32, bit for bit
+    (round half to even, saturating at +-6, +0 for values that round to zero, 0 for NaN).
+    Elementwise arithmetic only, so XLA fuses it with its producer and consumer (the table
+    lookup of ``e2m1_code_to_float`` is a gather, which on the H200 kept the codes as a pass of
+    their own), and the Triton kernels that quantize activations trace it."""
+    y = jnp.asarray(y, jnp.float32)
+    yc = jnp.clip(y, -E2M1_MAX, E2M1_MAX)
+    mag = jnp.abs(yc)
+    # Round half to even onto the grid's spacing (0.5 below 2, 1 below 4, 2 up to 6) by adding
+    # and subtracting 1.5 * 2^22 / 2^23 / 2^24: the sum stays in the binade whose float32 ulp is
+    # that spacing for either sign, so float32's own rounding does it, and an exact 0 comes back
+    # as +0. Below 6 the E2M1 values are that spacing's multiples, so this is the seven
+    # decision points' ladder (_E2M1_STEPS; the tests check every float32 exponent) in about
+    # half its operations: the activation kernels run it on every element, and on the H100 it
+    # is most of their arithmetic (kernel_probe --act-ablations, 2026-12-05). The added value
+    # is a select, not a constant: XLA folds ``(v + c) - c`` for a constant ``c``
+    # (arith.round_half_even_small), not this (jitted on the CPU in the tests; on the GPU, XLA
+    # and Triton: kernel_probe --act-operands).
+    magic = jnp.where(mag < 2.0, jnp.float32(1.5 * 2.0**22),
+                      jnp.where(mag < 4.0, jnp.float32(1.5 * 2.0**23),
+                                jnp.float32(1.5 * 2.0**24)))
+    val = (yc + magic) - magic
+    # NaN compares false: 0, as its code (a kernel's clip may have turned it into a number).
+    return jnp.where(y == y, val, jnp.float32(0.0))
 
 
 def e2m1_code_to_float(codes: jax.Array) -> jax.Array:
