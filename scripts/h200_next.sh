@@ -87,6 +87,9 @@
 #          decode programs' times (kernel_probe --act-operands --rac-rows), then the prefill
 #          table at this commit and at BASE=<sha> (the commit before; git archive or a
 #          carried ./base.tar) in the same call
+#   ptile  the grouped prefill matmul's tile-kernel variants (n_group, block_m, pipeline depth,
+#          mma_overlap, unstacked RAC operands), +-RAC, GPU-checked then timed with device
+#          times (kernel_probe --prefill-tiles; session 30)
 #   e2m1ab nvfp4_rac at batch 128, untraced, at BASE and at this commit, interleaved twice
 #   kv8s   nvfp4_rac and nvfp4 on the FP8 cache with the decode attention split over 2 slot
 #          ranges per (row, KV head) (slot_splits, flash-decoding) and without, same call
@@ -423,6 +426,9 @@ for step in "$@"; do
           > "$OUT/kpre_$tree.log" 2>&1; echo "kpre $tree rc $?")
         grep -E "grouped|floor|bw" "$OUT/kpre_$tree.log" | cut -c1-220
       done ;;
+    ptile) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 300 python3 scripts/kernel_probe.py \
+      --prefill-tiles --out "$OUT/ptile" > "$OUT/ptile.log" 2>&1
+      echo "ptile rc $?"; grep -E "grouped prefill|top:|FAIL|Error" "$OUT/ptile.log" | cut -c1-230 ;;
     e2m1ab) base_tree || exit 1
       for i in 1 2; do for tree in base new; do
         dir=.; [ $tree = base ] && dir=/tmp/base

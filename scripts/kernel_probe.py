@@ -30,7 +30,10 @@ import bench_kernels as bk  # noqa: E402
 from pallas_kernels import nvfp4_quantize as aq  # noqa: E402
 from pallas_kernels.layout import prepare_w4a4_weights  # noqa: E402
 from pallas_kernels.nvfp4_tiles_mgpu import TileGemmConfig, nvfp4_tile_gemm  # noqa: E402
-from pallas_kernels.w4a4_grouped import w4a4_grouped_matmul  # noqa: E402
+from pallas_kernels.w4a4_grouped import (  # noqa: E402
+    w4a4_grouped_matmul,
+    w4a4_grouped_matmul_reference,
+)
 from pallas_kernels.w4a4_matmul import W4A4MatmulConfig, w4a4_matmul  # noqa: E402
 from quads_jax.quant import nvfp4  # noqa: E402
 
@@ -486,6 +489,55 @@ def run_grouped_n_group(shapes=("gate_up", "down")):
                 bk.log(f"  grouped {name} n_group={ng} FAILED: {type(err).__name__}: "
                        f"{str(err)[:300]}")
         del ws
+
+
+# (label, W4A4MatmulConfig overrides): grouped prefill variants (run_prefill_tiles).
+PREFILL_VARIANTS = (
+    ("base", {}),
+    ("n_group 2", {"n_group": 2}),
+    ("block_m 32", {"block_m": 32}),
+    ("block_m 128", {"block_m": 128}),
+    ("steps 2", {"max_concurrent_steps": 2}),
+    ("mma_overlap 1", {"mma_overlap": 1}),
+)
+
+
+def run_prefill_tiles(tokens: int = 1024, variants=PREFILL_VARIANTS):
+    """The grouped prefill matmul of issue 4 (``tokens`` top-8 over 128 experts, K x N = 2048 x
+    768: 8 192 rows), W4A4 and W4A4 + RAC 0.5, with the tile kernel's prefill-side knobs
+    (``PREFILL_VARIANTS``: weight-row tiles per work item, tokens per tile, pipeline depth,
+    wgmma overlap, unstacked RAC operands): each variant GPU-checked (fresh inputs, poisoned
+    output) and timed with its traced device and tile-kernel times (``bench_kernels`` rows)."""
+    bk.TRACE = True
+    gs = bk.routing(tokens, tokens, GE, 8)
+    m = int(gs.sum())
+    touched = int((np.asarray(gs) > 0).sum())
+    wq, ww = weights(820, (GE, GN, GK), "subnormal")
+    xc = bk.rand(821, (m, GK), jnp.float32)
+    x = xc.astype(jnp.bfloat16)
+    ws = [weights(830 + i, (GE, GN, GK), "subnormal")[1] for i in range(2)]
+    bk.log(f"== grouped prefill variants: rows={m} experts={touched} K={GK} N={GN}")
+    racs = (("", None), (" +RAC0.5", aq.RACConfig()))
+    rows = [(f"{label}{tag}", over, r) for label, over in variants for tag, r in racs]
+    rows.append(("unstacked +RAC0.5", {"stack_operands": False}, aq.RACConfig()))
+    interpret = jax.devices()[0].platform != "gpu"  # a CPU smoke run: the interpreters
+    for label, over, r in rows:
+        cfg = W4A4MatmulConfig(**over, **({"a_via_smem": True} if interpret else {}))
+        try:
+            ok = bk.check(f"grouped prefill {label}", jax.jit(
+                lambda xc=xc, ww=ww, r=r, cfg=cfg: w4a4_grouped_matmul(
+                    xc, ww, gs, rac=r, config=cfg, interpret=interpret)),
+                lambda r=r: w4a4_grouped_matmul_reference(xc, wq, gs, rac=r), (m, GN))
+            if not ok:
+                continue
+            t, calls = bk.time_chain(
+                lambda x, w, cfg=cfg, r=r: w4a4_grouped_matmul(x, w, gs, rac=r, config=cfg,
+                                                               interpret=interpret),
+                x, ws, reps=2)
+            bk.record(f"grouped prefill {label}", t, calls, bytes_=touched * GN * GK * 0.5625,
+                      flops=2 * m * GN * GK)
+        except Exception as err:  # noqa: BLE001  (a variant failing must not stop the sweep)
+            bk.log(f"  grouped prefill {label} FAILED: {type(err).__name__}: {str(err)[:300]}")
 
 
 def run_trace_grouped():
@@ -993,6 +1045,8 @@ def main(argv=None):
                    help="plain W4A4's operand kernel: GPU bit-identity with jnp, traced times")
     p.add_argument("--rac-rows", action="store_true",
                    help="floors + RAC's row pass (pallas_kernels.rac_rows) vs the jnp path")
+    p.add_argument("--prefill-tiles", action="store_true",
+                   help="floors + the grouped prefill matmul's tile-kernel variants, +-RAC")
     p.add_argument("--act-ablations", action="store_true",
                    help="floors + the activation kernels' arithmetic ablations (timings)")
     p.add_argument("--tile-plan", action="store_true",
@@ -1024,6 +1078,10 @@ def main(argv=None):
             return 0
         if args.rac_select:
             run_rac_select()
+            return 0
+        if args.prefill_tiles:
+            bk.measure_floors()
+            run_prefill_tiles()
             return 0
         if args.tile_plan or args.act_operands or args.rac_rows or args.act_ablations:
             bk.measure_floors()
