@@ -498,7 +498,9 @@ PREFILL_VARIANTS = (
     ("block_m 32", {"block_m": 32}),
     ("block_m 128", {"block_m": 128}),
     ("steps 2", {"max_concurrent_steps": 2}),
-    ("mma_overlap 1", {"mma_overlap": 1}),
+    ("mma_k 128", {"mma_k": 128}),
+    ("mma_k 128 overlap", {"mma_k": 128, "mma_overlap": 1}),
+    ("mma_k 64 overlap", {"mma_k": 64, "mma_overlap": 1}),
 )
 
 
@@ -522,8 +524,8 @@ def run_prefill_tiles(tokens: int = 1024, variants=PREFILL_VARIANTS):
     rows.append(("unstacked +RAC0.5", {"stack_operands": False}, aq.RACConfig()))
     interpret = jax.devices()[0].platform != "gpu"  # a CPU smoke run: the interpreters
     for label, over, r in rows:
-        cfg = W4A4MatmulConfig(**over, **({"a_via_smem": True} if interpret else {}))
         try:
+            cfg = W4A4MatmulConfig(**over, **({"a_via_smem": True} if interpret else {}))
             ok = bk.check(f"grouped prefill {label}", jax.jit(
                 lambda xc=xc, ww=ww, r=r, cfg=cfg: w4a4_grouped_matmul(
                     xc, ww, gs, rac=r, config=cfg, interpret=interpret)),
@@ -1081,7 +1083,9 @@ def main(argv=None):
             return 0
         if args.prefill_tiles:
             bk.measure_floors()
-            run_prefill_tiles()
+            names = None if args.variants is None else args.variants.split(",")
+            run_prefill_tiles(variants=tuple(v for v in PREFILL_VARIANTS
+                                             if names is None or v[0] in names))
             return 0
         if args.tile_plan or args.act_operands or args.rac_rows or args.act_ablations:
             bk.measure_floors()
