@@ -327,6 +327,18 @@ def quantize_codes(
     scale_mode: ScaleMode = "tensor",
 ) -> NVFP4Codes:
     """``quantize`` without the packing step: same codes, block scales and global scale."""
+    x, g = _input_and_global_scale(x, global_scale, scale_mode)
+    k = x.shape[-1]
+    blocks = x.reshape(x.shape[:-1] + (k // BLOCK_SIZE, BLOCK_SIZE))
+    g_b = g[..., None]  # broadcast against [..., K/16, 1]
+    s_e4m3, r = block_scales_and_reciprocals(blocks, g_b)
+    codes = round_to_e2m1_code(blocks.astype(jnp.float32) * r).reshape(x.shape)
+    return NVFP4Codes(codes=codes, scales=s_e4m3, global_scale=g, dtype=jnp.dtype(x.dtype))
+
+
+def _input_and_global_scale(x, global_scale, scale_mode: ScaleMode) -> tuple[jax.Array, jax.Array]:
+    """``x`` checked and its float32 decode scale ``g`` of ``global_scale_shape`` (computed
+    from ``x`` when ``global_scale`` is None, else checked and reshaped)."""
     x = jnp.asarray(x) if not isinstance(x, jax.Array) else x
     _check_input(x)
     _check_mode(scale_mode, x.ndim)
@@ -343,12 +355,7 @@ def quantize_codes(
         if not jnp.issubdtype(g.dtype, jnp.floating):
             raise ValueError(f"global_scale: dtype {g.dtype} is not floating; pass float32")
         g = g.astype(jnp.float32).reshape(want)
-    k = x.shape[-1]
-    blocks = x.reshape(x.shape[:-1] + (k // BLOCK_SIZE, BLOCK_SIZE))
-    g_b = g[..., None]  # broadcast against [..., K/16, 1]
-    s_e4m3, r = block_scales_and_reciprocals(blocks, g_b)
-    codes = round_to_e2m1_code(blocks.astype(jnp.float32) * r).reshape(x.shape)
-    return NVFP4Codes(codes=codes, scales=s_e4m3, global_scale=g, dtype=jnp.dtype(x.dtype))
+    return x, g
 
 
 def quantize(
@@ -421,9 +428,16 @@ def dequantize(q: NVFP4Tensor | NVFP4Codes, dtype: jnp.dtype | None = jnp.float3
 
 
 def qdq(x: jax.Array, *, global_scale=None, scale_mode: ScaleMode = "tensor") -> jax.Array:
-    """Quantize then dequantize, returned in ``x.dtype``."""
-    q = quantize_codes(x, global_scale=global_scale, scale_mode=scale_mode)
-    return dequantize(q, x.dtype)
+    """Quantize then dequantize, returned in ``x.dtype``: ``dequantize(quantize(x))`` bit for
+    bit (tested), computed as ``unscaled_block_values`` (the E2M1 values by arithmetic, the
+    block scales as float32 on the E4M3 grid) times ``g``: one elementwise pass with its block
+    reductions, no uint8 codes and no table gather between (the trainer's weight fake-quant
+    runs it on every weight every step)."""
+    x, g = _input_and_global_scale(x, global_scale, scale_mode)
+    k = x.shape[-1]
+    blocks = x.reshape(x.shape[:-1] + (k // BLOCK_SIZE, BLOCK_SIZE)).astype(jnp.float32)
+    vals = unscaled_block_values(blocks, g[..., None]).reshape(x.shape)
+    return (vals * g).astype(x.dtype)
 
 
 def fake_quant(x: jax.Array, *, global_scale=None, scale_mode: ScaleMode = "tensor") -> jax.Array:

@@ -282,3 +282,27 @@ def test_residual_products_are_exact_so_multiply_adds_change_nothing():
     np.testing.assert_array_equal(got, fused.astype(np.float32))
     exact = x64 - vals * g.astype(np.float64)
     assert np.max(np.abs(got - exact) / np.maximum(np.abs(exact), 1e-30)) <= 2.0**-23
+
+
+@pytest.mark.parametrize("mode,shape", [("tensor", (4, 64)), ("row", (6, 48)),
+                                        ("expert", (3, 4, 32))])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_qdq_is_dequantize_of_quantize_bit_for_bit(mode, shape, dtype):
+    """``qdq`` computes the values by arithmetic (no codes, no table): the same bits as
+    ``dequantize(quantize(x))``, eager and jitted, with zero, tiny, huge and non-finite blocks
+    (NaN where the codes' path gives NaN)."""
+    x = jax.random.normal(jax.random.key(11), shape, jnp.float32)
+    x = x * jnp.exp(3.0 * jax.random.normal(jax.random.key(12), shape[-1:]))
+    flat = x.reshape(-1, shape[-1])
+    flat = flat.at[0, :16].set(0.0).at[1, 3].set(jnp.inf).at[1, 40 % shape[-1]].set(jnp.nan)
+    flat = flat.at[-1, :16].multiply(1e-30)
+    x = flat.reshape(shape).astype(dtype)
+    want = np.asarray(nvfp4.dequantize(nvfp4.quantize(x, scale_mode=mode), dtype))
+    for fn in (nvfp4.qdq, jax.jit(nvfp4.qdq, static_argnames="scale_mode")):
+        got = np.asarray(fn(x, scale_mode=mode))
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        ok = ~np.isnan(want)
+        bits = np.uint16 if got.itemsize == 2 else np.uint32
+        np.testing.assert_array_equal(got[ok].view(bits), want[ok].view(bits))
+    assert np.isnan(want).any() and (want == 0).any()
