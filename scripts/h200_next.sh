@@ -217,6 +217,14 @@
 # (da3d3b4) and `rrec` (9dc8005: no f32 residual written; grouped RAC prefill +67 %). Next, on
 # an H200: `b128` (all four arms at 48 layers with the row kernel), `rrec`, `kv8r`, then
 # `trainprof`, `contshare contgroup`, `kgroup`, `gcheck`, `b256`; on an H100 the same.
+# Session 30 got an H200 twice and H100s: `rpre` (7cfbbd7, H200: the row pass without values,
+# slower: reverted), `e2m1` (a01f05c against 1db8d15, H100: the E2M1 rounding, bit-identical),
+# the activation ablations (`kernel_probe --act-ablations`, H100), `ptile` (af03df0, H200; the
+# mma_k variants at 3dfdedb on an H100: no knob helps RAC). The `needs_h200` call for `b128`
+# got no machine. Built after the last call (CPU-tested only): `qdq` and the E2M1 code decode
+# by arithmetic (ff96e15, and the commit after). Next, on an H200: `b128` (48 layers: the
+# newest commit's four arms), `trainprof` (the trainer's fake-quant through the new `qdq`),
+# `kpre`, then session 29's list; on an H100 the same at 24 layers.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}

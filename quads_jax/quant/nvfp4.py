@@ -189,9 +189,8 @@ def round_to_e2m1_code(y: jax.Array) -> jax.Array:
 def round_to_e2m1_value(y: jax.Array) -> jax.Array:
     """``e2m1_code_to_float(round_to_e2m1_code(y))`` without the codes: float32, bit for bit
     (round half to even, saturating at +-6, +0 for values that round to zero, 0 for NaN).
-    Elementwise arithmetic only, so XLA fuses it with its producer and consumer (the table
-    lookup of ``e2m1_code_to_float`` is a gather, which on the H200 kept the codes as a pass of
-    their own), and the Triton kernels that quantize activations trace it."""
+    Elementwise arithmetic only, so XLA fuses it with its producer and consumer, and the
+    Triton kernels that quantize activations trace it."""
     y = jnp.asarray(y, jnp.float32)
     yc = jnp.clip(y, -E2M1_MAX, E2M1_MAX)
     mag = jnp.abs(yc)
@@ -214,8 +213,18 @@ def round_to_e2m1_value(y: jax.Array) -> jax.Array:
 
 
 def e2m1_code_to_float(codes: jax.Array) -> jax.Array:
-    """Decode uint8 E2M1 codes in [0, 16) to float32 values."""
-    return jnp.asarray(E2M1_TABLE)[codes.astype(jnp.int32)]
+    """Decode uint8 E2M1 codes in [0, 16) to float32 values: ``E2M1_TABLE[codes]`` bit for bit
+    (-0.0 for code 8 included), by arithmetic on the code's exponent and mantissa bits rather
+    than a table lookup: XLA lowers the lookup to a gather, which kept the codes as a uint8 pass
+    of their own on the H200; elementwise, the decode fuses with the quantizer that made the
+    codes and with the scale that follows (``dequantize``, ``mma_operand``, the weights'
+    prefill decode)."""
+    c = codes.astype(jnp.int32)
+    e = (c >> 1) & 3
+    m = (c & 1).astype(jnp.float32)
+    pow2 = jnp.left_shift(1, jnp.maximum(e - 1, 0)).astype(jnp.float32)  # 2^(e - 1), e >= 1
+    mag = jnp.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * pow2)  # exact: 0, 0.5, 1, 1.5, ..., 6
+    return jnp.where(c >= 8, -mag, mag)
 
 
 def pack_codes(codes: jax.Array) -> jax.Array:

@@ -306,3 +306,15 @@ def test_qdq_is_dequantize_of_quantize_bit_for_bit(mode, shape, dtype):
         bits = np.uint16 if got.itemsize == 2 else np.uint32
         np.testing.assert_array_equal(got[ok].view(bits), want[ok].view(bits))
     assert np.isnan(want).any() and (want == 0).any()
+
+
+def test_e2m1_code_to_float_is_the_table():
+    """The arithmetic decode gives ``E2M1_TABLE`` bit for bit for all 16 codes (-0.0 for code 8),
+    eager and jitted, uint8 and int32 codes."""
+    for dtype in (jnp.uint8, jnp.int32):
+        codes = jnp.arange(16, dtype=dtype)
+        for fn in (nvfp4.e2m1_code_to_float, jax.jit(nvfp4.e2m1_code_to_float)):
+            got = np.asarray(fn(codes))
+            assert got.dtype == np.float32
+            np.testing.assert_array_equal(got.view(np.uint32),
+                                          nvfp4.E2M1_TABLE.view(np.uint32))
