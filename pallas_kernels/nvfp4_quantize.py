@@ -92,14 +92,19 @@ class QuantizedActivations:
       operand: None, or ``(values [R, K], g float32 [R], x [R, K])``: ``q``'s ``mma_operand``
         as a kernel wrote it (``pallas_kernels.rac_rows``) and the activations it quantized
         (``rac_operands`` recomputes the residual from both): then nothing computes them from
-        the codes, and XLA drops the codes' pass where nothing else reads them.
+        the codes, and XLA drops the codes' pass where nothing else reads them. ``values``
+        None: the row pass placed them (``placed``).
+      placed: None, or the stacked ``[2, P, K]`` buffer into whose operand 0 the row pass
+        wrote each row's values at its window row (``row_pass``' placement), for
+        ``rac_operands(placed=...)`` to complete in place.
     """
 
     q: nvfp4.NVFP4Codes
     residual: rac.SelectedResidual | jax.Array | None = None
     mask: jax.Array | None = None
     q_rows: jax.Array | None = None
-    operand: tuple[jax.Array, jax.Array, jax.Array] | None = None
+    operand: tuple[jax.Array | None, jax.Array, jax.Array] | None = None
+    placed: jax.Array | None = None
 
 
 def _check_x(x: jax.Array, act_scale_mode: str, static_scale) -> None:
@@ -146,11 +151,14 @@ def nvfp4_quantize(
         ``selector``; ``pallas_kernels.w4a4_grouped`` makes it).
       row_valid: None, or bool per row of ``x``: the rows that are tokens (RAC's
         ``online_batch`` selection scores only those; ``rac.selection_mask``).
-      row_pass: None, or ``(rac_rows.RACRowsConfig, interpret, MMA dtype)``
+      row_pass: None, or ``(rac_rows.RACRowsConfig, interpret, MMA dtype[, placement])``
         (``W4A4MatmulConfig.rac_row_pass``): with RAC, per-token scales and a residual score,
         the operand values and the residual's block statistics come from one kernel
         (``pallas_kernels.rac_rows``), not from the codes' XLA passes
         (``QuantizedActivations.operand``; ``rac_operands`` recomputes the residual itself).
+        ``placement``: None, or ``(window_of_row [R] int32, P)`` (no ``source_rows``): the
+        values are written straight into the windowed operand (``QuantizedActivations.
+        placed``).
     """
     _check_x(x, act_scale_mode, static_scale)
     if source_rows is not None and act_scale_mode != "per_token":
@@ -160,17 +168,22 @@ def nvfp4_quantize(
     q = nvfp4.quantize_activations(x, act_scale_mode, static_scale)
     if rac_config is None:
         return QuantizedActivations(q=q, q_rows=source_rows)
-    operand = row_stats = None
+    operand = row_stats = placed = None
     if row_pass is not None and row_pass_applies(rac_config, act_scale_mode):
         from pallas_kernels import rac_rows
 
-        config, interpret, dtype = row_pass
+        config, interpret, dtype, *placement = row_pass
+        placement = placement[0] if placement and source_rows is None else None
+        window_of_row, windows = placement if placement is not None else (None, None)
         g = q.global_scale[:, 0]  # per token: [R, 1]
         # No float32 residual written: rac_operands recomputes it from x and the values (and
         # any other consumer gets select_residual's XLA expression, bit-identical).
         rp = rac_rows.rac_row_pass(x, g, score=rac_config.rac_score, dtype=dtype, config=config,
-                                   interpret=interpret, with_residual=False)
+                                   interpret=interpret, with_residual=False,
+                                   window_of_row=window_of_row, windows=windows)
         operand, row_stats = (rp.values, g, x), (None, rp.amax, rp.finite, rp.scores)
+        if placement is not None:
+            operand, placed = (None, g, x), rp.values
     sel = rac.select_residual(
         x, q, rac_config, act_scale_mode=act_scale_mode, rows=source_rows,
         row_expert=row_expert, num_experts=num_experts, static_blocks=static_blocks,
@@ -178,7 +191,7 @@ def nvfp4_quantize(
     )
     residual = sel.masked().astype(jnp.bfloat16) if rac_config.rac_residual_format == "bf16" else sel
     return QuantizedActivations(q=q, residual=residual, mask=sel.mask, q_rows=source_rows,
-                                operand=operand)
+                                operand=operand, placed=placed)
 
 
 def row_pass_applies(rac_config: RACConfig, act_scale_mode: str) -> bool:
@@ -192,7 +205,8 @@ def row_pass_applies(rac_config: RACConfig, act_scale_mode: str) -> bool:
 def acts_operand(acts: QuantizedActivations, dtype) -> tuple[jax.Array, jax.Array]:
     """``mma_operand(acts.q, dtype)``, the kernel-written copy where ``acts`` has one in
     ``dtype``."""
-    if acts.operand is not None and acts.operand[0].dtype == jnp.dtype(dtype):
+    if (acts.operand is not None and acts.operand[0] is not None
+            and acts.operand[0].dtype == jnp.dtype(dtype)):
         return acts.operand[:2]
     return mma_operand(acts.q, dtype)
 

@@ -108,20 +108,26 @@ def window_program(wr_ref, m: int, block_rows: int, blocks_k: int):
 
 
 def _kernel(wr_ref, *refs, m: int, has_q: bool, has_r: bool, block_rows: int,
-            blocks_k: int, write_empty: bool, aliased: bool, recompute: bool):
+            blocks_k: int, write_empty: bool, aliased: bool, recompute: bool, placed: bool):
     refs = list(refs)
     q_ref = refs.pop(0) if has_q else None
     rr_ref = refs.pop(0) if has_r else None
-    if aliased:  # the NaN-filled buffer the output aliases: never read here
-        del refs[-2]
+    # The buffer the output aliases: NaN-filled ("nan": never read), or rac_rows' placed
+    # values (operand 0 of the window rows that have a GEMM row: read, not written again).
+    buf_ref = refs.pop(-2) if aliased or placed else None
+    b0_ref = None if placed else refs.pop(0)
     if recompute:
-        b0_ref, x_ref, g_ref, s_ref, rcp_ref, out_ref = refs
+        x_ref, g_ref, s_ref, rcp_ref, out_ref = refs
     else:
-        b0_ref, r_ref, s_ref, rcp_ref, out_ref = refs
+        r_ref, s_ref, rcp_ref, out_ref = refs
     rows, cols, valid, g = window_program(wr_ref, m, block_rows, blocks_k)
     q_src = q_ref[g] if has_q else g
     r_src = rr_ref[g] if has_r else g
-    act = b0_ref[q_src, cols, :]  # [BP, blocks_k, 16]
+    keep = valid[:, None, None]
+    if placed:  # the window rows' own values; rows without a GEMM row hold anything: masked
+        act = jnp.where(keep, buf_ref[0, rows, cols, :], 0)  # [BP, blocks_k, 16]
+    else:
+        act = b0_ref[q_src, cols, :]  # [BP, blocks_k, 16]
     if recompute:  # r_src is q_src: the residual of the row's own values, nvfp4.residual's
         r = nvfp4.residual_from_values(x_ref[q_src, cols, :].astype(jnp.float32),
                                        act.astype(jnp.float32), g_ref[q_src][:, None, None])
@@ -129,14 +135,18 @@ def _kernel(wr_ref, *refs, m: int, has_q: bool, has_r: bool, block_rows: int,
         r = r_ref[r_src, cols, :]
     y = r * rcp_ref[g, cols][..., None]
     res = nvfp4.round_to_e2m1_value(y) * s_ref[g, cols][..., None]
-    keep = valid[:, None, None]
     # Rows without a GEMM row: zeros, or left as they are (RACOperandsConfig.padding_rows).
+    # Placed: operand 0 is already in place where a row has a GEMM row; only the empty rows'
+    # zeros are written.
     mask = None if write_empty else jnp.broadcast_to(keep, act.shape)[None]
+    mask0 = jnp.broadcast_to(~keep, act.shape)[None] if placed else mask
     for a, val in enumerate((jnp.where(keep, act, 0), jnp.where(keep, res, 0.0))):
+        if a == 0 and placed and not write_empty:
+            continue
         # Operand a as a 1-long slice, not an int index: the interpreter's masked store takes
         # slices and arrays only.
         pltriton.store(out_ref.at[pl.ds(a, 1), rows, cols, :],
-                       val.astype(out_ref.dtype)[None], mask=mask)
+                       val.astype(out_ref.dtype)[None], mask=mask0 if a == 0 else mask)
 
 
 @functools.partial(jax.jit, static_argnames=("k_pad", "config", "interpret"))
@@ -145,17 +155,37 @@ def rac_stacked_operands(b0: jax.Array, r: jax.Array, scales: jax.Array,
                          q_rows: jax.Array | None = None, r_rows: jax.Array | None = None, *,
                          k_pad: int, config: RACOperandsConfig = RACOperandsConfig(),
                          interpret: bool = False,
-                         residual_of: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+                         residual_of: tuple[jax.Array, jax.Array] | None = None,
+                         placed: jax.Array | None = None) -> jax.Array:
     """The stacked operands ``[2, P, Kp]`` (module docstring).
 
     ``residual_of``: None, or ``(x [R0, K], g float32 [R0])``, the activations whose values
     ``b0`` holds and their decode scales; ``r`` is then None and each residual row is
     recomputed in the kernel (``nvfp4.residual_from_values``: bit-identical) from ``x`` and
     ``b0`` at the row's ``q_rows`` entry (``r_rows`` must be None): 2 bytes of ``x`` read per
-    element instead of 4 of a float32 residual that no pass has to write first."""
+    element instead of 4 of a float32 residual that no pass has to write first.
+
+    ``placed``: None, or ``rac_rows``' stacked ``[2, P, K]`` buffer (``window_of_row``) whose
+    operand 0 already holds each window row's values where it has a GEMM row (``b0`` None,
+    ``residual_of`` given, ``q_rows`` None: GEMM row = row of ``x``; ``Kp == K`` and ``P`` a
+    multiple of ``block_rows``). The output is that buffer: operand 0 is read there (for the
+    residual) and written only at the empty rows, operand 1 everywhere, so the values cross
+    memory once instead of being written, read and written again."""
     m, nb = scales.shape
     if (residual_of is None) == (r is None):
         raise ValueError("rac_stacked_operands: pass r or residual_of=(x, g), not both")
+    if placed is not None:
+        p = window_rows.shape[0]
+        x_shape = residual_of[0].shape if residual_of is not None else None
+        if (b0 is not None or residual_of is None or q_rows is not None
+                or placed.shape != (2, p, k_pad) or x_shape != (m, k_pad)
+                or p % config.block_rows or config.padding_rows == "nan"):
+            raise ValueError(
+                f"rac_stacked_operands: placed {placed.shape} needs b0 None, residual_of with "
+                f"x [M, Kp] = [{m}, {k_pad}] (got {x_shape}), q_rows None, the shape [2, P, Kp] "
+                f"= [2, {p}, {k_pad}] with P a multiple of block_rows={config.block_rows}, and "
+                "padding_rows 'zeros' or 'skip'")
+        b0 = placed[0, :m]  # shape and dtype only: the kernel reads the buffer itself
     if residual_of is not None:
         x, g_x = residual_of
         if r_rows is not None or x.shape != b0.shape or g_x.shape != (b0.shape[0],):
@@ -178,7 +208,7 @@ def rac_stacked_operands(b0: jax.Array, r: jax.Array, scales: jax.Array,
         if idx is not None and idx.shape[0] != m:
             raise ValueError(f"rac_stacked_operands: {name} has {idx.shape[0]} rows; need M={m}")
     nbp = k_pad // BLOCK
-    b0_blocks = _pad_k(b0, k_pad).reshape(b0.shape[0], nbp, BLOCK)
+    b0_args = () if placed is not None else (_pad_k(b0, k_pad).reshape(b0.shape[0], nbp, BLOCK),)
     if residual_of is None:
         r_args = (_pad_k(r.astype(jnp.float32), k_pad).reshape(r.shape[0], nbp, BLOCK),)
     else:
@@ -192,26 +222,31 @@ def rac_stacked_operands(b0: jax.Array, r: jax.Array, scales: jax.Array,
                                has_r=r_rows is not None, block_rows=config.block_rows,
                                blocks_k=config.block_k // BLOCK,
                                write_empty=config.padding_rows == "zeros", aliased=aliased,
-                               recompute=residual_of is not None)
-    return window_operand_call(kernel, window_rows, m, (*index_args, b0_blocks, *r_args, s, rcp),
+                               recompute=residual_of is not None, placed=placed is not None)
+    return window_operand_call(kernel, window_rows, m, (*index_args, *b0_args, *r_args, s, rcp),
                                (2,), k_pad, b0.dtype, config, interpret, "rac_operands",
-                               poisoned=aliased)
+                               poisoned=aliased, into=placed)
 
 
 def window_operand_call(kernel, window_rows: jax.Array, m: int, args: tuple, lead: tuple,
                         k_pad: int, dtype, config: RACOperandsConfig, interpret: bool,
-                        name: str, poisoned: bool = False) -> jax.Array:
+                        name: str, poisoned: bool = False,
+                        into: jax.Array | None = None) -> jax.Array:
     """Run a window-operand kernel (``rac_operands``, ``act_operands``): one program per
     ``config.block_rows`` window rows by ``config.block_k`` columns, its first operand the
     window rows padded with empty rows (``m``) to a whole number of programs, then ``args``,
     every one whole. Output ``lead + [P, k_pad]`` in ``dtype``; ``poisoned``: into a
-    NaN-filled buffer the output aliases (``padding_rows="nan"``)."""
+    NaN-filled buffer the output aliases (``padding_rows="nan"``); ``into``: into this buffer
+    (``lead + [P, k_pad]``, aliased, passed to the kernel last before the output)."""
     p = window_rows.shape[0]
     bp = config.block_rows
     p_pad = -(-p // bp) * bp
     wr = window_rows if p_pad == p else jnp.pad(window_rows, (0, p_pad - p), constant_values=m)
     out_shape = (*lead, p_pad, k_pad // BLOCK, BLOCK)
-    poison = (jnp.full(out_shape, jnp.nan, dtype),) if poisoned else ()
+    if into is not None:
+        poison, poisoned = (into.astype(dtype).reshape(out_shape),), True
+    else:
+        poison = (jnp.full(out_shape, jnp.nan, dtype),) if poisoned else ()
     vary, args = varying_operands(wr, *args, *poison)
     whole = lambda a: pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)  # noqa: E731
     out = pl.pallas_call(

@@ -82,8 +82,11 @@ def _blocks_per_program(nb: int, block_k: int) -> int:
     return p
 
 
-def _kernel(x_ref, g_ref, vals_ref, *refs, block_rows: int, blocks_k: int, score: str,
-            with_residual: bool):
+def _kernel(x_ref, g_ref, *refs, block_rows: int, blocks_k: int, score: str,
+            with_residual: bool, placed: int | None):
+    refs = list(refs)
+    place_ref = refs.pop(0) if placed is not None else None
+    vals_ref = refs.pop(0)
     r_ref, amax_ref, fin_ref, score_ref = refs if with_residual else (None, *refs)
     rows = pl.ds(pl.program_id(0) * block_rows, block_rows)
     cols = pl.ds(pl.program_id(1) * blocks_k, blocks_k)
@@ -93,7 +96,18 @@ def _kernel(x_ref, g_ref, vals_ref, *refs, block_rows: int, blocks_k: int, score
     r = nvfp4.residual_from_values(xb, vals, g)  # nvfp4.residual's arithmetic
     r_amax, r_finite = nvfp4.block_amax(r)
     sc = jnp.sum(r * r if score == "residual_l2" else jnp.abs(r), axis=-1)
-    pltriton.store(vals_ref.at[rows, cols, :], vals.astype(vals_ref.dtype))
+    if placed is None:
+        pltriton.store(vals_ref.at[rows, cols, :], vals.astype(vals_ref.dtype))
+    else:  # each row to its window row of operand 0 (the stacked buffer's first P rows)
+        dest = place_ref[rows]
+        ok = dest < placed  # the pad rows of the last program: not written
+        # Every dimension an index array (the interpreter's masked store takes no mix of
+        # arrays and slices): rows scattered, columns and lanes in order.
+        col = pl.program_id(1) * blocks_k + jnp.arange(blocks_k, dtype=jnp.int32)
+        pltriton.store(vals_ref.at[jnp.where(ok, dest, 0)[:, None, None], col[None, :, None],
+                                   jnp.arange(BLOCK, dtype=jnp.int32)[None, None, :]],
+                       vals.astype(vals_ref.dtype),
+                       mask=jnp.broadcast_to(ok[:, None, None], vals.shape))
     if with_residual:
         pltriton.store(r_ref.at[rows, cols, :], r)
     pltriton.store(amax_ref.at[rows, cols], r_amax[..., 0])
@@ -102,13 +116,20 @@ def _kernel(x_ref, g_ref, vals_ref, *refs, block_rows: int, blocks_k: int, score
 
 
 @functools.partial(jax.jit, static_argnames=("score", "dtype", "config", "interpret",
-                                             "with_residual"))
+                                             "with_residual", "windows"))
 def rac_row_pass(x: jax.Array, g: jax.Array, *, score: str = "residual_l2",
                  dtype=jnp.float16, config: RACRowsConfig | None = None,
-                 interpret: bool = False, with_residual: bool = True) -> RowPass:
+                 interpret: bool = False, with_residual: bool = True,
+                 window_of_row: jax.Array | None = None, windows: int | None = None) -> RowPass:
     """The row pass of rows ``x [R, K]`` with decode scales ``g [R]`` (module docstring).
     ``with_residual=False``: the float32 residual is not written (``RowPass.residual`` None;
-    ``rac_operands`` recomputes it from ``x`` and the values: half the kernel's bytes)."""
+    ``rac_operands`` recomputes it from ``x`` and the values: half the kernel's bytes).
+
+    ``window_of_row`` (int32 ``[R]``, each row's row of a windowed operand of ``windows`` rows,
+    distinct, every row placed): the values are written there, into operand 0 of a stacked
+    ``[2, windows, K]`` buffer (``RowPass.values``) whose other rows and operand 1 are left
+    for ``rac_operands(placed=...)`` to write: the prefill layout where each row fills one
+    window row, so the values are written once, in place, and not copied again."""
     config = config or RACRowsConfig()
     if x.ndim != 2 or x.shape[1] % BLOCK or jnp.dtype(x.dtype) not in nvfp4.FLOAT_DTYPES:
         raise ValueError(f"rac_row_pass: x {x.dtype}{list(x.shape)} must be a float [R, K] "
@@ -121,6 +142,13 @@ def rac_row_pass(x: jax.Array, g: jax.Array, *, score: str = "residual_l2",
                          "the activations: the jnp path)")
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
         raise ValueError(f"rac_row_pass: dtype {dtype}; float16 or bfloat16")
+    if (window_of_row is None) != (windows is None) or (
+            window_of_row is not None and (window_of_row.shape != (r_rows,)
+                                           or window_of_row.dtype != jnp.int32
+                                           or windows < r_rows)):
+        raise ValueError(f"rac_row_pass: window_of_row {getattr(window_of_row, 'shape', None)} "
+                         f"and windows={windows} go together: int32 [R] = [{r_rows}] and an "
+                         f"int >= R")
     nb = k // BLOCK
     br = config.block_rows
     r_pad = -(-r_rows // br) * br
@@ -128,29 +156,38 @@ def rac_row_pass(x: jax.Array, g: jax.Array, *, score: str = "residual_l2",
     if r_pad != r_rows:  # whole programs; the pad rows' outputs are dropped
         x = jnp.pad(x, ((0, r_pad - r_rows), (0, 0)))
         g = jnp.pad(g, (0, r_pad - r_rows), constant_values=1.0)
+        if window_of_row is not None:
+            window_of_row = jnp.pad(window_of_row, (0, r_pad - r_rows), constant_values=windows)
     bk = _blocks_per_program(nb, config.block_k)
     xb = x.reshape(r_pad, nb, BLOCK)
-    vary, (xb, g) = varying_operands(xb, g)
+    extra = () if window_of_row is None else (window_of_row,)
+    vary, (xb, g, *extra) = varying_operands(xb, g, *extra)
     whole = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))  # noqa: E731
-    shapes = [((r_pad, nb, BLOCK), dtype), ((r_pad, nb, BLOCK), jnp.float32),
+    # Placed values: the stacked [2, windows] buffer as [2 * windows] rows (operand 0 first).
+    vals_rows = r_pad if windows is None else 2 * windows
+    shapes = [((vals_rows, nb, BLOCK), dtype), ((r_pad, nb, BLOCK), jnp.float32),
               ((r_pad, nb), jnp.float32), ((r_pad, nb), jnp.int32), ((r_pad, nb), jnp.float32)]
     if not with_residual:
         del shapes[1]
     outs = pl.pallas_call(
         functools.partial(_kernel, block_rows=br, blocks_k=bk, score=score,
-                          with_residual=with_residual),
+                          with_residual=with_residual, placed=windows),
         grid=(r_pad // br, nb // bk),
-        in_specs=[whole(xb.shape), whole(g.shape)],
+        in_specs=[whole(a.shape) for a in (xb, g, *extra)],
         out_specs=[whole(s) for s, _ in shapes],
         out_shape=[jax.ShapeDtypeStruct(s, d, **vary) for s, d in shapes],
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=1),
         interpret=interpret,
         name="rac_rows",
-    )(xb, g)
+    )(xb, g, *extra)
     vals, r, amax, fin, sc = outs if with_residual else (outs[0], None, *outs[1:])
-    out = RowPass(vals.reshape(r_pad, k), None if r is None else r.reshape(r_pad, k),
+    vals = vals.reshape(r_pad, k) if windows is None else vals.reshape(2, windows, k)
+    out = RowPass(vals, None if r is None else r.reshape(r_pad, k),
                   amax[..., None], (fin > 0)[..., None], sc)
-    return out if r_pad == r_rows else RowPass(*(a if a is None else a[:r_rows] for a in out))
+    if r_pad == r_rows:
+        return out
+    placed = windows is not None
+    return RowPass(*(a if a is None or (placed and a is vals) else a[:r_rows] for a in out))
 
 
 def rac_row_pass_reference(x: jax.Array, score: str = "residual_l2",

@@ -183,6 +183,24 @@ def rac_selector(rac, act_scale_mode: str, group_sizes: jax.Array, source_rows, 
     return select
 
 
+def values_placement(window_rows: jax.Array, source_rows, m: int, k_pad: int, k: int,
+                     config: W4A4MatmulConfig):
+    """``rac_rows``' placement ``(window_of_row [M], P)`` for ``rac_placed_values``, or None
+    where it does not apply: off, ``source_rows`` given, fewer than ``prefill_min_rows`` rows,
+    the stacked ``rac_operands`` path off, K padded, or ``P`` not a whole number of its
+    programs. ``window_of_row`` inverts the plan's ``window_rows`` (each GEMM row has exactly
+    one window row)."""
+    ocfg = config.rac_operands_config()
+    p = window_rows.shape[0]
+    if (not config.rac_placed_values or source_rows is not None or ocfg is None
+            or config.prefill_min_rows is None or m < config.prefill_min_rows
+            or k_pad != k or p % ocfg.block_rows or ocfg.padding_rows == "nan"):
+        return None
+    window_of_row = jnp.full((m,), p, jnp.int32).at[window_rows].set(
+        jnp.arange(p, dtype=jnp.int32), mode="drop")
+    return window_of_row, p
+
+
 def check_source_rows(source_rows, num_rows: int, name: str = "source_rows",
                       of: str = "rows of x") -> jax.Array:
     """``source_rows`` (or the index called ``name``) must be an int vector with values in
@@ -270,7 +288,9 @@ def w4a4_grouped_matmul(
         selector = rac_selector(rac, act_scale_mode, gs, source_rows, m, config, interpret)
         acts = _grouped_acts(x_sorted, rexp, e, act_scale_mode, rac, rac_blocks,
                              act_global_scale, source_rows, selector, row_valid,
-                             config.rac_row_pass(interpret))
+                             config.rac_row_pass(interpret, values_placement(
+                                 window_rows, source_rows, m, w.k_pad, x_sorted.shape[1],
+                                 config)))
 
         def operand_of(idx):
             return operand_rows(acts, idx, w.mma_dtype, w.k_pad, config.materialize_operands,

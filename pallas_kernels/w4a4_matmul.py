@@ -70,6 +70,8 @@ class W4A4MatmulConfig:
         (bit-identical); act_operand_block_rows: its ``block_rows``.
       rac_row_kernel: RAC with per-token scales and a residual score: the distinct rows'
         operand values and residual statistics from ``pallas_kernels.rac_rows`` (one kernel).
+      rac_placed_values: large grouped RAC calls without source rows: ``rac_rows`` writes the
+        operand values into the windowed stacked operand itself (see the field's comment).
       tile_plan_kernel: grouped GEMMs compute their token-tile plan in
         ``pallas_kernels.tile_plan`` (one kernel) instead of jnp (same arrays);
         tile_plan_block / tile_plan_warps: its ``TilePlanConfig``.
@@ -130,6 +132,13 @@ class W4A4MatmulConfig:
     # instead of the quantizer's and the residual's XLA passes (5-6 kernels of 1.1-3.3 us per
     # GEMM in the H100's batch-128 decode step, 2026-12-05).
     rac_row_kernel: bool = True
+    # Grouped RAC calls whose rows are their own distinct rows (no source_rows) and at least
+    # prefill_min_rows: rac_rows writes each row's operand values straight into the windowed
+    # stacked operand and rac_operands completes that buffer in place (operand 1 and the empty
+    # rows), so the values are written once instead of written, read and written again (~33
+    # of ~200 MB at the 8 192 x 2 048 prefill). Opt-in until measured on the GPU
+    # (h200_next.sh place; bit-identical in the tests).
+    rac_placed_values: bool = False
     # Grouped GEMMs: the token-tile plan (``w4a4_grouped.tile_plan``) in one Pallas kernel
     # (``pallas_kernels.tile_plan``) instead of ~10 small XLA kernels per layer. On the H200
     # (2026-12-04, b9d0759, batch-128 decode step, same call, with act_operand_kernel): 5.2 us
@@ -176,13 +185,14 @@ class W4A4MatmulConfig:
             return None
         return ActOperandsConfig(block_rows=self.act_operand_block_rows)
 
-    def rac_row_pass(self, interpret: bool):
-        """``nvfp4_quantize``'s ``row_pass`` argument: None when ``rac_row_kernel`` is off."""
+    def rac_row_pass(self, interpret: bool, placement=None):
+        """``nvfp4_quantize``'s ``row_pass`` argument: None when ``rac_row_kernel`` is off;
+        ``placement``: None or ``(window_of_row, P)`` (``rac_placed_values``)."""
         from pallas_kernels.rac_rows import RACRowsConfig
 
         if not self.rac_row_kernel:
             return None
-        return RACRowsConfig(), interpret, jnp.dtype(self.mma_dtype)
+        return RACRowsConfig(), interpret, jnp.dtype(self.mma_dtype), placement
 
     def tile_plan_config(self):
         """The ``tile_plan`` kernel's config (``tile_plan_block`` entries per program,
@@ -285,10 +295,24 @@ def operand_rows(acts: aq.QuantizedActivations, index: jax.Array, dtype, k_pad: 
     come back as one stacked array ``[2, I, Kp]`` written by ``rac_operands`` (bit-identical;
     ``interpret`` runs it in the Triton interpreter).
     """
-    b0, g0 = aq.acts_operand(acts, dtype)
     res = acts.residual
     stacked_kernel = (kernel is not None and materialize and index.ndim == 1
                       and isinstance(res, rac.SelectedResidual))
+    if (stacked_kernel and acts.placed is not None and acts.q_rows is None and res.rows is None
+            and acts.placed.shape[1] == index.shape[0] and acts.placed.dtype == jnp.dtype(dtype)
+            and acts.placed.shape[2] == k_pad and index.shape[0] % kernel.block_rows == 0):
+        # rac_rows wrote operand 0 into the windows already (the caller placed each row at
+        # its window row of this very index): rac_operands completes the buffer in place.
+        from pallas_kernels.rac_operands import rac_stacked_operands
+
+        _, g0, x = acts.operand
+        s32 = lax.optimization_barrier(res.scales.astype(jnp.float32))
+        stacked = rac_stacked_operands(None, None, s32, res.reciprocals, index, k_pad=k_pad,
+                                       config=kernel, interpret=interpret,
+                                       residual_of=(x, g0), placed=acts.placed)
+        return stacked, (rac.rows_or_fill(g0, index, 0.0),
+                         rac.rows_or_fill(res.global_scale, index, 0.0))
+    b0, g0 = aq.acts_operand(acts, dtype)
     # rac_rows' values came with their activations, and the residual's rows are the values'
     # rows: rac_operands recomputes the residual from both (no float32 residual pass).
     recompute = (stacked_kernel and acts.operand is not None and b0 is acts.operand[0]

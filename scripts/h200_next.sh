@@ -90,6 +90,9 @@
 #   ptile  the grouped prefill matmul's tile-kernel variants (n_group, block_m, pipeline depth,
 #          mma_overlap, unstacked RAC operands), +-RAC, GPU-checked then timed with device
 #          times (kernel_probe --prefill-tiles; session 30)
+#   place  RAC's operand values placed in the windows by rac_rows (W4A4MatmulConfig.
+#          rac_placed_values, session 30, CPU-tested only) against the default at the grouped
+#          prefill shape, GPU-checked then traced (kernel_probe --prefill-tiles)
 #   e2m1ab nvfp4_rac at batch 128, untraced, at BASE and at this commit, interleaved twice
 #   kv8s   nvfp4_rac and nvfp4 on the FP8 cache with the decode attention split over 2 slot
 #          ranges per (row, KV head) (slot_splits, flash-decoding) and without, same call
@@ -222,7 +225,8 @@
 # the activation ablations (`kernel_probe --act-ablations`, H100), `ptile` (af03df0, H200; the
 # mma_k variants at 3dfdedb on an H100: no knob helps RAC). The `needs_h200` call for `b128`
 # got no machine. Built after the last call (CPU-tested only): `qdq` and the E2M1 code decode
-# by arithmetic (ff96e15, and the commit after). Next, on an H200: `b128` (48 layers: the
+# by arithmetic (ff96e15, and the commit after), RAC's values placed in the windows (opt-in:
+# `place` measures it). Next, on an H200: `place`, `b128` (48 layers: the
 # newest commit's four arms), `trainprof` (the trainer's fake-quant through the new `qdq`),
 # `kpre`, then session 29's list; on an H100 the same at 24 layers.
 set -u
@@ -437,6 +441,9 @@ for step in "$@"; do
     ptile) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 300 python3 scripts/kernel_probe.py \
       --prefill-tiles --out "$OUT/ptile" > "$OUT/ptile.log" 2>&1
       echo "ptile rc $?"; grep -E "grouped prefill|top:|FAIL|Error" "$OUT/ptile.log" | cut -c1-230 ;;
+    place) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 200 python3 scripts/kernel_probe.py \
+      --prefill-tiles --variants "base,placed values" --out "$OUT/place" > "$OUT/place.log" 2>&1
+      echo "place rc $?"; grep -E "grouped prefill|top:|FAIL|Error" "$OUT/place.log" | cut -c1-230 ;;
     e2m1ab) base_tree || exit 1
       for i in 1 2; do for tree in base new; do
         dir=.; [ $tree = base ] && dir=/tmp/base

@@ -61,17 +61,21 @@ def test_rac_matmul_with_the_row_kernel_equals_the_jnp_path():
     kernel as with XLA's passes: the same operands and residual, hence the same selection and
     codes. (The dense and grouped interpret tests of test_w4a4_kernels_interpret run the
     kernel too, the default, against float64 products.)"""
-    k, n, m = 128, 32, 24
+    k, n, m = 256, 32, 24
     x = jax.random.normal(jax.random.key(5), (m, k), jnp.float32).astype(jnp.bfloat16)
     racc = aq.RACConfig()
     outs = []
-    for row_kernel in (True, False):
-        cfg = W4A4MatmulConfig(a_via_smem=True, rac_row_kernel=row_kernel)
+    # rac_placed_values with prefill_min_rows=16: this call counts as a prefill, so rac_rows
+    # writes the values into the windowed operand and rac_operands completes it in place.
+    for row_kernel, placed in ((True, False), (False, False), (True, True)):
+        cfg = W4A4MatmulConfig(a_via_smem=True, rac_row_kernel=row_kernel,
+                               rac_placed_values=placed, prefill_min_rows=16)
         w = prepare_w4a4_weights(_weights(4, n, k, 1), mma_dtype=cfg.mma_dtype)
         gs = jnp.asarray([7, 0, 12, 5], jnp.int32)
         outs.append(w4a4_grouped_matmul(x, w, gs, rac=racc, config=cfg, interpret=True))
-    np.testing.assert_array_equal(np.asarray(outs[0], np.float32), np.asarray(outs[1],
-                                                                              np.float32))
+    for out in outs[1:]:
+        np.testing.assert_array_equal(np.asarray(outs[0], np.float32),
+                                      np.asarray(out, np.float32))
 
 
 def test_applies_only_to_per_token_residual_scores():
@@ -138,3 +142,65 @@ def test_without_the_residual_and_recomputed_in_the_operand_kernel():
     with pytest.raises(ValueError, match="r_rows None"):
         ro.rac_stacked_operands(part.values, None, s32, res.reciprocals, window, rows, rows,
                                 residual_of=(x, g), **kw)
+
+
+def test_values_placed_in_the_windows_and_completed_in_place():
+    """``window_of_row``: the row pass writes each row's values at its window row of operand 0
+    of a stacked buffer; ``rac_operands(placed=...)`` completes that buffer (operand 1, the
+    empty rows' zeros) into the same stacked operands as from the values themselves, NaN /
+    inf blocks included; its input checks."""
+    from pallas_kernels import rac_operands as ro
+
+    m, k = 12, 256
+    x = _x(m, k, seed=6)
+    g = nvfp4.compute_global_scale(x, "row")[:, 0]
+    expert = jnp.asarray([0] * 5 + [1] * 3 + [2] * 4, jnp.int32)
+    window = jnp.asarray([0, 1, 2, 3, 4, m, m, m, 5, 6, 7, m, 8, 9, 10, 11], jnp.int32)
+    p = window.shape[0]
+    window_of_row = jnp.full((m,), p, jnp.int32).at[window].set(
+        jnp.arange(p, dtype=jnp.int32), mode="drop")
+    cfg = rac_rows.RACRowsConfig(block_rows=8)  # 12 rows: the last program has 4 pad rows
+    plain = rac_rows.rac_row_pass(x, g, interpret=True, with_residual=False, config=cfg)
+    placed = rac_rows.rac_row_pass(x, g, interpret=True, with_residual=False, config=cfg,
+                                   window_of_row=window_of_row, windows=p)
+    assert placed.values.shape == (2, p, k)
+    got_rows = np.asarray(placed.values[0])[np.asarray(window_of_row)]
+    np.testing.assert_array_equal(got_rows.view(np.uint16),
+                                  np.asarray(plain.values).view(np.uint16))
+    for a, b in ((plain.amax, placed.amax), (plain.scores, placed.scores)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    acts = aq.nvfp4_quantize(x, rac_config=aq.RACConfig(), row_expert=expert, num_experts=3)
+    res = acts.residual
+    s32 = res.scales.astype(jnp.float32)
+    kw = dict(k_pad=k, interpret=True, config=ro.RACOperandsConfig(block_rows=8))
+    want = ro.rac_stacked_operands(plain.values, None, s32, res.reciprocals, window,
+                                   residual_of=(x, g), **kw)
+    got = ro.rac_stacked_operands(None, None, s32, res.reciprocals, window,
+                                  residual_of=(x, g), placed=placed.values, **kw)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16),
+                                  np.asarray(want).view(np.uint16))
+    assert np.count_nonzero(np.asarray(got[1])) > 0
+    with pytest.raises(ValueError, match="placed"):  # P = 16 is not a multiple of 32 rows
+        ro.rac_stacked_operands(None, None, s32, res.reciprocals, window, residual_of=(x, g),
+                                placed=placed.values, k_pad=k, interpret=True,
+                                config=ro.RACOperandsConfig(block_rows=32))
+    with pytest.raises(ValueError, match="go together"):
+        rac_rows.rac_row_pass(x, g, window_of_row=window_of_row)
+
+
+def test_placed_values_lower_for_cuda():
+    from pallas_kernels import rac_operands as ro
+
+    m, k, p = 64, 512, 80
+    x = jnp.zeros((m, k), jnp.bfloat16)
+    g = jnp.ones((m,), jnp.float32)
+    wor = jnp.arange(m, dtype=jnp.int32)
+    window = jnp.concatenate([jnp.arange(m, dtype=jnp.int32), jnp.full((p - m,), m, jnp.int32)])
+    s = jnp.ones((m, k // 16), jnp.float32)
+
+    def run(x, g, wor, window, s):
+        rp = rac_rows.rac_row_pass(x, g, with_residual=False, window_of_row=wor, windows=p)
+        return ro.rac_stacked_operands(None, None, s, s, window, k_pad=k, residual_of=(x, g),
+                                       placed=rp.values)
+
+    lower_for_h200(run, x, g, wor, window, s)
