@@ -593,6 +593,10 @@ def parse_args(argv):
                    help="RAC's operand values and residual statistics of the distinct rows "
                    "from one Triton kernel (pallas_kernels.rac_rows) or from XLA's quantizer "
                    "and residual fusions (default: W4A4MatmulConfig.rac_row_kernel)")
+    p.add_argument("--rac-placed-values", action=argparse.BooleanOptionalAction, default=None,
+                   help="grouped RAC prefill calls without source rows: rac_rows writes the "
+                   "operand values into the windowed operand itself, rac_operands completes it "
+                   "in place (default: W4A4MatmulConfig.rac_placed_values)")
     p.add_argument("--tile-plan-kernel", action=argparse.BooleanOptionalAction, default=None,
                    help="the grouped kernels' token-tile plan (NVFP4 and FP8) in one Pallas "
                    "kernel (pallas_kernels.tile_plan) or in jnp (default: "
@@ -656,7 +660,8 @@ def main(argv=None) -> int:
             or not args.grouped_barrier or not args.windowed_operands
             or args.rac_operand_kernel is not None or args.rac_operand_padding != "zeros"
             or args.tile_plan_kernel is not None or args.act_operand_kernel is not None
-            or args.rac_row_kernel is not None or args.tile_plan_block != W4A4MatmulConfig.tile_plan_block
+            or args.rac_row_kernel is not None or args.rac_placed_values is not None
+            or args.tile_plan_block != W4A4MatmulConfig.tile_plan_block
             or args.tile_plan_warps != W4A4MatmulConfig.tile_plan_warps):
         operand_kernel = ({} if args.rac_operand_kernel is None
                           else dict(rac_operand_kernel=args.rac_operand_kernel))
@@ -669,6 +674,8 @@ def main(argv=None) -> int:
             operand_kernel["act_operand_kernel"] = args.act_operand_kernel
         if args.rac_row_kernel is not None:
             operand_kernel["rac_row_kernel"] = args.rac_row_kernel
+        if args.rac_placed_values is not None:
+            operand_kernel["rac_placed_values"] = args.rac_placed_values
         kernel_backend.set_w4a4_overrides(n_group=args.w4a4_n_group,
                                           stack_operands=args.w4a4_stack_operands,
                                           mma_overlap=args.w4a4_mma_overlap,
@@ -714,6 +721,9 @@ def main(argv=None) -> int:
                           rac_row_kernel=(W4A4MatmulConfig().rac_row_kernel
                                           if args.rac_row_kernel is None
                                           else args.rac_row_kernel),
+                          rac_placed_values=(W4A4MatmulConfig().rac_placed_values
+                                             if args.rac_placed_values is None
+                                             else args.rac_placed_values),
                           tile_plan_kernel=(W4A4MatmulConfig().tile_plan_kernel
                                             if args.tile_plan_kernel is None
                                             else args.tile_plan_kernel),

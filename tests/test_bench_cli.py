@@ -41,6 +41,7 @@ def test_bench_rollout_runs_with_kernel_overrides(tmp_path):
             "nvfp4_rac", "--no-split", "--no-ragged", "--no-materialize-operands",
             "--no-rac-operand-kernel", "--rac-operand-padding", "skip", "--tile-plan-kernel",
             "--act-operand-kernel", "--tile-plan-block", "8", "--n-samples", "2",
+            "--rac-placed-values",
             "--share-prompt-cache", "--attention-prefix-mode", "per_group",
             "--attention-prefix-rows", "2", "--layers", "1", "--out", str(tmp_path)]
     try:
@@ -58,6 +59,7 @@ def test_bench_rollout_runs_with_kernel_overrides(tmp_path):
     assert [r["rac_operand_padding"] for r in rows if r["kind"] == "device"] == ["skip"]
     assert [(r["tile_plan_kernel"], r["act_operand_kernel"], r["tile_plan_block"])
             for r in rows if r["kind"] == "device"] == [(True, True, 8)]
+    assert [r["rac_placed_values"] for r in rows if r["kind"] == "device"] == [True]
     assert [(r["attention_prefix_mode"], r["attention_prefix_rows"], r["attention_prefix_splits"])
             for r in rows if r["kind"] == "device"] == [("per_group", 2, 4)]
     assert [(r["precision"], r["n_samples"], r["share_prompt_cache"])
