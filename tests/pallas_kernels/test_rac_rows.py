@@ -204,3 +204,23 @@ def test_placed_values_lower_for_cuda():
                                        placed=rp.values)
 
     lower_for_h200(run, x, g, wor, window, s)
+
+
+def test_values_placement_applies_only_where_each_row_fills_one_window_row():
+    from pallas_kernels.w4a4_grouped import values_placement
+
+    m = 683 * 6  # groups of 6 rows, each padded to 8 window rows
+    window = np.full((683, 8), m, np.int32)
+    window[:, :6] = np.arange(m).reshape(683, 6)
+    window = jnp.asarray(window.reshape(-1))
+    p = window.shape[0]
+    on = W4A4MatmulConfig(rac_placed_values=True)
+    placed = values_placement(window, None, m, 2048, 2048, on)
+    assert placed is not None and placed[1] == p and placed[0].shape == (m,)
+    np.testing.assert_array_equal(np.asarray(window)[np.asarray(placed[0])], np.arange(m))
+    assert values_placement(window, None, m, 2048, 2048, W4A4MatmulConfig()) is None  # off
+    assert values_placement(window, jnp.zeros((m,), jnp.int32), m, 2048, 2048,
+                            on) is None  # source rows: each row feeds several window rows
+    assert values_placement(window[:1024], None, 768, 2048, 2048, on) is None  # decode-sized
+    assert values_placement(window, None, m, 2304, 2048, on) is None  # K padded
+    assert values_placement(window[:p - 4], None, m, 2048, 2048, on) is None  # P % 8
