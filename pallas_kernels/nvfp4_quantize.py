@@ -181,9 +181,10 @@ def nvfp4_quantize(
         rp = rac_rows.rac_row_pass(x, g, score=rac_config.rac_score, dtype=dtype, config=config,
                                    interpret=interpret, with_residual=False,
                                    window_of_row=window_of_row, windows=windows)
-        operand, row_stats = (rp.values, g, x), (None, rp.amax, rp.finite, rp.scores)
-        if placement is not None:
-            operand, placed = (None, g, x), rp.values
+        if placement is not None:  # the values live in the windowed buffer, not per row
+            placed = rp.values
+        operand = (None if placement is not None else rp.values, g, x)
+        row_stats = (None, rp.amax, rp.finite, rp.scores)
     sel = rac.select_residual(
         x, q, rac_config, act_scale_mode=act_scale_mode, rows=source_rows,
         row_expert=row_expert, num_experts=num_experts, static_blocks=static_blocks,

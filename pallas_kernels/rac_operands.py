@@ -185,7 +185,8 @@ def rac_stacked_operands(b0: jax.Array, r: jax.Array, scales: jax.Array,
                 f"x [M, Kp] = [{m}, {k_pad}] (got {x_shape}), q_rows None, the shape [2, P, Kp] "
                 f"= [2, {p}, {k_pad}] with P a multiple of block_rows={config.block_rows}, and "
                 "padding_rows 'zeros' or 'skip'")
-        b0 = placed[0, :m]  # shape and dtype only: the kernel reads the buffer itself
+        # Shape and dtype only: the kernel reads the buffer itself.
+        b0 = jax.ShapeDtypeStruct((m, k_pad), placed.dtype)
     if residual_of is not None:
         x, g_x = residual_of
         if r_rows is not None or x.shape != b0.shape or g_x.shape != (b0.shape[0],):

@@ -298,25 +298,17 @@ def operand_rows(acts: aq.QuantizedActivations, index: jax.Array, dtype, k_pad: 
     res = acts.residual
     stacked_kernel = (kernel is not None and materialize and index.ndim == 1
                       and isinstance(res, rac.SelectedResidual))
-    if (stacked_kernel and acts.placed is not None and acts.q_rows is None and res.rows is None
-            and acts.placed.shape[1] == index.shape[0] and acts.placed.dtype == jnp.dtype(dtype)
-            and acts.placed.shape[2] == k_pad and index.shape[0] % kernel.block_rows == 0):
-        # rac_rows wrote operand 0 into the windows already (the caller placed each row at
-        # its window row of this very index): rac_operands completes the buffer in place.
-        from pallas_kernels.rac_operands import rac_stacked_operands
-
-        _, g0, x = acts.operand
-        s32 = lax.optimization_barrier(res.scales.astype(jnp.float32))
-        stacked = rac_stacked_operands(None, None, s32, res.reciprocals, index, k_pad=k_pad,
-                                       config=kernel, interpret=interpret,
-                                       residual_of=(x, g0), placed=acts.placed)
-        return stacked, (rac.rows_or_fill(g0, index, 0.0),
-                         rac.rows_or_fill(res.global_scale, index, 0.0))
-    b0, g0 = aq.acts_operand(acts, dtype)
+    # rac_rows wrote operand 0 into the windows already (the caller placed each row at its
+    # window row of this very index): rac_operands completes that buffer in place.
+    placed = (stacked_kernel and acts.placed is not None and acts.q_rows is None
+              and res.rows is None and acts.placed.shape[1:] == (index.shape[0], k_pad)
+              and acts.placed.dtype == jnp.dtype(dtype)
+              and index.shape[0] % kernel.block_rows == 0)
+    b0, g0 = (None, acts.operand[1]) if placed else aq.acts_operand(acts, dtype)
     # rac_rows' values came with their activations, and the residual's rows are the values'
     # rows: rac_operands recomputes the residual from both (no float32 residual pass).
-    recompute = (stacked_kernel and acts.operand is not None and b0 is acts.operand[0]
-                 and res.rows is acts.q_rows)
+    recompute = placed or (stacked_kernel and acts.operand is not None
+                           and b0 is acts.operand[0] and res.rows is acts.q_rows)
     if materialize and isinstance(res, rac.SelectedResidual):
         # The block scales too, as float32 (exact): inside the gather fusion XLA would convert
         # each E4M3 scale once per element it scales (16 times per block, every windowed row).
@@ -327,7 +319,7 @@ def operand_rows(acts: aq.QuantizedActivations, index: jax.Array, dtype, k_pad: 
             res = dataclasses.replace(res, r=r)
         res = dataclasses.replace(res, scales=s32)
     q_index = index if acts.q_rows is None else source_tile_rows(
-        acts.q_rows, b0.shape[0], index)
+        acts.q_rows, g0.shape[0], index)
     if isinstance(res, rac.SelectedResidual):
         s1 = rac.rows_or_fill(res.global_scale, index, 0.0)
         if stacked_kernel:
@@ -336,7 +328,8 @@ def operand_rows(acts: aq.QuantizedActivations, index: jax.Array, dtype, k_pad: 
             if recompute:
                 stacked = rac_stacked_operands(
                     b0, None, res.scales, res.reciprocals, index, acts.q_rows, k_pad=k_pad,
-                    config=kernel, interpret=interpret, residual_of=(acts.operand[2], g0))
+                    config=kernel, interpret=interpret, residual_of=(acts.operand[2], g0),
+                    placed=acts.placed if placed else None)
             else:
                 stacked = rac_stacked_operands(b0, res.r, res.scales, res.reciprocals, index,
                                                acts.q_rows, res.rows, k_pad=k_pad,
