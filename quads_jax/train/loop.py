@@ -78,7 +78,9 @@ def stop_if_nonfinite(state, limit: int, checkpointer: Checkpointer, rl_step: in
         f"is saved in {checkpointer.directory}/{rl_step}")
 
 
-def _recipes(config: TrainConfig, model_config) -> tuple[Any, Any]:
+def recipes(config: TrainConfig, model_config) -> tuple[Any, Any]:
+    """``(trainer recipe, rollout recipe)`` of the config's arm with its ``recipe_overrides``
+    (an FP8 KV cache aligns the trainer's attention unless the overrides say otherwise)."""
     overrides = dict(config.recipe_overrides)
     if config.rollout.kv_cache_dtype == "float8_e4m3fn":  # align the trainer's attention
         overrides.setdefault("kv_quant", "float8_e4m3fn")
@@ -117,7 +119,7 @@ class Trainer:
                                          eos_token_id=t.eos_id, pad_token_id=t.pad_id)
             self.model_config = mc
             params = models.init_params(mc, jax.random.key(c.seed))
-        self.trainer_recipe, self.rollout_recipe = _recipes(c, self.model_config)
+        self.trainer_recipe, self.rollout_recipe = recipes(c, self.model_config)
         self.mesh = mesh_lib.make_mesh(c.mesh)
         self.splits = make_task(c.task)
         self.eval_examples = self.splits.eval[: c.rl.eval_prompts]
