@@ -69,8 +69,8 @@ def parse_arm(spec: str, base: TrainConfig, model_config: Any) -> StudyArm:
         if "=" not in item:
             raise ValueError(f"study arm {spec!r}: override {item!r} is not field=value "
                              "(e.g. quads:rac_ratio=0.25)")
-        _, value = cfglib.parse_override(f"recipe_overrides.{item}")
-        overrides[item.split("=", 1)[0].strip()] = value
+        keys, value = cfglib.parse_override(f"recipe_overrides.{item}")
+        overrides[".".join(keys[1:])] = value
     # dataclasses.replace runs TrainConfig's checks: unknown fields, bad values.
     config = dataclasses.replace(base, arm=name, recipe_overrides=overrides)
     recipes(config, model_config)  # the recipes themselves check their values (e.g. rac_ratio range)
