@@ -94,6 +94,10 @@
 #          rac_placed_values, session 30, CPU-tested only) against the default at the grouped
 #          prefill shape, GPU-checked then traced (kernel_probe --prefill-tiles)
 #   e2m1ab nvfp4_rac at batch 128, untraced, at BASE and at this commit, interleaved twice
+#   study  the fixed-policy mismatch study on the GPU's own engines (scripts/study_mismatch.py,
+#          session 31, CPU-run only): small_gpu_base after 300 SFT steps, 256 prompts x 8
+#          samples x 2 seeds, seven arms (the Pallas rollout kernels against the XLA trainer
+#          forward: the real engine floor, which the CPU study could only imitate with bf16)
 #   kv8s   nvfp4_rac and nvfp4 on the FP8 cache with the decode attention split over 2 slot
 #          ranges per (row, KV head) (slot_splits, flash-decoding) and without, same call
 #          (run `attn` first: its timings include the slot_splits variants)
@@ -444,6 +448,11 @@ for step in "$@"; do
     place) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 200 python3 scripts/kernel_probe.py \
       --prefill-tiles --variants "base,placed values" --out "$OUT/place" > "$OUT/place.log" 2>&1
       echo "place rc $?"; grep -E "grouped prefill|top:|FAIL|Error" "$OUT/place.log" | cut -c1-230 ;;
+    study) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 420 python3 scripts/study_mismatch.py \
+      --config configs/small_gpu_base.yaml sft.steps=300 --prompts 256 --samples 8 --seeds 0,1 \
+      --arms "bf16,w4a16,naive_nvfp4,qat_only,symmetric_qat,quads,quads:rac_ratio=1.0" \
+      --out "$OUT/study" > "$OUT/study.log" 2>&1
+      echo "study rc $?"; cat "$OUT/study/study.md" ;;
     e2m1ab) base_tree || exit 1
       for i in 1 2; do for tree in base new; do
         dir=.; [ $tree = base ] && dir=/tmp/base
