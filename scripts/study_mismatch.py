@@ -108,12 +108,16 @@ def write_outputs(out: str, header: dict, rows: list[dict], cells: list[list[str
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+        try:
+            seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+        except ValueError:
+            raise ValueError(f"--seeds {args.seeds!r}: expected comma-separated integers "
+                             "(e.g. 0,1,2)") from None
         if not seeds or args.prompts < 1 or args.samples < 1:
             raise ValueError(f"need >= 1 seed, prompt and sample; got --seeds {args.seeds!r}, "
                              f"--prompts {args.prompts}, --samples {args.samples}")
         base = _base_config(args)
-    except ValueError as err:
+    except (ValueError, OSError) as err:
         print(f"study_mismatch: {err}", file=sys.stderr)
         return 2
 
@@ -126,7 +130,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         arms = [study.parse_arm(a, base, trainer.model_config) for a in study.split_arms(args.arms)]
         if args.run_dir:
-            _, params, step = restore_params(args.run_dir)
+            run_model, params, step = restore_params(args.run_dir)
+            # Only the compute dtype may differ from the run's model (bf16 engines on the CPU).
+            same = dataclasses.replace(run_model, dtype=trainer.model_config.dtype)
+            if same != trainer.model_config:
+                diff = sorted(f.name for f in dataclasses.fields(same)
+                              if getattr(same, f.name) != getattr(trainer.model_config, f.name))
+                raise ValueError(f"overrides change the run's model in {diff}; with --run-dir "
+                                 "only model.config.dtype (the compute dtype) may change")
             policy = f"{os.path.abspath(args.run_dir)} step {step}"
         elif base.sft.steps > 0:
             params = trainer.run_sft(trainer.initial_params)

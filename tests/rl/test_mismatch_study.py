@@ -34,7 +34,7 @@ def test_parse_arm_reads_overrides_and_rejects_bad_specs():
         "bf16", "quads:rac_ratio=0.5,rac_score=act_amax", "naive_nvfp4"]
 
 
-def test_study_cli_separates_aligned_from_unaligned_engines(tmp_path):
+def test_study_cli_separates_aligned_from_unaligned_engines(tmp_path, capsys):
     """At one policy (the random init): QAT + W4A16 (the same qdq weights on
     both sides, no activation rounding), agree to float32 rounding; W4A4 rollouts do not, a
     BF16 trainer (weight error too) least; RAC over every block closes part of the activation
@@ -61,6 +61,12 @@ def test_study_cli_separates_aligned_from_unaligned_engines(tmp_path):
     assert len(by["w4a16"]["seeds"]) == 2
 
     # bad input: a clear message and exit code 2, nothing written
-    assert study_mismatch.main(["--config", str(ROOT / "configs" / "tiny_cpu.yaml"),
-                                "--arms", "nvfp5", "--out", str(tmp_path / "bad")]) == 2
-    assert not (tmp_path / "bad" / "study.json").exists()
+    tiny = str(ROOT / "configs" / "tiny_cpu.yaml")
+    for args, words in [(["--config", tiny, "--arms", "nvfp5"], "not an arm"),
+                        (["--config", tiny, "--seeds", "0,x"], "comma-separated integers"),
+                        (["--config", tiny, "--prompts", "0"], "--prompts 0"),
+                        (["--run-dir", str(tmp_path / "none")], "no config.json"),
+                        (["--config", str(tmp_path / "none.yaml")], "No such file")]:
+        assert study_mismatch.main([*args, "--out", str(tmp_path / "bad")]) == 2, args
+        assert words in capsys.readouterr().err, args
+        assert not (tmp_path / "bad" / "study.json").exists()
