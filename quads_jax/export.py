@@ -34,10 +34,13 @@ def restore_params(run_dir: str, step: int | None = None) -> tuple[Any, dict, in
         model_config = cfglib.from_dict(models.ModelConfig, json.load(f))
     ck = Checkpointer(os.path.join(run_dir, "checkpoints"), CheckpointConfig(async_save=False))
     try:
-        latest = ck.latest_step()
-        step = latest if step is None else step
-        if step is None:
+        steps = ck.complete_steps()
+        if not steps:
             raise ValueError(f"run_dir={run_dir!r} has no complete checkpoint")
+        step = steps[-1] if step is None else step
+        if step not in steps:
+            raise ValueError(f"step={step}: run_dir={run_dir!r} has complete checkpoints at "
+                             f"steps {steps} only")
         opt = make_optimizer(train_config.optimizer, 1)
         abstract = jax.eval_shape(
             lambda: create_train_state(models.init_params(model_config, jax.random.key(0)), opt, 0))

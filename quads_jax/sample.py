@@ -9,7 +9,9 @@
 tokenizer files). ``--checkpoint DIR``: a params-only checkpoint: ``DIR/config.json`` (the HF
 model config) and ``DIR/params`` (an Orbax checkpoint of the parameter tree); its tokenizer is
 the HF one when ``DIR`` holds tokenizer files, else the built-in character tokenizer of the
-synthetic tasks. The weights are synced to ``--precision`` (and checked bit for bit), the
+synthetic tasks. ``--checkpoint RUN_DIR`` also takes a ``quads_jax.train`` run directory (what
+``make demo`` leaves in ``runs/tiny_cpu``): the params of its latest complete checkpoint, or of
+``--step N``, with the run's tokenizer. The weights are synced to ``--precision`` (and checked bit for bit), the
 prompt is generated ``--n`` times, and the completion is printed with tokens/s (compilation
 timed apart).
 
@@ -43,7 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m quads_jax.sample", description=__doc__.split("\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--hf", metavar="DIR", help="transformers Qwen3-MoE directory")
-    src.add_argument("--checkpoint", metavar="DIR", help="params-only checkpoint directory")
+    src.add_argument("--checkpoint", metavar="DIR",
+                     help="params-only checkpoint directory, or a quads_jax.train run directory")
+    p.add_argument("--step", type=int, default=None,
+                   help="with --checkpoint RUN_DIR: that checkpoint step (default: the latest)")
     text = p.add_mutually_exclusive_group(required=True)
     text.add_argument("--prompt", help="prompt text")
     text.add_argument("--prompts-file", metavar="FILE",
@@ -104,6 +109,19 @@ def _has_tokenizer_files(path: str) -> bool:
     return any(os.path.exists(os.path.join(path, n)) for n in names)
 
 
+def is_train_run(path: str) -> bool:
+    """A ``quads_jax.train`` run directory (its configs and a ``checkpoints`` folder)."""
+    return all(os.path.exists(os.path.join(path, n))
+               for n in ("config.json", "model_config.json", "checkpoints"))
+
+
+def _run_tokenizer_dir(path: str) -> str | None:
+    """The HF tokenizer directory a train run used, or None for the character tokenizer."""
+    with open(os.path.join(path, "config.json")) as f:
+        name = json.load(f).get("model", {}).get("tokenizer", "char")
+    return None if name == "char" else name
+
+
 def load_model(args) -> tuple:
     """``(model_config, params, tokenizer)`` from ``--hf`` or ``--checkpoint``."""
     from quads_jax import models
@@ -112,8 +130,18 @@ def load_model(args) -> tuple:
     path = args.hf or args.checkpoint
     if not os.path.isdir(path):
         raise ValueError(f"{'--hf' if args.hf else '--checkpoint'}: {path!r} is not a directory")
+    run = bool(args.checkpoint) and is_train_run(path)
+    if args.step is not None and not run:
+        raise ValueError(f"--step={args.step}: applies to --checkpoint RUN_DIR (a "
+                         f"quads_jax.train run directory) only; {path!r} is not one")
+    tokenizer_dir = path
     if args.hf:
         config, params = models.load_hf(path)
+    elif run:
+        from quads_jax.export import restore_params
+
+        config, params, _ = restore_params(path, args.step)
+        tokenizer_dir = _run_tokenizer_dir(path)
     else:
         import orbax.checkpoint as ocp
 
@@ -124,8 +152,8 @@ def load_model(args) -> tuple:
         abstract = jax.eval_shape(lambda: models.init_params(config, jax.random.key(0)))
         params = ocp.StandardCheckpointer().restore(params_dir, abstract)
     config = config.replace(dtype=args.dtype)
-    if _has_tokenizer_files(path):
-        tokenizer = _HFTokenizer(load_hf_tokenizer(path))
+    if tokenizer_dir is not None and _has_tokenizer_files(tokenizer_dir):
+        tokenizer = _HFTokenizer(load_hf_tokenizer(tokenizer_dir))
     else:
         tokenizer = _CharPromptTokenizer(CharTokenizer())
     return config, params, tokenizer

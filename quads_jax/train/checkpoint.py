@@ -90,13 +90,15 @@ class Checkpointer:
         except (OSError, ValueError):
             return False
 
+    def complete_steps(self) -> list[int]:
+        """The steps whose checkpoints are complete, oldest first."""
+        self._manager.reload()
+        return [s for s in sorted(self._manager.all_steps()) if self._is_complete(s)]
+
     def latest_step(self) -> int | None:
         """The newest step whose checkpoint is complete, or None."""
-        self._manager.reload()
-        for step in sorted(self._manager.all_steps(), reverse=True):
-            if self._is_complete(step):
-                return step
-        return None
+        steps = self.complete_steps()
+        return steps[-1] if steps else None
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict[str, Any]]:
         """Restore ``(state, meta)`` of ``step``; ``abstract_state`` gives shapes, dtypes and

@@ -34,6 +34,8 @@ def test_cli_errors_name_the_argument(hf_dir, tmp_path, capsys):
     assert "kv_cache_dtype='int8'" in capsys.readouterr().err
     assert sample.main(["--checkpoint", hf_dir, "--prompt", "1"]) == 2
     assert "no 'params'" in capsys.readouterr().err
+    assert sample.main(["--hf", hf_dir, "--prompt", "1", "--step", "3"]) == 2
+    assert "--step=3: applies to --checkpoint RUN_DIR" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         sample.main(["--hf", hf_dir, "--prompt", "1", "--precision", "int3"])
 

@@ -41,7 +41,7 @@ def _trainer(tmp_path, extra=()):
     return Trainer(cfg)
 
 
-def test_short_rl_run_raises_reward(tmp_path):
+def test_short_rl_run_raises_reward(tmp_path, capsys):
     trainer = _trainer(tmp_path)
     try:
         summary = trainer.run()
@@ -73,6 +73,15 @@ def test_short_rl_run_raises_reward(tmp_path):
     assert read.replace(dtype=trainer.model_config.dtype) == trainer.model_config
     _, params, step = restore_params(str(tmp_path / "run"))
     assert step == 16
+    # the sample CLI reads the run directory itself (latest or --step), with its tokenizer
+    from quads_jax import sample
+
+    run_args = ["--checkpoint", str(tmp_path / "run"), "--prompt", "3+4=", "--greedy",
+                "--max-new-tokens", "3", "--dtype", "float32"]
+    assert sample.main([*run_args, "--step", "8"]) == 0
+    assert "3+4=" in capsys.readouterr().out
+    assert sample.main([*run_args, "--step", "5"]) == 2
+    assert "complete checkpoints at steps [8, 16]" in capsys.readouterr().err
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(trainer.final_state.params),
                     strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
