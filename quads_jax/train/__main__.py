@@ -37,6 +37,8 @@ def _table(summary: dict, run_dir: str, seconds: float) -> None:
     console.print(f"files: metrics {run_dir}/metrics.jsonl, TensorBoard {run_dir}/tb, "
                   f"checkpoints {run_dir}/checkpoints, plots {run_dir}/plots, "
                   f"summary {run_dir}/summary.json")
+    console.print(f"sample the trained policy: python -m quads_jax.sample --checkpoint {run_dir} "
+                  "--prompt TEXT [--precision nvfp4_rac]", markup=False)
 
 
 def main(argv: list[str] | None = None) -> int:
