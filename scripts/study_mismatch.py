@@ -86,6 +86,7 @@ def write_outputs(out: str, header: dict, rows: list[dict], cells: list[list[str
     with open(os.path.join(out, "study.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -97,8 +98,9 @@ def write_outputs(out: str, header: dict, rows: list[dict], cells: list[list[str
         values = [max(r[key], 1e-12) for r in rows]
         ax.barh(labels, values, xerr=[study.seed_spread(r, key) for r in rows])
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_title(title)
-        ax.invert_yaxis()
+    axes[0].invert_yaxis()  # the y axis is shared: once puts the first arm on top
     fig.suptitle(f"rollout-trainer mismatch at one policy ({header['policy']})", fontsize=9)
     fig.tight_layout()
     fig.savefig(os.path.join(out, "mismatch.png"), dpi=120)
