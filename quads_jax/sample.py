@@ -11,9 +11,9 @@ model config) and ``DIR/params`` (an Orbax checkpoint of the parameter tree); it
 the HF one when ``DIR`` holds tokenizer files, else the built-in character tokenizer of the
 synthetic tasks. ``--checkpoint RUN_DIR`` also takes a ``quads_jax.train`` run directory (what
 ``make demo`` leaves in ``runs/tiny_cpu``): the params of its latest complete checkpoint, or of
-``--step N``, with the run's tokenizer. The weights are synced to ``--precision`` (and checked bit for bit), the
-prompt is generated ``--n`` times, and the completion is printed with tokens/s (compilation
-timed apart).
+``--step N``, with the run's tokenizer. The weights are synced to ``--precision`` (and checked
+bit for bit), the prompt is generated ``--n`` times, and the completion is printed with
+tokens/s (compilation timed apart).
 
 ``--prompts-file FILE``: one prompt per line (a line that is a JSON object gives its
 ``"prompt"``; empty lines are skipped), all sampled ``--n`` times. ``--decode-rows N`` decodes

@@ -187,5 +187,3 @@ def seed_spread(row: dict[str, Any], key: str) -> float:
     """Standard deviation over seeds of a per-seed value (0 with one seed)."""
     values = np.asarray([s[key] for s in row["seeds"]], np.float64)
     return float(values.std(ddof=1)) if values.size > 1 else 0.0
-
-
