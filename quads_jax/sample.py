@@ -210,6 +210,13 @@ def main(argv: list[str] | None = None) -> int:
                            kv_cache_dtype=args.kv_cache_dtype,
                            share_prompt_cache=args.share_prompt_cache)
         prompts, mask = left_pad([tokenizer.encode(t) for t in texts], sc.pad_token_id)
+        room = config.max_position_embeddings - prompts.shape[1]
+        if args.max_new_tokens > room:
+            raise ValueError(
+                f"--max-new-tokens={args.max_new_tokens}: the longest prompt ({prompts.shape[1]} "
+                f"tokens) leaves room for {max(room, 0)} in the model's context "
+                f"(max_position_embeddings={config.max_position_embeddings}); pass "
+                f"--max-new-tokens <= {max(room, 0)} or a shorter prompt")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -16,7 +16,7 @@ from quads_jax import config as cfglib
 from quads_jax.train.config import TrainConfig
 
 
-def _table(summary: dict, run_dir: str, seconds: float) -> None:
+def _table(summary: dict, run_dir: str, seconds: float, max_new_tokens: int) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -38,7 +38,8 @@ def _table(summary: dict, run_dir: str, seconds: float) -> None:
                   f"checkpoints {run_dir}/checkpoints, plots {run_dir}/plots, "
                   f"summary {run_dir}/summary.json")
     console.print(f"sample the trained policy: python -m quads_jax.sample --checkpoint {run_dir} "
-                  "--prompt TEXT [--precision nvfp4_rac]", markup=False)
+                  f"--max-new-tokens {max_new_tokens} --prompt TEXT [--precision nvfp4_rac]",
+                  markup=False)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         from quads_jax.plot import plot_runs
 
         plot_runs([config.run_dir], os.path.join(config.run_dir, "plots"))
-    _table(summary, os.path.abspath(config.run_dir), time.perf_counter() - start)
+    _table(summary, os.path.abspath(config.run_dir), time.perf_counter() - start,
+           config.rollout.max_new_tokens)
     return 0
 
 

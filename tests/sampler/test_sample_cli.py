@@ -36,6 +36,9 @@ def test_cli_errors_name_the_argument(hf_dir, tmp_path, capsys):
     assert "no 'params'" in capsys.readouterr().err
     assert sample.main(["--hf", hf_dir, "--prompt", "1", "--step", "3"]) == 2
     assert "--step=3: applies to --checkpoint RUN_DIR" in capsys.readouterr().err
+    ctx = models.read_config(hf_dir).max_position_embeddings
+    assert sample.main(["--hf", hf_dir, "--prompt", "12", "--max-new-tokens", str(ctx)]) == 2
+    assert f"pass --max-new-tokens <= {ctx - 3}" in capsys.readouterr().err  # BOS + "12"
     with pytest.raises(SystemExit):
         sample.main(["--hf", hf_dir, "--prompt", "1", "--precision", "int3"])
 

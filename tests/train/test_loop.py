@@ -203,6 +203,16 @@ def test_cli_config_errors(capsys):
     assert "OptimizerConfig.lr=-1.0" in capsys.readouterr().err
 
 
+def test_cli_table_says_how_to_sample_the_run(capsys):
+    summary = {"arm": "quads", "before": {"eval/pass@1": 0.25}, "after": {"eval/pass@1": 0.5},
+               "last": {"mismatch/k3_kl": 0.001}}
+    cli._table(summary, "/runs/x", 12.0, 5)
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    assert "0.250" in out and "0.500" in out and "arm=quads" in out
+    assert ("python -m quads_jax.sample --checkpoint /runs/x --max-new-tokens 5 --prompt TEXT "
+            "[--precision nvfp4_rac]") in out
+
+
 @pytest.fixture
 def compile_cache(tmp_path):
     """A persistent compilation cache for this test only: its three Trainers compile the same
