@@ -87,7 +87,9 @@ def test_short_rl_run_raises_reward(tmp_path, capsys):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # plots: one PNG per headline metric
     pngs = plot_runs([str(tmp_path / "run")], str(tmp_path / "plots"))
-    assert len(pngs) == 4 and all(pathlib.Path(p).stat().st_size > 1000 for p in pngs)
+    assert len(pngs) == 5 and all(pathlib.Path(p).stat().st_size > 1000 for p in pngs)
+    smoothed = plot_runs([str(tmp_path / "run")], str(tmp_path / "smooth"), smooth=4)
+    assert [pathlib.Path(p).name for p in smoothed] == [pathlib.Path(p).name for p in pngs]
 
 
 def test_static_rac_run_calibrates_at_sync(tmp_path, monkeypatch):
@@ -201,6 +203,18 @@ def test_cli_config_errors(capsys):
     assert "unknown config key rl.stepz" in capsys.readouterr().err
     assert cli.main(["--config", tiny, "optimizer.lr=-1"]) == 2
     assert "OptimizerConfig.lr=-1.0" in capsys.readouterr().err
+
+
+def test_plot_smoothing_is_a_trailing_mean_and_refuses_bad_windows(tmp_path, capsys):
+    from quads_jax import plot
+
+    assert plot.trailing_mean([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    assert plot.trailing_mean([2.0, 4.0], 1) == [2.0, 4.0]
+    assert plot.trailing_mean([2.0, 4.0, 9.0], 5) == [2.0, 3.0, 5.0]
+    with pytest.raises(ValueError, match="window=0"):
+        plot.trailing_mean([1.0], 0)
+    assert plot.main([str(tmp_path), "--smooth", "0"]) == 2
+    assert "--smooth=0: must be >= 1" in capsys.readouterr().err
 
 
 def test_cli_table_says_how_to_sample_the_run(capsys):
