@@ -60,7 +60,7 @@ def _base_config(args) -> TrainConfig:
 
 def _cell(row: dict, key: str, spread: bool = False) -> str:
     text = f"{row[key]:.4g}"
-    if spread:
+    if spread and len(row["seeds"]) > 1:  # one seed has no spread to show
         text += f" ± {study.seed_spread(row, key):.2g}"
     return text
 
