@@ -145,13 +145,11 @@ def measure_arm(
         ro = scored.rollout
         batch = {"tokens": ro.tokens, "attention_mask": ro.attention_mask}
         logp_trainer, _ = logprob_fn(params, batch)
-        mask = np.asarray(ro.response_mask, np.float32)
-        m = diagnostics.mismatch_metrics(np.asarray(ro.logprobs), np.asarray(logp_trainer),
-                                         mask)
+        r, t = _pooled_gaps(ro.logprobs, logp_trainer, ro.response_mask)
+        m = diagnostics.mismatch_metrics(r, t, np.ones_like(r))
         per_seed.append({"seed": int(seed), "pass_rate": float(scored.correct.mean()),
                          **{k: m[k] for k in ("mismatch/mean_abs_logp_gap",
                                               "mismatch/k3_kl")}})
-        r, t = _pooled_gaps(ro.logprobs, logp_trainer, mask)
         pooled_r.append(r)
         pooled_t.append(t)
         correct.append(np.asarray(scored.correct, np.float64))
