@@ -57,6 +57,9 @@ class MeshConfig:
     Attributes:
       data, fsdp, expert, tensor: mesh axis sizes; exactly one may be -1 (the rest of devices).
       rules: a key of :data:`LOGICAL_RULES`.
+      num_devices: how many devices the mesh spans: the first ``num_devices`` of
+        ``jax.devices()`` (e.g. one GPU of a host for a quick run, the others left free), or -1
+        (all of them).
       distributed: call ``jax.distributed.initialize`` first: ``auto`` (when the environment
         names a coordinator or several processes), ``on`` or ``off``.
     """
@@ -66,6 +69,7 @@ class MeshConfig:
     expert: int = 1
     tensor: int = 1
     rules: Literal["fsdp", "tp", "dp"] = "fsdp"
+    num_devices: int = -1
     distributed: Literal["auto", "on", "off"] = "auto"
 
     def __post_init__(self) -> None:
@@ -75,6 +79,8 @@ class MeshConfig:
         check("MeshConfig", "fsdp", self.fsdp, sizes.count(-1) <= 1,
               "at most one of data/fsdp/expert/tensor may be -1")
         check_choice("MeshConfig", "rules", self.rules, tuple(LOGICAL_RULES))
+        check("MeshConfig", "num_devices", self.num_devices,
+              self.num_devices == -1 or self.num_devices >= 1, "an integer >= 1, or -1 (all)")
 
     def axis_sizes(self, num_devices: int) -> tuple[int, ...]:
         """Concrete sizes for ``num_devices`` devices (resolving -1); ValueError if impossible."""
@@ -114,8 +120,17 @@ def maybe_initialize_distributed(mode: str = "auto") -> bool:
 
 
 def make_mesh(config: MeshConfig, devices: Sequence[Any] | None = None) -> Mesh:
-    """A Mesh with axes ``(data, fsdp, expert, tensor)`` over ``devices`` (default: all)."""
-    devices = list(devices if devices is not None else jax.devices())
+    """A Mesh with axes ``(data, fsdp, expert, tensor)`` over ``devices`` (default: the first
+    ``config.num_devices`` of ``jax.devices()``, or all of them)."""
+    if devices is None:
+        devices = jax.devices()
+        if config.num_devices != -1:
+            if config.num_devices > len(devices):
+                raise ValueError(
+                    f"MeshConfig.num_devices={config.num_devices}: only {len(devices)} "
+                    f"{devices[0].platform} device(s) here; need 1-{len(devices)} or -1 (all)")
+            devices = devices[:config.num_devices]
+    devices = list(devices)
     sizes = config.axis_sizes(len(devices))
     return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
 

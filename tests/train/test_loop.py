@@ -32,6 +32,9 @@ EASY = [
     "optimizer.lr=3e-4", "rl.steps=16", "rl.num_minibatches=2", "rl.eval_every=100",
     "rl.eval_prompts=20", "rl.eval_samples=8", "rl.analysis_every=16",
     "checkpoint.every_steps=8",
+    # One of the 8 fake CPU devices: the sharded loop is test_loop_resume_equals_straight_run's
+    # (8-way fsdp) and test_step's; on 2 cores the 8-way SPMD programs double these tests' time.
+    "mesh.num_devices=1",
 ]
 
 
@@ -43,6 +46,7 @@ def _trainer(tmp_path, extra=()):
 
 def test_short_rl_run_raises_reward(tmp_path, capsys):
     trainer = _trainer(tmp_path)
+    assert trainer.mesh.devices.size == 1 < jax.device_count()  # mesh.num_devices=1
     try:
         summary = trainer.run()
     finally:

@@ -101,6 +101,14 @@ def test_mesh_config_errors():
         mesh_lib.MeshConfig(data=3, fsdp=1).axis_sizes(8)
     with pytest.raises(ValueError, match="MeshConfig.rules"):
         mesh_lib.MeshConfig(rules="zz")
+    with pytest.raises(ValueError, match="MeshConfig.num_devices=0"):
+        mesh_lib.MeshConfig(num_devices=0)
+    with pytest.raises(ValueError, match=r"num_devices=9: only 8 cpu device\(s\) here; need 1-8"):
+        mesh_lib.make_mesh(mesh_lib.MeshConfig(num_devices=9))
+    # the first num_devices devices; -1 in an axis resolves against them
+    mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=2, fsdp=-1, num_devices=4))
+    assert mesh.shape == {"data": 2, "fsdp": 2, "expert": 1, "tensor": 1}
+    assert list(mesh.devices.flat) == jax.devices()[:4]
 
 
 def test_spec_drops_axes_that_do_not_divide():
