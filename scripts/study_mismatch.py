@@ -24,7 +24,7 @@ from quads_jax.rl import mismatch_study as study
 from quads_jax.train.config import TrainConfig
 
 COLUMNS = ("arm", "trainer / rollout", "tokens", "mean |gap|", "p99 |gap|", "max |gap|",
-           "k3 KL", "pass rate")
+           "k3 KL", "pass rate", "RAC blocks")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,7 +73,8 @@ def table_rows(rows: list[dict], arms: list) -> list[list[str]]:
                     _cell(row, "mismatch/mean_abs_logp_gap", True),
                     _cell(row, "mismatch/p99_abs_logp_gap"),
                     _cell(row, "mismatch/max_abs_logp_gap"),
-                    _cell(row, "mismatch/k3_kl", True), f"{row['pass_rate']:.3f}"])
+                    _cell(row, "mismatch/k3_kl", True), f"{row['pass_rate']:.3f}",
+                    f"{row['rac/block_fraction']:.3f}" if "rac/block_fraction" in row else "-"])
     return out
 
 

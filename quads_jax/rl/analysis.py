@@ -12,6 +12,10 @@ real trainer-side input rows ``X [m, K]``, relative Frobenius errors against ``Y
 * ``analysis/w4a4_rac_err``      the same with the RAC residual ``dq(Q(R_S))`` added to the
   activations (selection, score and ratio of the rollout recipe)
 * ``analysis/rac_captured_energy`` ``|R_S|^2 / |R|^2``
+* ``analysis/rac_block_fraction`` the fraction of the K-blocks of the expert's real rows that
+  RAC compensates: the ratio itself for a fixed count, fewer blocks where the adaptive variant
+  (``rac_energy_target``) reaches its energy first. Measured on the probe's rows per expert (a
+  prefill-sized batch); a decode step selects over its own few rows per expert.
 * ``analysis/act_ftz_rate``      fraction of non-zero activations that quantize to 0
 
 and, on the token-aligned inputs of each layer's ``q_proj`` (expert rows are sorted by the
@@ -48,8 +52,9 @@ def probe_batch(
     return left_pad(rows, tokenizer.pad_id)
 
 
-def _gemm_errors(x: jax.Array, w: jax.Array, recipe) -> dict[str, jax.Array]:
-    """Error metrics of one expert GEMM: ``x [m, K]`` f32 real input rows, ``w [N, K]``."""
+def _gemm_errors(x: jax.Array, w: jax.Array, recipe, n_rows: jax.Array) -> dict[str, jax.Array]:
+    """Error metrics of one expert GEMM: ``x [m, K]`` f32 input rows, the first ``n_rows``
+    real and the rest zero, ``w [N, K]``."""
     w = w.astype(jnp.float32)
     y = x @ w.T
     wq = nvfp4.qdq(w)
@@ -59,12 +64,17 @@ def _gemm_errors(x: jax.Array, w: jax.Array, recipe) -> dict[str, jax.Array]:
     sel = rac.select_residual(x, qx, recipe, act_scale_mode=recipe.act_scale_mode)
     r, mask = sel.r, sel.mask
     rq = nvfp4.dequantize(sel.codes(), jnp.float32)
+    # per-row masks count only the real rows (a zero row still gets its ratio's blocks)
+    real = jnp.arange(x.shape[0]) < n_rows
+    blocks = jnp.broadcast_to(mask, (x.shape[0], mask.shape[-1])).astype(jnp.float32)
     return {
         "analysis/weight_only_err": qmetrics.rel_fro_error(y, x @ wq.T),
         "analysis/act_only_err": qmetrics.rel_fro_error(y, xq @ w.T),
         "analysis/w4a4_err": qmetrics.rel_fro_error(y, xq @ wq.T),
         "analysis/w4a4_rac_err": qmetrics.rel_fro_error(y, (xq + rq) @ wq.T),
         "analysis/rac_captured_energy": rac.captured_energy(r, mask),
+        "analysis/rac_block_fraction": (jnp.sum(jnp.where(real[:, None], blocks, 0.0))
+                                        / (jnp.maximum(n_rows, 1) * mask.shape[-1])),
         "analysis/act_ftz_rate": qmetrics.flush_to_zero_rate(x, xq),
     }
 
@@ -129,7 +139,8 @@ def layer_error_analysis(
             # zero rows add nothing to any metric (errors, energies, FTZ count only non-zeros).
             padded = np.zeros_like(x)
             padded[: sizes[e]] = x[offsets[e]:offsets[e + 1]]
-            rows.append(errors(jnp.asarray(padded), w[e], rollout_recipe))
+            rows.append(errors(jnp.asarray(padded), w[e], rollout_recipe,
+                               jnp.int32(sizes[e])))
     out = {}
     if rows:
         rows = jax.device_get(rows)

@@ -15,7 +15,12 @@ config's are.
 Per arm, over all seeds' response tokens pooled: ``mismatch/*`` of
 :func:`quads_jax.rl.diagnostics.mismatch_metrics`; per seed, ``mean_abs_logp_gap`` and
 ``k3_kl`` (their spread over seeds is the run-to-run noise); the rollout's pass rate on the
-prompts (the deployed policy's accuracy under that precision).
+prompts (the deployed policy's accuracy under that precision). For an arm whose rollout
+compensates (RAC), ``rac/block_fraction`` and ``rac/captured_energy``: the compensated share of
+the expert GEMMs' K-blocks and of their residual energy (``rl.analysis``'s
+``rac_block_fraction`` / ``rac_captured_energy``) over the first seed's sampled sequences (at
+most ``ANALYSIS_ROWS``), one batch per expert: what the adaptive variant (``rac_energy_target``)
+saves against its cap, where a kernel skips unselected blocks.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import numpy as np
 
 from quads_jax import config as cfglib
 from quads_jax.rl import diagnostics
+from quads_jax.rl.analysis import layer_error_analysis
 from quads_jax.sampler import check_sync, sync
 from quads_jax.sampler.calibration import calibrate, needs_calibration
 from quads_jax.train.config import ARMS, TrainConfig
@@ -91,6 +97,10 @@ def split_arms(text: str) -> list[str]:
     return arms
 
 
+# Sampled sequences of the first seed that the RAC analysis runs on (one forward each way).
+ANALYSIS_ROWS = 64
+
+
 def _pooled_gaps(logp_rollout, logp_trainer, mask) -> tuple[np.ndarray, np.ndarray]:
     m = np.asarray(mask) > 0
     return np.asarray(logp_rollout, np.float64)[m], np.asarray(logp_trainer, np.float64)[m]
@@ -137,6 +147,8 @@ def measure_arm(
     check_sync(params, rollout_params, rollout_recipe, model_config=model_config)
     logprob_fn = jax.jit(make_logprob_fn(make_apply_fn(model_config, trainer_recipe)))
     pooled_r, pooled_t, per_seed, correct = [], [], [], []
+    compensates = "w4a4_nvfp4_rac" in {rollout_recipe.default_mode, rollout_recipe.attention_mode,
+                                       *(mode for _, mode in rollout_recipe.rules)}
     for seed in seeds:
         scored = rollout_and_score(
             rollout_params, examples, jax.random.key(seed), tokenizer=tokenizer,
@@ -153,9 +165,17 @@ def measure_arm(
         pooled_r.append(r)
         pooled_t.append(t)
         correct.append(np.asarray(scored.correct, np.float64))
+        if seed == seeds[0] and compensates:
+            probe = (np.asarray(ro.tokens)[:ANALYSIS_ROWS],
+                     np.asarray(ro.attention_mask, bool)[:ANALYSIS_ROWS])
+            rac_stats = layer_error_analysis(params, model_config, trainer_recipe,
+                                             rollout_recipe, probe)
     r, t = np.concatenate(pooled_r), np.concatenate(pooled_t)
     out = {"arm": arm.spec, "tokens": int(r.size),
            "pass_rate": float(np.concatenate(correct).mean())}
+    if compensates:
+        out["rac/block_fraction"] = rac_stats["analysis/rac_block_fraction"]
+        out["rac/captured_energy"] = rac_stats["analysis/rac_captured_energy"]
     out.update(diagnostics.mismatch_metrics(r, t, np.ones_like(r)))
     out["seeds"] = per_seed
     return out

@@ -59,6 +59,10 @@ def test_study_cli_separates_aligned_from_unaligned_engines(tmp_path, capsys):
     assert gap["naive_nvfp4"] > gap["qat_only"], gap
     assert gap["quads:rac_ratio=1.0"] < gap["qat_only"], gap
     assert len(by["w4a16"]["seeds"]) == 2
+    # RAC's share of the blocks: every block at ratio 1.0; arms without RAC have none
+    assert by["quads:rac_ratio=1.0"]["rac/block_fraction"] == 1.0
+    assert by["quads:rac_ratio=1.0"]["rac/captured_energy"] == 1.0
+    assert not any("rac/block_fraction" in by[a] for a in ("w4a16", "naive_nvfp4", "qat_only"))
 
     # bad input: a clear message and exit code 2, nothing written
     tiny = str(ROOT / "configs" / "tiny_cpu.yaml")
