@@ -136,9 +136,12 @@ class W4A4MatmulConfig:
     # prefill_min_rows: rac_rows writes each row's operand values straight into the windowed
     # stacked operand and rac_operands completes that buffer in place (operand 1 and the empty
     # rows), so the values are written once instead of written, read and written again (~33
-    # of ~200 MB at the 8 192 x 2 048 prefill). Opt-in until measured on the GPU
-    # (h200_next.sh place; bit-identical in the tests).
-    rac_placed_values: bool = False
+    # of ~200 MB at the 8 192 x 2 048 prefill). Bit-identical (tests; on an H100 rel. err
+    # 4.3e-7 against the f64 product, as without). H100, 2026-12-06, 07e3e01, `kernel_probe.py
+    # --prefill-tiles --variants "base,placed values"`: grouped prefill + RAC 0.5 274.1 against
+    # 284.2 us of device time (rac_operands 46.3 against 55.5 us), RAC over W4A4 +63 % against
+    # +70 %; plain W4A4 unchanged (168.1 / 167.3).
+    rac_placed_values: bool = True
     # Grouped GEMMs: the token-tile plan (``w4a4_grouped.tile_plan``) in one Pallas kernel
     # (``pallas_kernels.tile_plan``) instead of ~10 small XLA kernels per layer. On the H200
     # (2026-12-04, b9d0759, batch-128 decode step, same call, with act_operand_kernel): 5.2 us

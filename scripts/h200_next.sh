@@ -91,13 +91,15 @@
 #          mma_overlap, unstacked RAC operands), +-RAC, GPU-checked then timed with device
 #          times (kernel_probe --prefill-tiles; session 30)
 #   place  RAC's operand values placed in the windows by rac_rows (W4A4MatmulConfig.
-#          rac_placed_values, session 30, CPU-tested only) against the default at the grouped
-#          prefill shape, GPU-checked then traced (kernel_probe --prefill-tiles)
+#          rac_placed_values, session 30; the default since session 32) against values not
+#          placed, at the grouped prefill shape, GPU-checked then traced (kernel_probe
+#          --prefill-tiles)
 #   e2m1ab nvfp4_rac at batch 128, untraced, at BASE and at this commit, interleaved twice
 #   study  the fixed-policy mismatch study on the GPU's own engines (scripts/study_mismatch.py,
 #          session 31, CPU-run only): small_gpu_base after 300 SFT steps, 256 prompts x 8
 #          samples x 2 seeds, seven arms (the Pallas rollout kernels against the XLA trainer
-#          forward: the real engine floor, which the CPU study could only imitate with bf16)
+#          forward: the real engine floor, which the CPU study could only imitate with bf16);
+#          session 32 on an H100: six arms in 420 s (the seventh cut off), so 560 s, a call alone
 #   kv8s   nvfp4_rac and nvfp4 on the FP8 cache with the decode attention split over 2 slot
 #          ranges per (row, KV head) (slot_splits, flash-decoding) and without, same call
 #          (run `attn` first: its timings include the slot_splits variants)
@@ -233,6 +235,11 @@
 # `place` measures it). Next, on an H200: `place`, `b128` (48 layers: the
 # newest commit's four arms), `trainprof` (the trainer's fake-quant through the new `qdq`),
 # `kpre`, then session 29's list; on an H100 the same at 24 layers.
+# Session 32 got one H100 (after eight failed starts): `place b128` (07e3e01: placed values
+# -10 us of grouped RAC prefill, +63 % over W4A4: now the default; nvfp4_rac 1.81x bf16 at 24
+# layers) and `study` (six of seven arms). Next, on an H200: `place` (the default against
+# values not placed: does +65 % go under 60 %?), `kpre`, `b128`, `trainprof`, `study` alone
+# (560 s); then session 29's list.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
@@ -446,9 +453,9 @@ for step in "$@"; do
       --prefill-tiles --out "$OUT/ptile" > "$OUT/ptile.log" 2>&1
       echo "ptile rc $?"; grep -E "grouped prefill|top:|FAIL|Error" "$OUT/ptile.log" | cut -c1-230 ;;
     place) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 200 python3 scripts/kernel_probe.py \
-      --prefill-tiles --variants "base,placed values" --out "$OUT/place" > "$OUT/place.log" 2>&1
+      --prefill-tiles --variants "base,values not placed" --out "$OUT/place" > "$OUT/place.log" 2>&1
       echo "place rc $?"; grep -E "grouped prefill|top:|FAIL|Error" "$OUT/place.log" | cut -c1-230 ;;
-    study) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 420 python3 scripts/study_mismatch.py \
+    study) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 560 python3 scripts/study_mismatch.py \
       --config configs/small_gpu_base.yaml sft.steps=300 --prompts 256 --samples 8 --seeds 0,1 \
       --arms "bf16,w4a16,naive_nvfp4,qat_only,symmetric_qat,quads,quads:rac_ratio=1.0" \
       --out "$OUT/study" > "$OUT/study.log" 2>&1

@@ -501,7 +501,7 @@ PREFILL_VARIANTS = (
     ("mma_k 128", {"mma_k": 128}),
     ("mma_k 128 overlap", {"mma_k": 128, "mma_overlap": 1}),
     ("mma_k 64 overlap", {"mma_k": 64, "mma_overlap": 1}),
-    ("placed values", {"rac_placed_values": True}),
+    ("values not placed", {"rac_placed_values": False}),
 )
 
 

@@ -218,7 +218,8 @@ def test_values_placement_applies_only_where_each_row_fills_one_window_row():
     placed = values_placement(window, None, m, 2048, 2048, on)
     assert placed is not None and placed[1] == p and placed[0].shape == (m,)
     np.testing.assert_array_equal(np.asarray(window)[np.asarray(placed[0])], np.arange(m))
-    assert values_placement(window, None, m, 2048, 2048, W4A4MatmulConfig()) is None  # off
+    off = W4A4MatmulConfig(rac_placed_values=False)
+    assert values_placement(window, None, m, 2048, 2048, off) is None  # off
     assert values_placement(window, jnp.zeros((m,), jnp.int32), m, 2048, 2048,
                             on) is None  # source rows: each row feeds several window rows
     assert values_placement(window[:1024], None, 768, 2048, 2048, on) is None  # decode-sized
