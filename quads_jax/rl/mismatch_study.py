@@ -173,7 +173,7 @@ def measure_arm(
     r, t = np.concatenate(pooled_r), np.concatenate(pooled_t)
     out = {"arm": arm.spec, "tokens": int(r.size),
            "pass_rate": float(np.concatenate(correct).mean())}
-    if compensates:
+    if compensates and "analysis/rac_block_fraction" in rac_stats:  # none: no MoE layer
         out["rac/block_fraction"] = rac_stats["analysis/rac_block_fraction"]
         out["rac/captured_energy"] = rac_stats["analysis/rac_captured_energy"]
     out.update(diagnostics.mismatch_metrics(r, t, np.ones_like(r)))
