@@ -7,7 +7,8 @@ The policy is a train run's latest checkpoint (``--run-dir``, e.g. what ``make d
 or, with ``--config``, the config's SFT warm start run here. Every arm samples the same prompts
 with the same seeds; its trainer forward scores the sampled tokens
 (``quads_jax.rl.mismatch_study``). Writes ``OUT/study.json`` (every number, per seed too),
-``OUT/study.md`` (the table) and ``OUT/mismatch.png``, and prints the table.
+``OUT/study.md`` (the table) and ``OUT/mismatch.png``, rewritten after every arm
+(``"complete"`` in the JSON says whether every arm ran), and prints the table.
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _base_config(args) -> TrainConfig:
     extra = [*args.overrides, f"run_dir={os.path.join(args.out, 'policy')}", "console=false",
-             "tensorboard=false", f"grpo.num_generations={args.samples}"]
+             # the sampler's n_samples is set from --samples directly; the GRPO group size
+             # only has to be valid (>= 2) for the config to load
+             "tensorboard=false", f"grpo.num_generations={max(args.samples, 2)}"]
     if args.run_dir:
         path = os.path.join(args.run_dir, "config.json")
         if not os.path.exists(path):
@@ -155,16 +158,24 @@ def main(argv: list[str] | None = None) -> int:
         trainer.close()
     examples = trainer.splits.train[: args.prompts]
     sampler = dataclasses.replace(trainer.sampler_config, n_samples=args.samples)
+    header = {"policy": policy, "prompts": len(examples), "samples": args.samples,
+              "seeds": seeds, "temperature": sampler.temperature,
+              "max_new_tokens": sampler.max_new_tokens}
+
+    def write(rows: list[dict]) -> None:
+        # after every arm: a run cut off by a time limit keeps what it measured ("complete")
+        write_outputs(args.out, {**header, "complete": len(rows) == len(arms),
+                                 "arms": [a.spec for a in arms],
+                                 "seconds": time.perf_counter() - start},
+                      rows, table_rows(rows, arms[:len(rows)]))
+
     rows = study.run_study(
         params, arms, examples, seeds=seeds, model_config=trainer.model_config,
         tokenizer=trainer.tokenizer, sampler_config=sampler, width=trainer.prompt_width,
         calibration_tokens=calibration_batch(trainer.tokenizer, trainer.splits.train,
-                                             base.rollout.calibration_prompts))
-    header = {"policy": policy, "prompts": len(examples), "samples": args.samples,
-              "seeds": seeds, "temperature": sampler.temperature,
-              "max_new_tokens": sampler.max_new_tokens, "seconds": time.perf_counter() - start}
+                                             base.rollout.calibration_prompts), on_row=write)
+    header["seconds"] = time.perf_counter() - start
     cells = table_rows(rows, arms)
-    write_outputs(args.out, header, rows, cells)
 
     from rich.console import Console
     from rich.table import Table

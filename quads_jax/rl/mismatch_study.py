@@ -188,9 +188,13 @@ def run_study(
     *,
     seeds: Sequence[int],
     log=print,
+    on_row=None,
     **kwargs: Any,
 ) -> list[dict[str, Any]]:
-    """:func:`measure_arm` for every arm, in order (same prompts and seeds for all)."""
+    """:func:`measure_arm` for every arm, in order (same prompts and seeds for all).
+
+    ``on_row(rows)``, when given, gets the rows measured so far after each arm (the CLI writes
+    its files there, so a run cut off by a time limit keeps the arms it finished)."""
     rows = []
     for arm in arms:
         row = measure_arm(params, arm, examples, seeds=seeds, **kwargs)
@@ -198,6 +202,8 @@ def run_study(
             f"{row['mismatch/mean_abs_logp_gap']:.4g}, k3 {row['mismatch/k3_kl']:.3g}, "
             f"max {row['mismatch/max_abs_logp_gap']:.3g}, pass {row['pass_rate']:.3f}")
         rows.append(row)
+        if on_row is not None:
+            on_row(list(rows))
     return rows
 
 

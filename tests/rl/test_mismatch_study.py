@@ -59,6 +59,7 @@ def test_study_cli_separates_aligned_from_unaligned_engines(tmp_path, capsys):
     assert gap["naive_nvfp4"] > gap["qat_only"], gap
     assert gap["quads:rac_ratio=1.0"] < gap["qat_only"], gap
     assert len(by["w4a16"]["seeds"]) == 2
+    assert data["complete"] and data["arms"] == arms.split(",")
     # RAC's share of the blocks: every block at ratio 1.0; arms without RAC have none
     assert by["quads:rac_ratio=1.0"]["rac/block_fraction"] == 1.0
     assert by["quads:rac_ratio=1.0"]["rac/captured_energy"] == 1.0
@@ -74,3 +75,33 @@ def test_study_cli_separates_aligned_from_unaligned_engines(tmp_path, capsys):
         assert study_mismatch.main([*args, "--out", str(tmp_path / "bad")]) == 2, args
         assert words in capsys.readouterr().err, args
         assert not (tmp_path / "bad" / "study.json").exists()
+
+
+def test_study_cli_keeps_the_arms_measured_before_a_failure(tmp_path, monkeypatch):
+    """The files are rewritten after every arm: a study stopped midway (a time limit, an
+    error) keeps the arms it finished, marked incomplete."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import study_mismatch
+
+    calls = []
+
+    def fake_measure(params, arm, examples, *, seeds, **kwargs):
+        calls.append(arm.spec)
+        if len(calls) == 2:
+            raise RuntimeError("time limit")
+        gap = {f"mismatch/{k}": 0.01 for k in ("mean_abs_logp_gap", "p99_abs_logp_gap",
+                                               "max_abs_logp_gap", "k3_kl")}
+        return {"arm": arm.spec, "tokens": 10, "pass_rate": 0.5, **gap,
+                "seeds": [{"seed": s, "pass_rate": 0.5, "mismatch/mean_abs_logp_gap": 0.01,
+                           "mismatch/k3_kl": 0.01} for s in seeds]}
+
+    monkeypatch.setattr(study, "measure_arm", fake_measure)
+    out = tmp_path / "study"
+    with pytest.raises(RuntimeError, match="time limit"):
+        study_mismatch.main(["--config", str(ROOT / "configs" / "tiny_cpu.yaml"), *SMALL,
+                             "--arms", "bf16,naive_nvfp4,quads", "--prompts", "2",
+                             "--samples", "1", "--seeds", "0", "--out", str(out)])
+    data = json.loads((out / "study.json").read_text())
+    assert [r["arm"] for r in data["rows"]] == ["bf16"] and not data["complete"]
+    assert data["arms"] == ["bf16", "naive_nvfp4", "quads"]
+    assert len((out / "study.md").read_text().splitlines()) == 2 + 1
