@@ -64,16 +64,15 @@ def _gemm_errors(x: jax.Array, w: jax.Array, recipe, n_rows: jax.Array) -> dict[
     sel = rac.select_residual(x, qx, recipe, act_scale_mode=recipe.act_scale_mode)
     r, mask = sel.r, sel.mask
     rq = nvfp4.dequantize(sel.codes(), jnp.float32)
-    # per-row masks count only the real rows (a zero row still gets its ratio's blocks)
-    real = jnp.arange(x.shape[0]) < n_rows
-    blocks = jnp.broadcast_to(mask, (x.shape[0], mask.shape[-1])).astype(jnp.float32)
+    # mask [m, K/16]: count the real rows only (a zero row still gets its ratio's blocks)
+    real = jnp.arange(x.shape[0])[:, None] < n_rows
     return {
         "analysis/weight_only_err": qmetrics.rel_fro_error(y, x @ wq.T),
         "analysis/act_only_err": qmetrics.rel_fro_error(y, xq @ w.T),
         "analysis/w4a4_err": qmetrics.rel_fro_error(y, xq @ wq.T),
         "analysis/w4a4_rac_err": qmetrics.rel_fro_error(y, (xq + rq) @ wq.T),
         "analysis/rac_captured_energy": rac.captured_energy(r, mask),
-        "analysis/rac_block_fraction": (jnp.sum(jnp.where(real[:, None], blocks, 0.0))
+        "analysis/rac_block_fraction": (jnp.sum(mask & real, dtype=jnp.float32)
                                         / (jnp.maximum(n_rows, 1) * mask.shape[-1])),
         "analysis/act_ftz_rate": qmetrics.flush_to_zero_rate(x, xq),
     }

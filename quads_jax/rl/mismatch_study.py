@@ -33,6 +33,7 @@ import jax
 import numpy as np
 
 from quads_jax import config as cfglib
+from quads_jax import models
 from quads_jax.rl import diagnostics
 from quads_jax.rl.analysis import layer_error_analysis
 from quads_jax.sampler import check_sync, sync
@@ -147,8 +148,11 @@ def measure_arm(
     check_sync(params, rollout_params, rollout_recipe, model_config=model_config)
     logprob_fn = jax.jit(make_logprob_fn(make_apply_fn(model_config, trainer_recipe)))
     pooled_r, pooled_t, per_seed, correct = [], [], [], []
-    compensates = "w4a4_nvfp4_rac" in {rollout_recipe.default_mode, rollout_recipe.attention_mode,
-                                       *(mode for _, mode in rollout_recipe.rules)}
+    # RAC on the expert GEMMs (the sites the analysis reports; a model without MoE has none)
+    compensates = any(rollout_recipe.mode_for(site) == "w4a4_nvfp4_rac"
+                      for i in range(model_config.num_hidden_layers)
+                      for site in models.layer_matmul_sites(model_config, i)
+                      if site.endswith("experts.gate_up"))
     for seed in seeds:
         scored = rollout_and_score(
             rollout_params, examples, jax.random.key(seed), tokenizer=tokenizer,
@@ -173,7 +177,7 @@ def measure_arm(
     r, t = np.concatenate(pooled_r), np.concatenate(pooled_t)
     out = {"arm": arm.spec, "tokens": int(r.size),
            "pass_rate": float(np.concatenate(correct).mean())}
-    if compensates and "analysis/rac_block_fraction" in rac_stats:  # none: no MoE layer
+    if compensates:
         out["rac/block_fraction"] = rac_stats["analysis/rac_block_fraction"]
         out["rac/captured_energy"] = rac_stats["analysis/rac_captured_energy"]
     out.update(diagnostics.mismatch_metrics(r, t, np.ones_like(r)))
