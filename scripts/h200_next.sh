@@ -240,6 +240,10 @@
 # layers) and `study` (six of seven arms). Next, on an H200: `place` (the default against
 # values not placed: does +65 % go under 60 %?), `kpre`, `b128`, `trainprof`, `study` alone
 # (560 s); then session 29's list.
+# Session 33 got two H100s, no H200 (three `needs_h200` calls got none): `kpre trainprof`,
+# `cmdbuf b128` (command buffers still +13-15 %; nvfp4_rac 1.78x bf16 at 24 layers), `kgroup
+# kgroup2`, `kdense0`, `kdense2`, `kdense` (issue 4's decode tables at efb76ab). Next, on an
+# H200: `place`, `b128` (48 layers), `study` alone; then session 29's list.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
