@@ -21,6 +21,7 @@ def _x(r, k, seed):
     return x.at[0, 5].set(jnp.nan).at[1, 20].set(jnp.inf).astype(jnp.bfloat16)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize(
     "r,m,k,k_pad,with_rows,block_rows,dtype",
     [

@@ -22,6 +22,7 @@ def _x(r, k, seed):
     return x.at[0, 5].set(jnp.nan).at[1, 20].set(jnp.inf).astype(jnp.bfloat16)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("r,k,score,block_rows,dtype", [
     (12, 768, "residual_l2", 8, jnp.float16),  # rows padded to whole programs
     (16, 96, "residual_l1", 4, jnp.bfloat16),  # K/16 = 6: two blocks per program

@@ -245,6 +245,7 @@ def test_bad_input_raises_clear_errors(x, kwargs, match):
         nvfp4.quantize(x, **kwargs)
 
 
+@pytest.mark.numerics
 def test_round_to_e2m1_value_is_the_code_table():
     """The arithmetic E2M1 rounding gives the table value of the rounded code, bit for bit
     (ties at every decision point, both signs, zeros, saturation, non-finite)."""
@@ -265,6 +266,7 @@ def test_round_to_e2m1_value_is_the_code_table():
                                       np.asarray(want).view(np.uint32))
 
 
+@pytest.mark.numerics
 def test_residual_products_are_exact_so_multiply_adds_change_nothing():
     """``residual_from_values`` splits the decode scale so that both of its products are exact
     in float32: each step is then one rounding of an exact value, the same whether or not a
@@ -284,6 +286,7 @@ def test_residual_products_are_exact_so_multiply_adds_change_nothing():
     assert np.max(np.abs(got - exact) / np.maximum(np.abs(exact), 1e-30)) <= 2.0**-23
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("mode,shape", [("tensor", (4, 64)), ("row", (6, 48)),
                                         ("expert", (3, 4, 32))])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])

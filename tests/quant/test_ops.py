@@ -220,6 +220,7 @@ def test_take_rows_with_inverse_has_the_gathers_gradient(k):
         ops.take_rows(x, rows, inverse[:-1])
 
 
+@pytest.mark.numerics
 def test_w4a4_bf16_operands_are_exact(data):
     """bf16 activations: the W4A4 result matches the float64 product of the dequantized
     operands to f32 accumulation accuracy (the operands are exact in bf16)."""

@@ -325,6 +325,7 @@ def test_fp8_kv_cache_generates_close_to_the_float32_cache(model, greedy):
     assert diff.max() < 0.1 and diff.max() > 0  # FP8 changes the numbers, a little
 
 
+@pytest.mark.numerics
 def test_fp8_kv_rollout_logprobs_equal_the_aligned_trainer_forward(model):
     """``QuantRecipe.kv_quant``: a forward without a cache that rounds keys and values as the
     FP8 cache stores them gives the FP8-cache rollout's log-probs (float32, to 1e-5); without

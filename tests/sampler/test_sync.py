@@ -30,6 +30,7 @@ def model():
     return cfg, models.init_params(cfg, jax.random.key(0))
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize(
     "name,expert_type",
     [("bf16", jax.Array), ("rollout_nvfp4", nvfp4.NVFP4Tensor), ("rollout_fp8", fp8.FP8Tensor)],
