@@ -506,8 +506,10 @@ def our_fp8_weight(w):
     return prepare_fp8_weights(w)
 
 
-def fp8_cfg() -> W8A8MatmulConfig:
-    return W8A8MatmulConfig(num_sms=4, tile_plan_kernel=False) if SMOKE else W8A8MatmulConfig()
+def fp8_cfg(**kw) -> W8A8MatmulConfig:
+    if SMOKE:
+        return W8A8MatmulConfig(num_sms=4, tile_plan_kernel=False, **kw)
+    return W8A8MatmulConfig(**kw)
 
 
 def xla_fp8(x, w):
@@ -565,6 +567,21 @@ def bench_dense(ms=(16,), shapes=((4096, 14336), (2048, 768), (4096, 57344), (20
             w8 = [our_fp8_weight(w) for w in w8]
             t, calls = time_chain(lambda x, w: w8a8_matmul(x, w, config=fp8_cfg()), x, w8)
             record(f"our fp8 kernel M={m} K={k} N={n}", t, calls, bytes_=n * k, flops=fl)
+            # The FP8 kernel's split-K and pipeline variants, as the W4A4 rows above: is the
+            # default the fastest where it trails XLA's FP8 GEMV by a few percent?
+            if extra and n * k >= 4096 * 14336 // (256 if SMOKE else 1) and n < 4 * k:
+                for tag, kw in [("ks2", dict(k_splits=2)), ("ks4", dict(k_splits=4)),
+                                ("stages2", dict(max_concurrent_steps=2)),
+                                ("stages6", dict(max_concurrent_steps=6))]:
+                    try:  # a variant that does not fit (shared memory) loses its row only
+                        t, calls = time_chain(lambda x, w, kw=kw: w8a8_matmul(
+                            x, w, config=fp8_cfg(**kw)), x, w8)
+                    except Exception as e:
+                        log(f"  our fp8 kernel [{tag}] failed: {type(e).__name__}: "
+                            f"{str(e)[:200]}")
+                        continue
+                    record(f"our fp8 kernel [{tag}] M={m} K={k} N={n}", t, calls,
+                           bytes_=n * k, flops=fl)
             del w8
 
 
