@@ -527,6 +527,8 @@ def bench_dense(ms=(16,), shapes=((4096, 14336), (2048, 768), (4096, 57344), (20
     for k, n in shapes:
         k, n = S(k, 8, 256), S(n, 32, 128)
         nv_bytes = n * k * 0.5625
+        # the large, not too wide shapes get the kernels' variant and extra-path rows
+        variants = extra and n * k >= 4096 * 14336 // (256 if SMOKE else 1) and n < 4 * k
         for m in ms:
             x = rand(60, (m, k))
             c = copies_for(n * k * 0.625)
@@ -534,7 +536,7 @@ def bench_dense(ms=(16,), shapes=((4096, 14336), (2048, 768), (4096, 57344), (20
             real = ws[0].nbytes
             fl = 2 * m * n * k
             cfgs = [("auto", kcfg())]
-            if extra and n * k >= 4096 * 14336 // (256 if SMOKE else 1) and n < 4 * k:
+            if variants:
                 cfgs += [("ks2", kcfg(k_splits=2)), ("ks4", kcfg(k_splits=4)),
                          ("stages2", kcfg(max_concurrent_steps=2))]
             for tag, cfg in cfgs:
@@ -546,7 +548,7 @@ def bench_dense(ms=(16,), shapes=((4096, 14336), (2048, 768), (4096, 57344), (20
                                                                config=kcfg()), x, ws)
                 record(f"w4a4+RAC0.5 M={m} K={k} N={n}", t, calls, bytes_=nv_bytes, flops=fl)
             del ws
-            if extra and n * k >= 4096 * 14336 // (256 if SMOKE else 1) and n < 4 * k and m == 16:
+            if variants and m == 16:
                 ws = [nvfp4_weight(100 + i, (n, k), "bfloat16")[1] for i in range(c)]
                 t, calls = time_chain(lambda x, w: w4a4_matmul(
                     x, w, config=kcfg(mma_dtype="bfloat16")), x, ws)
@@ -569,7 +571,7 @@ def bench_dense(ms=(16,), shapes=((4096, 14336), (2048, 768), (4096, 57344), (20
             record(f"our fp8 kernel M={m} K={k} N={n}", t, calls, bytes_=n * k, flops=fl)
             # The FP8 kernel's split-K and pipeline variants, as the W4A4 rows above: is the
             # default the fastest where it trails XLA's FP8 GEMV by a few percent?
-            if extra and n * k >= 4096 * 14336 // (256 if SMOKE else 1) and n < 4 * k:
+            if variants:
                 for tag, kw in [("ks2", dict(k_splits=2)), ("ks4", dict(k_splits=4)),
                                 ("stages2", dict(max_concurrent_steps=2)),
                                 ("stages6", dict(max_concurrent_steps=6))]:
