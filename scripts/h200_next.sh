@@ -90,6 +90,9 @@
 #   ptile  the grouped prefill matmul's tile-kernel variants (n_group, block_m, pipeline depth,
 #          mma_overlap, unstacked RAC operands), +-RAC, GPU-checked then timed with device
 #          times (kernel_probe --prefill-tiles; session 30)
+#   tpre   every kernel of one grouped prefill call (1 024 tokens x top-8, K x N = 2048 x 768,
+#          the kpre shape), W4A4 and + RAC 0.5, outside the benchmark chain (kernel_probe
+#          --trace-grouped --trace-tokens 1024; session 34)
 #   place  RAC's operand values placed in the windows by rac_rows (W4A4MatmulConfig.
 #          rac_placed_values, session 30; the default since session 32) against values not
 #          placed, at the grouped prefill shape, GPU-checked then traced (kernel_probe
@@ -456,6 +459,9 @@ for step in "$@"; do
     ptile) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 300 python3 scripts/kernel_probe.py \
       --prefill-tiles --out "$OUT/ptile" > "$OUT/ptile.log" 2>&1
       echo "ptile rc $?"; grep -E "grouped prefill|top:|FAIL|Error" "$OUT/ptile.log" | cut -c1-230 ;;
+    tpre) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 150 python3 scripts/kernel_probe.py \
+      --trace-grouped --trace-tokens 1024 --out "$OUT/tpre" > "$OUT/tpre.log" 2>&1
+      echo "tpre rc $?"; grep -vE "^ +0\.00[0-2]" "$OUT/tpre.log" | cut -c1-160 | head -90 ;;
     place) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 200 python3 scripts/kernel_probe.py \
       --prefill-tiles --variants "base,values not placed" --out "$OUT/place" > "$OUT/place.log" 2>&1
       echo "place rc $?"; grep -E "grouped prefill|top:|FAIL|Error" "$OUT/place.log" | cut -c1-230 ;;

@@ -543,15 +543,19 @@ def run_prefill_tiles(tokens: int = 1024, variants=PREFILL_VARIANTS):
             bk.log(f"  grouped prefill {label} FAILED: {type(err).__name__}: {str(err)[:300]}")
 
 
-def run_trace_grouped():
-    """Every kernel of one grouped decode-step call (1024 rows over 128 experts, top-8), with
-    and without RAC, gate_up and down: where the ~2x between the Mosaic kernel and the whole
-    ``w4a4_grouped_matmul`` goes (activation quantization, RAC selection, tile gather, combine)."""
+def run_trace_grouped(tokens: int = 128, prefill_shape: bool = False, top: int = 14):
+    """Every kernel of one grouped call (``tokens`` top-8 over 128 experts; 128: the decode
+    step's 1024 rows), with and without RAC, gate_up and down (``prefill_shape``: issue 4's
+    prefill table shape, K x N = 2048 x 768, alone): where the time between the Mosaic kernel
+    and the whole ``w4a4_grouped_matmul`` goes (activation quantization, RAC selection, tile
+    gather, combine), without the benchmark chain's own kernels."""
     from quads_jax import profiling
 
-    gs = bk.routing(128, 128, GE, 8)
+    gs = bk.routing(tokens, tokens, GE, 8)
     m = int(gs.sum())
-    for n, k, name in ((2 * GN, GK, "gate_up"), (GK, GN, "down")):
+    shapes = (((GN, GK, "prefill"),) if prefill_shape
+              else ((2 * GN, GK, "gate_up"), (GK, GN, "down")))
+    for n, k, name in shapes:
         ww = weights(700 + n, (GE, n, k), "subnormal")[1]
         x = bk.rand(701, (m, k))
         for r in (None, aq.RACConfig()):
@@ -561,7 +565,7 @@ def run_trace_grouped():
                 for _ in range(4):
                     jax.block_until_ready(f(x, ww))
 
-            summary = profiling.trace(run, f"grouped_{name}_{bool(r)}", steps=4, top=14)
+            summary = profiling.trace(run, f"grouped_{name}_{bool(r)}", steps=4, top=top)
             bk.log(f"== traced grouped {name}{' +RAC0.5' if r else ''} rows={m} (per call)")
             bk.log(profiling.format_summary(summary))
 
@@ -1038,6 +1042,9 @@ def main(argv=None):
     p.add_argument("--n-group", action="store_true", help="floors + grouped n_group study")
     p.add_argument("--n-group-shapes", default="gate_up,down")
     p.add_argument("--trace-grouped", action="store_true", help="kernels of a grouped call")
+    p.add_argument("--trace-tokens", type=int, default=128,
+                   help="--trace-grouped: tokens (top-8); with more than 128, the prefill "
+                        "table's shape K x N = 2048 x 768 alone, every kernel listed")
     p.add_argument("--grouped-ablations", action="store_true",
                    help="floors + the grouped tile kernel's variants and ablations, traced")
     p.add_argument("--rac-select", action="store_true",
@@ -1071,7 +1078,8 @@ def main(argv=None):
             run_final()
             return 0
         if args.trace_grouped:
-            run_trace_grouped()
+            big = args.trace_tokens > 128
+            run_trace_grouped(args.trace_tokens, prefill_shape=big, top=40 if big else 14)
             return 0
         if args.grouped_ablations:
             bk.measure_floors()
