@@ -46,7 +46,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.vma import varying_operands
 from pallas_kernels.w4a4_matmul import _pad_k
-from quads_jax.quant import nvfp4
+from quads_jax.quant import nvfp4, rac
 
 BLOCK = nvfp4.BLOCK_SIZE
 
@@ -108,7 +108,8 @@ def window_program(wr_ref, m: int, block_rows: int, blocks_k: int):
 
 
 def _kernel(wr_ref, *refs, m: int, has_q: bool, has_r: bool, block_rows: int,
-            blocks_k: int, write_empty: bool, aliased: bool, recompute: bool, placed: bool):
+            blocks_k: int, write_empty: bool, aliased: bool, recompute: bool, placed: bool,
+            coded: bool):
     refs = list(refs)
     q_ref = refs.pop(0) if has_q else None
     rr_ref = refs.pop(0) if has_r else None
@@ -133,8 +134,12 @@ def _kernel(wr_ref, *refs, m: int, has_q: bool, has_r: bool, block_rows: int,
                                        act.astype(jnp.float32), g_ref[q_src][:, None, None])
     else:
         r = r_ref[r_src, cols, :]
-    y = r * rcp_ref[g, cols][..., None]
-    res = nvfp4.round_to_e2m1_value(y) * s_ref[g, cols][..., None]
+    if coded:  # s_ref / rcp_ref: the coded block amax [M, nb] and the decode scales [M]
+        s, rcp = rac.scales_from_coded_amax(s_ref[g, cols], rcp_ref[g][:, None])
+    else:
+        s, rcp = s_ref[g, cols], rcp_ref[g, cols]
+    y = r * rcp[..., None]
+    res = nvfp4.round_to_e2m1_value(y) * s[..., None]
     # Rows without a GEMM row: zeros, or left as they are (RACOperandsConfig.padding_rows).
     # Placed: operand 0 is already in place where a row has a GEMM row; only the empty rows'
     # zeros are written.
@@ -156,8 +161,14 @@ def rac_stacked_operands(b0: jax.Array, r: jax.Array, scales: jax.Array,
                          k_pad: int, config: RACOperandsConfig = RACOperandsConfig(),
                          interpret: bool = False,
                          residual_of: tuple[jax.Array, jax.Array] | None = None,
-                         placed: jax.Array | None = None) -> jax.Array:
+                         placed: jax.Array | None = None,
+                         coded: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """The stacked operands ``[2, P, Kp]`` (module docstring).
+
+    ``coded``: None, or ``(a float32 [M, K/16], g float32 [M])``: ``rac.coded_block_amax``
+    of the residual and its decode scales; ``scales`` and ``reciprocals`` are then None and
+    each program codes its blocks' scales and reciprocals itself
+    (``rac.scales_from_coded_amax``: bit-identical), so no XLA pass writes them first.
 
     ``residual_of``: None, or ``(x [R0, K], g float32 [R0])``, the activations whose values
     ``b0`` holds and their decode scales; ``r`` is then None and each residual row is
@@ -171,6 +182,15 @@ def rac_stacked_operands(b0: jax.Array, r: jax.Array, scales: jax.Array,
     multiple of ``block_rows``). The output is that buffer: operand 0 is read there (for the
     residual) and written only at the empty rows, operand 1 everywhere, so the values cross
     memory once instead of being written, read and written again."""
+    if coded is not None:
+        if scales is not None or reciprocals is not None:
+            raise ValueError("rac_stacked_operands: pass scales and reciprocals or coded=(a, "
+                             "g), not both")
+        scales, g_coded = coded
+        if g_coded.shape != scales.shape[:1]:
+            raise ValueError(f"rac_stacked_operands: coded g {g_coded.shape} must be [M] = "
+                             f"[{scales.shape[0]}]")
+        reciprocals = jnp.broadcast_to(g_coded[:, None], scales.shape)  # shape check only
     m, nb = scales.shape
     if (residual_of is None) == (r is None):
         raise ValueError("rac_stacked_operands: pass r or residual_of=(x, g), not both")
@@ -216,14 +236,16 @@ def rac_stacked_operands(b0: jax.Array, r: jax.Array, scales: jax.Array,
         r_args = (_pad_k(residual_of[0], k_pad).reshape(r.shape[0], nbp, BLOCK),
                   residual_of[1].astype(jnp.float32))
     s = _pad_k(scales.astype(jnp.float32), nbp)
-    rcp = _pad_k(reciprocals.astype(jnp.float32), nbp)
+    rcp = (coded[1].astype(jnp.float32) if coded is not None
+           else _pad_k(reciprocals.astype(jnp.float32), nbp))
     index_args = [a for a in (q_rows, r_rows) if a is not None]
     aliased = config.padding_rows == "nan"
     kernel = functools.partial(_kernel, m=m, has_q=q_rows is not None,
                                has_r=r_rows is not None, block_rows=config.block_rows,
                                blocks_k=config.block_k // BLOCK,
                                write_empty=config.padding_rows == "zeros", aliased=aliased,
-                               recompute=residual_of is not None, placed=placed is not None)
+                               recompute=residual_of is not None, placed=placed is not None,
+                               coded=coded is not None)
     return window_operand_call(kernel, window_rows, m, (*index_args, *b0_args, *r_args, s, rcp),
                                (2,), k_pad, b0.dtype, config, interpret, "rac_operands",
                                poisoned=aliased, into=placed)
@@ -268,8 +290,6 @@ def window_operand_call(kernel, window_rows: jax.Array, m: int, args: tuple, lea
 def rac_stacked_operands_reference(b0, r, scales, reciprocals, window_rows, q_rows=None,
                                    r_rows=None, *, k_pad: int) -> jax.Array:
     """The jnp path (``w4a4_matmul.operand_rows`` without the kernel) on the same inputs."""
-    from quads_jax.quant import rac
-
     m = scales.shape[0]
     q_src = window_rows if q_rows is None else rac.rows_or_fill(q_rows, window_rows,
                                                                   b0.shape[0])

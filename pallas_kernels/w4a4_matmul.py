@@ -312,7 +312,12 @@ def operand_rows(acts: aq.QuantizedActivations, index: jax.Array, dtype, k_pad: 
     # rows: rac_operands recomputes the residual from both (no float32 residual pass).
     recompute = placed or (stacked_kernel and acts.operand is not None
                            and b0 is acts.operand[0] and res.rows is acts.q_rows)
-    if materialize and isinstance(res, rac.SelectedResidual):
+    # The stacked kernel codes the residual's block scales itself from the block amax (where
+    # the jnp selection made them): XLA's scale and reciprocal passes drop out, and the
+    # kernel's operands are materialized anyway (no barrier).
+    coded = ((rac.coded_block_amax(res), res.global_scale)
+             if stacked_kernel and res.amax is not None else None)
+    if coded is None and materialize and isinstance(res, rac.SelectedResidual):
         # The block scales too, as float32 (exact): inside the gather fusion XLA would convert
         # each E4M3 scale once per element it scales (16 times per block, every windowed row).
         if recompute:
@@ -328,15 +333,16 @@ def operand_rows(acts: aq.QuantizedActivations, index: jax.Array, dtype, k_pad: 
         if stacked_kernel:
             from pallas_kernels.rac_operands import rac_stacked_operands
 
+            s, rcp = (None, None) if coded is not None else (res.scales, res.reciprocals)
             if recompute:
                 stacked = rac_stacked_operands(
-                    b0, None, res.scales, res.reciprocals, index, acts.q_rows, k_pad=k_pad,
-                    config=kernel, interpret=interpret, residual_of=(acts.operand[2], g0),
-                    placed=acts.placed if placed else None)
+                    b0, None, s, rcp, index, acts.q_rows, k_pad=k_pad, config=kernel,
+                    interpret=interpret, residual_of=(acts.operand[2], g0),
+                    placed=acts.placed if placed else None, coded=coded)
             else:
-                stacked = rac_stacked_operands(b0, res.r, res.scales, res.reciprocals, index,
-                                               acts.q_rows, res.rows, k_pad=k_pad,
-                                               config=kernel, interpret=interpret)
+                stacked = rac_stacked_operands(b0, res.r, s, rcp, index, acts.q_rows, res.rows,
+                                               k_pad=k_pad, config=kernel, interpret=interpret,
+                                               coded=coded)
             return stacked, (rac.rows_or_fill(g0, q_index, 0.0), s1)
     t0, s0 = plain_operand(b0, q_index, dtype, k_pad, g0)
     if res is None:

@@ -247,6 +247,11 @@ class SelectedResidual:
       global_scale: float32 ``[M]``: each GEMM row's residual decode scale.
       rows: None (M = R, row ``i`` is ``r``'s row ``i``) or int32 ``[M]``: each GEMM row's
         distinct row.
+      amax / finite: None, or float32 / bool ``[M, K/16]``: each GEMM row's residual block
+        amax (finite elements) and finiteness before the selection, what ``scales`` and
+        ``reciprocals`` are coded from (``nvfp4.block_scales_f32_from_amax`` with
+        ``global_scale``, zero outside ``mask``): a kernel that codes them itself
+        (``coded_block_amax``) reads these instead, and XLA drops the scales' own pass.
       dtype: the logical dtype of the codes (the activations').
     """
 
@@ -256,6 +261,8 @@ class SelectedResidual:
     mask: jax.Array
     global_scale: jax.Array
     rows: jax.Array | None = None
+    amax: jax.Array | None = None
+    finite: jax.Array | None = None
     dtype: jnp.dtype = dataclasses.field(default=jnp.dtype(jnp.bfloat16), metadata={"static": True})
 
     @property
@@ -365,7 +372,29 @@ def select_residual(
     return SelectedResidual(
         r=r, scales=jnp.where(mask, s, jnp.zeros((), s.dtype)),
         reciprocals=jnp.where(mask, rcp[..., 0], 0.0), mask=mask, global_scale=g, rows=rows,
-        dtype=jnp.dtype(x.dtype))
+        amax=amax[..., 0], finite=finite[..., 0], dtype=jnp.dtype(x.dtype))
+
+
+def coded_block_amax(res: SelectedResidual) -> jax.Array:
+    """float32 ``[M, K/16]``: ``res``'s block amax with its finiteness and selection folded
+    in, for a kernel that codes the block scales itself (``pallas_kernels.rac_operands``):
+    the amax where the block is selected and finite, NaN where selected and not finite, -1
+    outside the selection (an amax is >= 0). ``res.amax`` must be set."""
+    if res.amax is None or res.finite is None:
+        raise ValueError("coded_block_amax: the SelectedResidual has no amax / finite (made "
+                         "by a selection kernel): use its scales and reciprocals")
+    return jnp.where(res.mask, jnp.where(res.finite, res.amax, jnp.nan), -1.0)
+
+
+def scales_from_coded_amax(a: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(scales, reciprocals)`` float32 of ``coded_block_amax``'s ``a [..., nb]`` with the
+    rows' decode scales ``g`` (broadcastable): ``SelectedResidual``'s ``scales`` (as float32
+    E4M3 values) and ``reciprocals``, bit for bit. Elementwise only: the operand kernel traces
+    it."""
+    selected = ~(a < 0)  # NaN (selected, not finite) compares False
+    finite = ~jnp.isnan(a)
+    s, rcp = nvfp4.block_scales_f32_from_amax(jnp.where(finite, a, 0.0), finite, g)
+    return jnp.where(selected, s, 0.0), jnp.where(selected, rcp, 0.0)
 
 
 def captured_energy(r: jax.Array, mask: jax.Array) -> jax.Array:

@@ -12,7 +12,7 @@ from pallas_kernels import rac_operands as ro
 from pallas_kernels.layout import prepare_w4a4_weights
 from pallas_kernels.w4a4_grouped import w4a4_grouped_matmul
 from pallas_kernels.w4a4_matmul import W4A4MatmulConfig, dense_plan, operand_rows, token_tiles
-from quads_jax.quant import nvfp4
+from quads_jax.quant import nvfp4, rac
 from quads_jax.testing import lower_for_h200
 
 
@@ -55,6 +55,11 @@ def test_interpret_equals_the_jnp_path(r_rows, m, k, k_pad, with_rows, block_row
     assert got.shape == (2, window.shape[0], k_pad) and got.dtype == jnp.float16
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert np.count_nonzero(np.asarray(got[1])) > 0  # the residual operand is not all zero
+    # The kernel coding the block scales itself from the coded amax: the same bits.
+    coded = ro.rac_stacked_operands(b0, res.r, None, None, window, acts.q_rows, res.rows,
+                                    k_pad=k_pad, config=cfg, interpret=True,
+                                    coded=(rac.coded_block_amax(res), res.global_scale))
+    np.testing.assert_array_equal(np.asarray(coded), np.asarray(want))
     # And what operand_rows returns with and without the kernel (the tile kernels' input).
     with_kernel, s_k = operand_rows(acts, window, jnp.float16, k_pad, kernel=cfg,
                                     interpret=True)
@@ -143,14 +148,21 @@ def test_the_kernel_only_where_it_applies():
     assert isinstance(ops_, tuple) and len(ops_) == 2
 
 
-@pytest.mark.parametrize("padding", ["zeros", "skip"])
-def test_lowers_for_cuda(padding):
+@pytest.mark.parametrize("padding,coded", [("zeros", False), ("skip", False), ("zeros", True)])
+def test_lowers_for_cuda(padding, coded):
     m, r, k, p = 1024, 128, 2048, 1936
-    args = (jnp.ones((r, k), jnp.float16), jnp.ones((r, k)), jnp.ones((m, k // 16)),
-            jnp.ones((m, k // 16)), jnp.zeros((p,), jnp.int32), jnp.zeros((m,), jnp.int32),
-            jnp.zeros((m,), jnp.int32))
-    text = lower_for_h200(lambda *a: ro.rac_stacked_operands(
-        *a, k_pad=k, config=ro.RACOperandsConfig(padding_rows=padding)), *args)
+    rcp = jnp.ones((m,)) if coded else jnp.ones((m, k // 16))  # coded: the decode scales
+    args = (jnp.ones((r, k), jnp.float16), jnp.ones((r, k)), jnp.ones((m, k // 16)), rcp,
+            jnp.zeros((p,), jnp.int32), jnp.zeros((m,), jnp.int32), jnp.zeros((m,), jnp.int32))
+
+    def run(b0, r, s, rcp, *idx):
+        cfg = ro.RACOperandsConfig(padding_rows=padding)
+        if coded:
+            return ro.rac_stacked_operands(b0, r, None, None, *idx, k_pad=k, config=cfg,
+                                           coded=(s, rcp))
+        return ro.rac_stacked_operands(b0, r, s, rcp, *idx, k_pad=k, config=cfg)
+
+    text = lower_for_h200(run, *args)
     assert "rac_operands" in text
     assert "ctlz" not in text  # Triton's NVIDIA backend cannot legalize it (rac_select's test)
 
@@ -168,6 +180,12 @@ def test_bad_input():
     with pytest.raises(ValueError, match="M=6"):
         ro.rac_stacked_operands(b0, r, s, s, wr, jnp.zeros((5,), jnp.int32), k_pad=256,
                                 interpret=True)
+    with pytest.raises(ValueError, match="not both"):
+        ro.rac_stacked_operands(b0, r, s, s, wr, k_pad=256, interpret=True,
+                                coded=(s, jnp.ones((6,))))
+    with pytest.raises(ValueError, match=r"coded g \(5,\) must be \[M\] = \[6\]"):
+        ro.rac_stacked_operands(b0, r, None, None, wr, k_pad=256, interpret=True,
+                                coded=(s, jnp.ones((5,))))
     with pytest.raises(ValueError, match="block_rows"):
         ro.RACOperandsConfig(block_rows=6)
     with pytest.raises(ValueError, match="padding_rows"):
