@@ -176,23 +176,15 @@ def nvfp4_quantize(
         placement = placement[0] if placement and source_rows is None else None
         window_of_row, windows = placement if placement is not None else (None, None)
         g = q.global_scale[:, 0]  # per token: [R, 1]
-        # online_batch per expert on the rows themselves: the kernel adds up the experts'
-        # scores (no per-row scores written, no XLA scatter-add); a selection kernel, source
-        # rows (GEMM rows != rows) or one block set for all rows take the per-row scores.
-        aggregate = (row_expert is not None and source_rows is None and rac_selector is None
-                     and rac_config.rac_selection == "online_batch")
         # No float32 residual written: rac_operands recomputes it from x and the values (and
         # any other consumer gets select_residual's XLA expression, bit-identical).
-        rp = rac_rows.rac_row_pass(
-            x, g, score=rac_config.rac_score, dtype=dtype, config=config, interpret=interpret,
-            with_residual=False, window_of_row=window_of_row, windows=windows,
-            row_expert=row_expert.astype(jnp.int32) if aggregate else None,
-            num_experts=num_experts if aggregate else None,
-            row_valid=row_valid if aggregate else None)
+        rp = rac_rows.rac_row_pass(x, g, score=rac_config.rac_score, dtype=dtype, config=config,
+                                   interpret=interpret, with_residual=False,
+                                   window_of_row=window_of_row, windows=windows)
         if placement is not None:  # the values live in the windowed buffer, not per row
             placed = rp.values
         operand = (None if placement is not None else rp.values, g, x)
-        row_stats = (None, rp.amax, rp.finite, rp.scores, rp.expert_scores)
+        row_stats = (None, rp.amax, rp.finite, rp.scores)
     sel = rac.select_residual(
         x, q, rac_config, act_scale_mode=act_scale_mode, rows=source_rows,
         row_expert=row_expert, num_experts=num_experts, static_blocks=static_blocks,

@@ -72,7 +72,6 @@ class RowPass(NamedTuple):
     amax: jax.Array
     finite: jax.Array
     scores: jax.Array
-    expert_scores: jax.Array | None = None
 
 
 def _blocks_per_program(nb: int, block_k: int) -> int:
@@ -84,11 +83,9 @@ def _blocks_per_program(nb: int, block_k: int) -> int:
 
 
 def _kernel(x_ref, g_ref, *refs, block_rows: int, blocks_k: int, score: str,
-            with_residual: bool, placed: int | None, aggregate: bool):
+            with_residual: bool, placed: int | None):
     refs = list(refs)
     place_ref = refs.pop(0) if placed is not None else None
-    if aggregate:  # the rows' experts, and the zeros the per-expert sums start from (aliased)
-        expert_ref, _ = refs.pop(0), refs.pop(0)
     vals_ref = refs.pop(0)
     r_ref, amax_ref, fin_ref, score_ref = refs if with_residual else (None, *refs)
     rows = pl.ds(pl.program_id(0) * block_rows, block_rows)
@@ -116,31 +113,15 @@ def _kernel(x_ref, g_ref, *refs, block_rows: int, blocks_k: int, score: str,
     pltriton.store(amax_ref.at[rows, cols], r_amax[..., 0])
     # int8: a quarter of int32's bytes written here and read by the selection's XLA pass
     pltriton.store(fin_ref.at[rows, cols], r_finite[..., 0].astype(jnp.int8))
-    if not aggregate:
-        pltriton.store(score_ref.at[rows, cols], sc)
-        return
-    # online_batch's per-expert sums: each row's scores added to its expert's row, one atomic
-    # add per row (rows of one program can share an expert; one add with repeated indices
-    # would not accumulate in the interpreter). Rows with expert -1 (not tokens, pad rows)
-    # add zeros (to expert 0), as the zeros of rac.valid_row_scores. (No mask: the
-    # interpreter's atomic add takes none.)
-    row0 = pl.program_id(0) * block_rows
-    lane = jnp.arange(block_rows, dtype=jnp.int32)[:, None]
-    for i in range(block_rows):
-        e = expert_ref[row0 + i]
-        # row i's scores (adding zeros is exact: scores are >= 0 or NaN), or zeros
-        row_sc = jnp.sum(jnp.where((lane == i) & (e >= 0), sc, 0.0), axis=0)
-        pltriton.atomic_add(score_ref, (jnp.maximum(e, 0), cols), row_sc)
+    pltriton.store(score_ref.at[rows, cols], sc)
 
 
 @functools.partial(jax.jit, static_argnames=("score", "dtype", "config", "interpret",
-                                             "with_residual", "windows", "num_experts"))
+                                             "with_residual", "windows"))
 def rac_row_pass(x: jax.Array, g: jax.Array, *, score: str = "residual_l2",
                  dtype=jnp.float16, config: RACRowsConfig | None = None,
                  interpret: bool = False, with_residual: bool = True,
-                 window_of_row: jax.Array | None = None, windows: int | None = None,
-                 row_expert: jax.Array | None = None, num_experts: int | None = None,
-                 row_valid: jax.Array | None = None) -> RowPass:
+                 window_of_row: jax.Array | None = None, windows: int | None = None) -> RowPass:
     """The row pass of rows ``x [R, K]`` with decode scales ``g [R]`` (module docstring).
     ``with_residual=False``: the float32 residual is not written (``RowPass.residual`` None;
     ``rac_operands`` recomputes it from ``x`` and the values: half the kernel's bytes).
@@ -149,16 +130,7 @@ def rac_row_pass(x: jax.Array, g: jax.Array, *, score: str = "residual_l2",
     distinct, every row placed): the values are written there, into operand 0 of a stacked
     ``[2, windows, K]`` buffer (``RowPass.values``) whose other rows and operand 1 are left
     for ``rac_operands(placed=...)`` to write: the prefill layout where each row fills one
-    window row, so the values are written once, in place, and not copied again.
-
-    ``row_expert`` (int32 ``[R]`` in ``[0, num_experts)``; ``row_valid``: None or bool
-    ``[R]``, the rows that are tokens): the scores are not written; their per-expert sums
-    over the valid rows (``rac.aggregate_scores`` of ``rac.valid_row_scores``: online_batch
-    selection's input) come back as ``RowPass.expert_scores`` float32 ``[E, K/16]``, added
-    up by atomic adds as the rows are scored (``RowPass.scores`` None). No XLA scatter-add
-    reads a scores array back. Float32 sums in another order than ``segment_sum``'s (XLA's
-    GPU scatter-add has no fixed order either): equal in the interpreter, which adds rows in
-    order."""
+    window row, so the values are written once, in place, and not copied again."""
     config = config or RACRowsConfig()
     if x.ndim != 2 or x.shape[1] % BLOCK or jnp.dtype(x.dtype) not in nvfp4.FLOAT_DTYPES:
         raise ValueError(f"rac_row_pass: x {x.dtype}{list(x.shape)} must be a float [R, K] "
@@ -178,63 +150,45 @@ def rac_row_pass(x: jax.Array, g: jax.Array, *, score: str = "residual_l2",
         raise ValueError(f"rac_row_pass: window_of_row {getattr(window_of_row, 'shape', None)} "
                          f"and windows={windows} go together: int32 [R] = [{r_rows}] and an "
                          f"int >= R")
-    aggregate = row_expert is not None
-    if aggregate and (num_experts is None or row_expert.shape != (r_rows,)
-                      or row_expert.dtype != jnp.int32
-                      or (row_valid is not None and row_valid.shape != (r_rows,))):
-        raise ValueError(f"rac_row_pass: row_expert {getattr(row_expert, 'shape', None)} needs "
-                         f"num_experts, int32 [R] = [{r_rows}], and row_valid None or [R]")
     nb = k // BLOCK
     br = config.block_rows
     r_pad = -(-r_rows // br) * br
     g = g.astype(jnp.float32)
-    if aggregate and row_valid is not None:
-        row_expert = jnp.where(row_valid, row_expert, -1)
     if r_pad != r_rows:  # whole programs; the pad rows' outputs are dropped
         x = jnp.pad(x, ((0, r_pad - r_rows), (0, 0)))
         g = jnp.pad(g, (0, r_pad - r_rows), constant_values=1.0)
         if window_of_row is not None:
             window_of_row = jnp.pad(window_of_row, (0, r_pad - r_rows), constant_values=windows)
-        if aggregate:
-            row_expert = jnp.pad(row_expert, (0, r_pad - r_rows), constant_values=-1)
     bk = _blocks_per_program(nb, config.block_k)
     xb = x.reshape(r_pad, nb, BLOCK)
     extra = () if window_of_row is None else (window_of_row,)
-    if aggregate:
-        extra += (row_expert, jnp.zeros((num_experts, nb), jnp.float32))
     vary, (xb, g, *extra) = varying_operands(xb, g, *extra)
     whole = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))  # noqa: E731
     # Placed values: the stacked [2, windows] buffer as [2 * windows] rows (operand 0 first).
     vals_rows = r_pad if windows is None else 2 * windows
     shapes = [((vals_rows, nb, BLOCK), dtype), ((r_pad, nb, BLOCK), jnp.float32),
               ((r_pad, nb), jnp.float32), ((r_pad, nb), jnp.int8), ((r_pad, nb), jnp.float32)]
-    if aggregate:  # the per-expert sums in place of the scores, into the zeros (aliased)
-        shapes[-1] = ((num_experts, nb), jnp.float32)
     if not with_residual:
         del shapes[1]
-    ins = (xb, g, *extra)
     outs = pl.pallas_call(
         functools.partial(_kernel, block_rows=br, blocks_k=bk, score=score,
-                          with_residual=with_residual, placed=windows, aggregate=aggregate),
+                          with_residual=with_residual, placed=windows),
         grid=(r_pad // br, nb // bk),
-        in_specs=[whole(a.shape) for a in ins],
+        in_specs=[whole(a.shape) for a in (xb, g, *extra)],
         out_specs=[whole(s) for s, _ in shapes],
         out_shape=[jax.ShapeDtypeStruct(s, d, **vary) for s, d in shapes],
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=1),
         interpret=interpret,
-        input_output_aliases={len(ins) - 1: len(shapes) - 1} if aggregate else {},
         name="rac_rows",
-    )(*ins)
+    )(xb, g, *extra)
     vals, r, amax, fin, sc = outs if with_residual else (outs[0], None, *outs[1:])
-    agg, sc = (sc, None) if aggregate else (None, sc)
     vals = vals.reshape(r_pad, k) if windows is None else vals.reshape(2, windows, k)
     out = RowPass(vals, None if r is None else r.reshape(r_pad, k),
-                  amax[..., None], (fin > 0)[..., None], sc, agg)
+                  amax[..., None], (fin > 0)[..., None], sc)
     if r_pad == r_rows:
         return out
     placed = windows is not None
-    return RowPass(*(a if a is None or (placed and a is vals) or a is agg else a[:r_rows]
-                     for a in out))
+    return RowPass(*(a if a is None or (placed and a is vals) else a[:r_rows] for a in out))
 
 
 def rac_row_pass_reference(x: jax.Array, score: str = "residual_l2",

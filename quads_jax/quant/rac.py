@@ -152,7 +152,6 @@ def selection_mask(
     row_expert: jax.Array | None = None,
     num_experts: int | None = None,
     static_blocks: jax.Array | None = None,
-    expert_scores: jax.Array | None = None,
 ) -> jax.Array:
     """Mask ``[M, K/16]`` of the blocks RAC compensates in each GEMM row, per
     ``recipe.rac_selection``, from the per-row block scores of ``row_block_scores``.
@@ -164,19 +163,8 @@ def selection_mask(
         ranks each distinct row once).
       row_expert: int32 ``[M]`` expert of each GEMM row for grouped GEMMs (None: dense).
       static_blocks: bool ``[K/16]`` or ``[E, K/16]`` for ``rac_selection="static"``.
-      expert_scores: None, or float32 ``[E, K/16]``: ``online_batch``'s per-expert sums
-        (``aggregate_scores`` of the rows' scores, ``row_expert`` given), already made
-        (``pallas_kernels.rac_rows`` adds them up as it scores the rows); ``scores`` is then
-        unused (None).
     """
     sel = recipe.rac_selection
-    if expert_scores is not None:
-        if sel != "online_batch" or row_expert is None:
-            raise ValueError(f"expert_scores: per-expert sums go with rac_selection="
-                             f"'online_batch' and row_expert (got {sel!r}, row_expert "
-                             f"{'None' if row_expert is None else 'given'})")
-        return select_blocks(expert_scores, recipe.rac_ratio,
-                             recipe.rac_energy_target)[row_expert]
     m = scores.shape[0] if rows is None else rows.shape[0]
     if sel == "static":
         if static_blocks is None:
@@ -351,23 +339,18 @@ def select_residual(
         the E4M3 grid, reciprocals and mask ``[M, K/16]``, decode scales ``[M]``) in one
         kernel (``pallas_kernels.rac_select``, for the configurations its ``supports``
         accepts; it traces this module's and ``nvfp4``'s functions).
-      row_stats: None, or ``(r, amax, finite, scores[, expert_scores])`` of the distinct rows
-        as computed here (``scores`` before the ``row_valid`` mask; ``r`` None: computed here,
-        where a consumer needs it): ``pallas_kernels.rac_rows``'s one-kernel row pass;
-        ``expert_scores``: online_batch's per-expert sums (``selection_mask``), ``row_valid``
-        applied, ``scores`` None.
+      row_stats: None, or ``(r, amax, finite, scores)`` of the distinct rows as computed here
+        (``scores`` before the ``row_valid`` mask; ``r`` None: computed here, where a consumer
+        needs it): ``pallas_kernels.rac_rows``'s one-kernel row pass.
     """
-    expert_scores = None
     if row_stats is None:
         r = nvfp4.residual(x, q)
         amax, finite = nvfp4.block_amax(block_view(r))  # [R, K/16, 1]
         scores = row_block_scores(x, r, recipe.rac_score, row_valid)
     else:
-        r, amax, finite, scores, *rest = row_stats
-        expert_scores = rest[0] if rest else None
+        r, amax, finite, scores = row_stats
         r = nvfp4.residual(x, q) if r is None else r
-        if scores is not None:
-            scores = valid_row_scores(scores, row_valid)
+        scores = valid_row_scores(scores, row_valid)
     if selector is not None:
         s, rcp, mask, g = selector(scores, amax[..., 0], finite[..., 0])
         return SelectedResidual(r=r, scales=s.astype(jnp.float8_e4m3fn), reciprocals=rcp,
@@ -375,8 +358,7 @@ def select_residual(
     if rows is not None:
         amax, finite = amax[rows], finite[rows]
     mask = selection_mask(scores, recipe, rows=rows, row_expert=row_expert,
-                          num_experts=num_experts, static_blocks=static_blocks,
-                          expert_scores=expert_scores)
+                          num_experts=num_experts, static_blocks=static_blocks)
     m = mask.shape[0]
     if recipe.rac_residual_scale == "shared":
         g = jnp.asarray(q.global_scale, jnp.float32).reshape(-1)

@@ -79,43 +79,6 @@ def test_rac_matmul_with_the_row_kernel_equals_the_jnp_path():
                                       np.asarray(out, np.float32))
 
 
-@pytest.mark.parametrize("with_valid", [False, True])
-def test_expert_sums_equal_the_segment_sum_of_the_valid_rows(with_valid):
-    """``row_expert``: the kernel's atomic per-expert sums of the scores equal
-    ``rac.aggregate_scores`` of ``rac.valid_row_scores`` (12 rows: the last program's pad rows
-    add nothing; rows of one program in two experts), and the other outputs do not change."""
-    from quads_jax.quant import rac
-
-    m, k, e = 12, 256, 3
-    x = _x(m, k, seed=9)
-    g = nvfp4.compute_global_scale(x, "row")[:, 0]
-    expert = jnp.asarray([0] * 5 + [2] * 4 + [1] * 3, jnp.int32)  # not sorted: any order
-    valid = jnp.asarray([True] * 10 + [False] * 2) if with_valid else None
-    cfg = rac_rows.RACRowsConfig(block_rows=8)
-    plain = rac_rows.rac_row_pass(x, g, interpret=True, with_residual=False, config=cfg)
-    got = rac_rows.rac_row_pass(x, g, interpret=True, with_residual=False, config=cfg,
-                                row_expert=expert, num_experts=e, row_valid=valid)
-    assert got.scores is None and got.expert_scores.shape == (e, k // 16)
-    want = rac.aggregate_scores(rac.valid_row_scores(plain.scores, valid), "residual_l2",
-                                expert, e)
-    np.testing.assert_array_equal(np.asarray(got.expert_scores), np.asarray(want))
-    assert np.isnan(np.asarray(want)[0]).any()  # row 0's NaN block stays in expert 0
-    for name in ("values", "amax", "finite"):
-        np.testing.assert_array_equal(np.asarray(getattr(got, name)),
-                                      np.asarray(getattr(plain, name)))
-    with pytest.raises(ValueError, match="needs num_experts"):
-        rac_rows.rac_row_pass(x, g, row_expert=expert)
-
-
-def test_expert_sums_lower_for_cuda():
-    x = jnp.zeros((128, 2048), jnp.bfloat16)
-    g = jnp.ones((128,), jnp.float32)
-    expert = jnp.zeros((128,), jnp.int32)
-    text = lower_for_h200(lambda x, g, ex: rac_rows.rac_row_pass(
-        x, g, with_residual=False, row_expert=ex, num_experts=4).expert_scores, x, g, expert)
-    assert "rac_rows" in text
-
-
 def test_applies_only_to_per_token_residual_scores():
     assert aq.row_pass_applies(aq.RACConfig(), "per_token")
     assert not aq.row_pass_applies(aq.RACConfig(rac_score="act_amax"), "per_token")
