@@ -90,6 +90,9 @@
 #   ptile  the grouped prefill matmul's tile-kernel variants (n_group, block_m, pipeline depth,
 #          mma_overlap, unstacked RAC operands), +-RAC, GPU-checked then timed with device
 #          times (kernel_probe --prefill-tiles; session 30)
+#   ksplit the split-K choice against split-K 1 / 2 / 4 / 8, W4A4 and our FP8 kernel, dense
+#          decode at M = 16 on the four dense shapes, with XLA's FP8 GEMV (bench_kernels
+#          --part splits --trace; session 34)
 #   tpre   every kernel of one grouped prefill call (1 024 tokens x top-8, K x N = 2048 x 768,
 #          the kpre shape), W4A4 and + RAC 0.5, outside the benchmark chain (kernel_probe
 #          --trace-grouped --trace-tokens 1024; session 34)
@@ -459,6 +462,9 @@ for step in "$@"; do
     ptile) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 300 python3 scripts/kernel_probe.py \
       --prefill-tiles --out "$OUT/ptile" > "$OUT/ptile.log" 2>&1
       echo "ptile rc $?"; grep -E "grouped prefill|top:|FAIL|Error" "$OUT/ptile.log" | cut -c1-230 ;;
+    ksplit) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 270 python3 scripts/bench_kernels.py \
+      --part splits --trace --out "$OUT/ksplit" > "$OUT/ksplit.log" 2>&1
+      echo "ksplit rc $?"; grep -E "M=|failed" "$OUT/ksplit.log" | cut -c1-200 ;;
     tpre) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 150 python3 scripts/kernel_probe.py \
       --trace-grouped --trace-tokens 1024 --out "$OUT/tpre" > "$OUT/tpre.log" 2>&1
       echo "tpre rc $?"; grep -vE "^ +0\.00[0-2]" "$OUT/tpre.log" | cut -c1-160 | head -90 ;;
