@@ -221,19 +221,33 @@ def _round_up(v: int, m: int) -> int:
 # The SM-wave efficiency at which auto_k_splits stops splitting K: more splits restart the copy
 # pipeline more often and make the kernel store float32 partial sums for an extra pass.
 GOOD_WAVE_EFFICIENCY = 0.85
+# One partial wave (an item per SM, some SMs idle) at this efficiency or more is not split.
+ONE_WAVE_EFFICIENCY = 0.84
 
 
-def auto_k_splits(work_items: int, k_steps: int, num_sms: int) -> int:
-    """Split-K factor: the fewest splits (each of >= 2 K steps) whose SM-wave efficiency
-    (items / SM slots of the last full wave) reaches ``GOOD_WAVE_EFFICIENCY``, else the most
-    efficient (ties: fewer splits)."""
+def auto_k_splits(work_items: int, k_steps: int, num_sms: int,
+                  good_efficiency: float = GOOD_WAVE_EFFICIENCY) -> int:
+    """Split-K factor: none where the items fill one wave of the SMs at
+    ``ONE_WAVE_EFFICIENCY`` or more; else the fewest splits (each of >= 2 K steps) whose
+    SM-wave efficiency (items / SM slots of the last full wave) reaches ``good_efficiency``,
+    else the most efficient (ties: fewer splits).
+
+    Measured on the H100 (2026-12-06, ``bench_kernels --part splits``, dense decode at M =
+    16, traced device us for split-K 1 / 2 / 4 / 8): K x N = 4096 x 14336 (112 items of 128
+    weight rows for 132 SMs, one wave at 0.848, which the 0.85 rule split 8 ways): W4A4 22.5
+    / 23.4 / 25.0 / 26.0, our FP8 27.9 / 28.7 / 29.9 / 30.8 (XLA's FP8 GEMV 28.7): one wave
+    unsplit is fastest. 4096 x 57344 (448 items, 3.4 waves at 0.848): W4A4 64.2 / 63.5 /
+    65.9 / 75.5 (the 0.85 rule's 2 split: 62.4), FP8 85.4 / 88.6 / 91.4 (XLA 86.1): hence
+    the FP8 kernel's ``good_efficiency`` of 0.84 (``w8a8_matmul``)."""
+    if work_items <= num_sms and work_items / num_sms >= ONE_WAVE_EFFICIENCY:
+        return 1
     best, best_eff = 1, 0.0
     for s in range(1, k_steps + 1):
         if k_steps % s or (s > 1 and k_steps // s < 2):
             continue
         items = work_items * s
         eff = items / (-(-items // num_sms) * num_sms)
-        if eff >= GOOD_WAVE_EFFICIENCY:
+        if eff >= good_efficiency:
             return s
         if eff > best_eff + 1e-9:
             best, best_eff = s, eff

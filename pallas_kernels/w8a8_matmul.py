@@ -46,6 +46,10 @@ from pallas_kernels.w4a4_matmul import (
 from quads_jax.quant import fp8
 
 ACT_GRANULARITIES = ("token", "tensor")
+# The FP8 kernel's split-K stop (``auto_k_splits``' ``good_efficiency``): at 4096 x 57344 (448
+# items at 0.848 of their waves) unsplit was 85.4 us against 88.6 split in two (H100,
+# 2026-12-06), where the W4A4 kernel was faster split (its 0.85).
+FP8_GOOD_WAVE_EFFICIENCY = 0.84
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +58,7 @@ class W8A8MatmulConfig:
 
     Attributes:
       block_m: tokens per tile, a multiple of 8 in [8, 256]; None: as the NVFP4 kernels.
-      k_splits: split-K factor; None = the smallest that fills the SMs.
+      k_splits: split-K factor; None: ``auto_k_splits`` (``FP8_GOOD_WAVE_EFFICIENCY``).
       max_concurrent_steps: pipeline depth; num_sms: persistent CTAs (None: the device's).
       windowed_operands, tile_plan_kernel, tile_plan_block, tile_plan_warps: as
         ``W4A4MatmulConfig``.
@@ -129,7 +133,8 @@ def _run(qx: fp8.FP8Tensor, w, plan, config, interpret, out_dtype,
                                 config.windowed_operands)
     num_sms = config.num_sms or _num_sms()
     k_splits = config.k_splits or auto_k_splits(
-        (live_tiles or row_index.shape[0]) * (w.n_pad // N_TILE), w.k_pad // K_TILE, num_sms)
+        (live_tiles or row_index.shape[0]) * (w.n_pad // N_TILE), w.k_pad // K_TILE, num_sms,
+        good_efficiency=FP8_GOOD_WAVE_EFFICIENCY)
     cfg = FP8GemmConfig(k_splits, config.max_concurrent_steps, num_sms)
     out = fp8_tile_gemm(tiles, w, tile_expert, num_tiles, config=cfg, interpret=interpret,
                         col_scales=act[:, None],  # [T, 1, block_m]

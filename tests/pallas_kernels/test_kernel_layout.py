@@ -112,3 +112,18 @@ def test_tile_rows_stores_each_kernel_tile_contiguously():
             np.testing.assert_array_equal(t[0, n, 128 * k : 128 * k + 128],
                                           a[0, 128 * n : 128 * n + 128, 64 * k : 64 * k + 64])
     np.testing.assert_array_equal(untile_rows(t), a)
+
+
+def test_auto_k_splits():
+    """The split-K choice of both tile kernels (``w4a4_matmul.auto_k_splits``), at the dense
+    decode shapes it was measured on (K steps of 256 columns, 128 weight rows per item, 132
+    SMs)."""
+    from pallas_kernels.w4a4_matmul import auto_k_splits
+    from pallas_kernels.w8a8_matmul import FP8_GOOD_WAVE_EFFICIENCY
+
+    assert auto_k_splits(112, 16, 132) == 1  # 4096 x 14336: one wave at 0.848, unsplit
+    assert auto_k_splits(448, 16, 132) == 2  # 4096 x 57344: 3.4 waves at 0.848 -> 0.97
+    assert auto_k_splits(448, 32, 132, good_efficiency=FP8_GOOD_WAVE_EFFICIENCY) == 1
+    assert auto_k_splits(24, 8, 132) == 4  # 2048 x 3072: the most efficient of 1 / 2 / 4
+    assert auto_k_splits(6, 8, 132) == 4  # 2048 x 768: at most 2 K steps per split
+    assert auto_k_splits(100, 16, 132) == 8  # one wave at 0.76: split until 0.85 (0.87)
