@@ -250,6 +250,12 @@
 # `cmdbuf b128` (command buffers still +13-15 %; nvfp4_rac 1.78x bf16 at 24 layers), `kgroup
 # kgroup2`, `kdense0`, `kdense2`, `kdense` (issue 4's decode tables at efb76ab). Next, on an
 # H200: `place`, `b128` (48 layers), `study` alone; then session 29's list.
+# Session 34 got H100s only: `tpre kdense0` (cafb3a0), `tpre kpre` + the base's (2db87d0 vs
+# cafb3a0: RAC's scales coded in rac_operands, grouped RAC prefill +59.6 against +66.8 %),
+# `kpre tpre kdense2 kdense` (3fe901e), `kpre tpre b128` (e5cb791, atomic sums: reverted),
+# `ksplit kpre` (4c3a866: the split-K sweep), `kdense0 kdense2` (fb23019: FP8 >= XLA FP8 at
+# the large shapes). Next, on an H200: `kpre tpre`, `ksplit`, `b128` (48 layers), `place`,
+# `study` alone; on an H100 the same at 24 layers.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
