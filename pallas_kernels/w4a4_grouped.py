@@ -64,16 +64,34 @@ def row_experts(group_sizes: jax.Array, m: int) -> jax.Array:
     return ops.count_le(jnp.cumsum(group_sizes), jnp.arange(m, dtype=jnp.int32))
 
 
+def _aligned_starts(group_sizes: jax.Array, align: int):
+    """int32 ``[E]`` each group's first sorted row, and its first and past-the-end laid-out
+    rows when every group starts at a multiple of ``align``."""
+    starts = jnp.cumsum(group_sizes) - group_sizes
+    padded = -(-group_sizes // align) * align
+    padded_ends = jnp.cumsum(padded)
+    return starts, padded_ends - padded, padded_ends
+
+
+def window_of_rows(group_sizes: jax.Array, row_expert: jax.Array, windows: int) -> jax.Array:
+    """int32 ``[M]``: each sorted row's row in ``aligned_group_rows``' layout (``ROW_ALIGN``),
+    ``windows`` for rows past the groups (``row_expert`` = E, ``row_experts``' value): the
+    inverse of the plan's ``window_rows``, by arithmetic. (A scatter of ``arange(P)`` through
+    ``window_rows`` was two XLA kernels, its fill and the scatter, ~2.5 us on the H100.)"""
+    e = group_sizes.shape[0]
+    starts, padded_starts, _ = _aligned_starts(group_sizes, ROW_ALIGN)
+    g = jnp.minimum(row_expert, e - 1)
+    pos = padded_starts[g] + jnp.arange(row_expert.shape[0], dtype=jnp.int32) - starts[g]
+    return jnp.where(row_expert < e, pos, windows).astype(jnp.int32)
+
+
 def aligned_group_rows(group_sizes: jax.Array, m: int, align: int, length: int):
     """The groups' rows laid out in order, each group starting at a multiple of ``align``
     rows: ``(rows, padded_starts, padded_ends)``; ``rows`` int32 ``[length]`` is the sorted row
     at each laid-out row (``m`` for padding and past the groups), ``padded_starts`` /
     ``padded_ends`` int32 ``[E]`` each group's laid-out range."""
     e = group_sizes.shape[0]
-    starts = jnp.cumsum(group_sizes) - group_sizes
-    padded = -(-group_sizes // align) * align
-    padded_ends = jnp.cumsum(padded)
-    padded_starts = padded_ends - padded
+    starts, padded_starts, padded_ends = _aligned_starts(group_sizes, align)
     p = jnp.arange(length, dtype=jnp.int32)
     pe = jnp.minimum(ops.count_le(padded_ends, p), e - 1)
     p_local = p - padded_starts[pe]
@@ -184,21 +202,20 @@ def rac_selector(rac, act_scale_mode: str, group_sizes: jax.Array, source_rows, 
 
 
 def values_placement(window_rows: jax.Array, source_rows, m: int, k_pad: int, k: int,
-                     config: W4A4MatmulConfig):
+                     config: W4A4MatmulConfig, group_sizes: jax.Array,
+                     row_expert: jax.Array):
     """``rac_rows``' placement ``(window_of_row [M], P)`` for ``rac_placed_values``, or None
     where it does not apply: off, ``source_rows`` given, fewer than ``prefill_min_rows`` rows,
     the stacked ``rac_operands`` path off, K padded, or ``P`` not a whole number of its
     programs. ``window_of_row`` inverts the plan's ``window_rows`` (each GEMM row has exactly
-    one window row)."""
+    one window row; ``window_of_rows`` from the groups and the rows' experts)."""
     ocfg = config.rac_operands_config()
     p = window_rows.shape[0]
     if (not config.rac_placed_values or source_rows is not None or ocfg is None
             or config.prefill_min_rows is None or m < config.prefill_min_rows
             or k_pad != k or p % ocfg.block_rows or ocfg.padding_rows == "nan"):
         return None
-    window_of_row = jnp.full((m,), p, jnp.int32).at[window_rows].set(
-        jnp.arange(p, dtype=jnp.int32), mode="drop")
-    return window_of_row, p
+    return window_of_rows(group_sizes, row_expert, p), p
 
 
 def check_source_rows(source_rows, num_rows: int, name: str = "source_rows",
@@ -290,7 +307,7 @@ def w4a4_grouped_matmul(
                              act_global_scale, source_rows, selector, row_valid,
                              config.rac_row_pass(interpret, values_placement(
                                  window_rows, source_rows, m, w.k_pad, x_sorted.shape[1],
-                                 config)))
+                                 config, gs, rexp)))
 
         def operand_of(idx):
             return operand_rows(acts, idx, w.mma_dtype, w.k_pad, config.materialize_operands,

@@ -215,14 +215,34 @@ def test_values_placement_applies_only_where_each_row_fills_one_window_row():
     window[:, :6] = np.arange(m).reshape(683, 6)
     window = jnp.asarray(window.reshape(-1))
     p = window.shape[0]
+    gs = jnp.full((683,), 6, jnp.int32)
+    rexp = jnp.arange(m, dtype=jnp.int32) // 6
     on = W4A4MatmulConfig(rac_placed_values=True)
-    placed = values_placement(window, None, m, 2048, 2048, on)
+    placed = values_placement(window, None, m, 2048, 2048, on, gs, rexp)
     assert placed is not None and placed[1] == p and placed[0].shape == (m,)
     np.testing.assert_array_equal(np.asarray(window)[np.asarray(placed[0])], np.arange(m))
     off = W4A4MatmulConfig(rac_placed_values=False)
-    assert values_placement(window, None, m, 2048, 2048, off) is None  # off
-    assert values_placement(window, jnp.zeros((m,), jnp.int32), m, 2048, 2048,
-                            on) is None  # source rows: each row feeds several window rows
-    assert values_placement(window[:1024], None, 768, 2048, 2048, on) is None  # decode-sized
-    assert values_placement(window, None, m, 2304, 2048, on) is None  # K padded
-    assert values_placement(window[:p - 4], None, m, 2048, 2048, on) is None  # P % 8
+    assert values_placement(window, None, m, 2048, 2048, off, gs, rexp) is None  # off
+    assert values_placement(window, jnp.zeros((m,), jnp.int32), m, 2048, 2048, on, gs,
+                            rexp) is None  # source rows: each row feeds several window rows
+    assert values_placement(window[:1024], None, 768, 2048, 2048, on, gs,
+                            rexp) is None  # decode-sized
+    assert values_placement(window, None, m, 2304, 2048, on, gs, rexp) is None  # K padded
+    assert values_placement(window[:p - 4], None, m, 2048, 2048, on, gs,
+                            rexp) is None  # P % 8
+
+
+@pytest.mark.parametrize("sizes", [[7, 0, 12, 5], [0, 0, 3, 0], [16, 1, 8, 9]])
+def test_window_of_rows_inverts_the_plans_windows(sizes):
+    """``window_of_rows`` (arithmetic) equals the scatter of ``arange(P)`` through the plan's
+    ``window_rows``, empty groups and rows past the groups included."""
+    from pallas_kernels.w4a4_grouped import tile_plan, window_of_rows
+
+    gs = jnp.asarray(sizes, jnp.int32)
+    m = sum(sizes) + 3  # 3 rows past the groups
+    *_, window = tile_plan(gs, m, 8)
+    p = window.shape[0]
+    want = jnp.full((m,), p, jnp.int32).at[window].set(jnp.arange(p, dtype=jnp.int32),
+                                                      mode="drop")
+    rexp = jnp.searchsorted(jnp.cumsum(gs), jnp.arange(m), side="right").astype(jnp.int32)
+    np.testing.assert_array_equal(np.asarray(window_of_rows(gs, rexp, p)), np.asarray(want))
