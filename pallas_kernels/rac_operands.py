@@ -198,7 +198,6 @@ def rac_stacked_operands(b0: jax.Array, r: jax.Array, scales: jax.Array,
         if g_coded.shape != scales.shape[:1]:
             raise ValueError(f"rac_stacked_operands: coded g {g_coded.shape} must be [M] = "
                              f"[{scales.shape[0]}]")
-        reciprocals = jnp.broadcast_to(g_coded[:, None], scales.shape)  # shape check only
     m, nb = scales.shape
     if (residual_of is None) == (r is None):
         raise ValueError("rac_stacked_operands: pass r or residual_of=(x, g), not both")
@@ -222,10 +221,11 @@ def rac_stacked_operands(b0: jax.Array, r: jax.Array, scales: jax.Array,
                              f"must be [R0, K] = {b0.shape} and [R0], with r_rows None")
         r = x
     k = r.shape[1]
-    if b0.shape[1] != k or nb * BLOCK != k or reciprocals.shape != (m, nb):
+    if b0.shape[1] != k or nb * BLOCK != k or (coded is None and reciprocals.shape != (m, nb)):
+        rcp_shape = None if reciprocals is None else reciprocals.shape
         raise ValueError(f"rac_stacked_operands: b0 {b0.shape}, r {r.shape}, scales "
-                         f"{scales.shape} and reciprocals {reciprocals.shape} must be [R0, K], "
-                         f"[R, K], [M, K/16], [M, K/16]")
+                         f"{scales.shape} and reciprocals {rcp_shape} must be [R0, K], "
+                         f"[R, K], [M, K/16], [M, K/16] (coded: reciprocals None)")
     if k_pad < k or k_pad % config.block_k:
         raise ValueError(f"rac_stacked_operands: k_pad={k_pad} must be >= K={k} and a "
                          f"multiple of block_k={config.block_k}")

@@ -183,6 +183,9 @@ def test_bad_input():
     with pytest.raises(ValueError, match="not both"):
         ro.rac_stacked_operands(b0, r, s, s, wr, k_pad=256, interpret=True,
                                 coded=(s, jnp.ones((6,))))
+    with pytest.raises(ValueError, match=r"reciprocals None must be"):  # K/16 = 3, not 4
+        ro.rac_stacked_operands(b0, r, None, None, wr, k_pad=256, interpret=True,
+                                coded=(jnp.ones((6, 3)), jnp.ones((6,))))
     with pytest.raises(ValueError, match=r"coded g \(5,\) must be \[M\] = \[6\]"):
         ro.rac_stacked_operands(b0, r, None, None, wr, k_pad=256, interpret=True,
                                 coded=(s, jnp.ones((5,))))
