@@ -311,7 +311,10 @@ def bench_case(params, cfg, recipe, batch, prompt, args, bandwidth, tag="") -> d
     prompts = jax.random.randint(jax.random.key(batch + prompt), (groups, prompt), 0,
                                  cfg.vocab_size)
     mask = jnp.ones((groups, prompt), bool)
-    rng = jax.random.key(0)
+    # The sampling key's PRNG (--prng-impl): jax.random.categorical draws Gumbel noise for
+    # every vocab entry of every row each step (151 936 x batch), and threefry's cost grows
+    # with it; XLA's RngBitGenerator ("rbg", "unsafe_rbg") is the cheaper generator.
+    rng = jax.random.key(0, impl=args.prng_impl)
     static = dict(config=sc, model_config=cfg, recipe=recipe)
     t = time.perf_counter()
     pre = engine._prefill_jit.lower(params, prompts, mask, rng, **static).compile()
@@ -549,6 +552,10 @@ def parse_args(argv):
     p.add_argument("--w4a4-mma-k", type=int, choices=(64, 128, 256), default=256,
                    help="K columns of decoded weight per wgmma group (W4A4MatmulConfig.mma_k; "
                    "--w4a4-mma-overlap 1 needs 64 or 128)")
+    p.add_argument("--prng-impl", choices=("threefry2x32", "rbg", "unsafe_rbg"),
+                   default="threefry2x32",
+                   help="the sampling key's PRNG implementation (jax.random.key(..., impl=)); "
+                   "the rollout engine takes any key (jax's default: threefry2x32)")
     p.add_argument("--kv-cache-dtype", choices=("bfloat16", "float8_e4m3fn"), default="bfloat16",
                    help="the rollout's KV cache (SamplerConfig.kv_cache_dtype); FP8 halves the "
                    "decode attention's reads, in every arm")
@@ -704,7 +711,7 @@ def main(argv=None) -> int:
                           w4a4_mma_k=args.w4a4_mma_k,
                           materialize_operands=args.materialize_operands,
                           w4a4_bits=args.w4a4_bits,
-                          kv_cache_dtype=args.kv_cache_dtype,
+                          kv_cache_dtype=args.kv_cache_dtype, prng_impl=args.prng_impl,
                           attention_slot_splits=args.attention_slot_splits,
                           attention_prefix_mode=attention.prefix_mode,
                           attention_prefix_rows=attention.prefix_rows,

@@ -93,6 +93,10 @@
 #   ksplit the split-K choice against split-K 1 / 2 / 4 / 8, W4A4 and our FP8 kernel, dense
 #          decode at M = 16 on the four dense shapes, with XLA's FP8 GEMV (bench_kernels
 #          --part splits --trace; session 34)
+#   prng   nvfp4_rac and bf16 at batch 128 with an RngBitGenerator sampling key (--prng-impl
+#          rbg; compare with b128 of the same call): does the step's one 107 us reduction
+#          (input_reduce_fusion, once per step in every arm, H100 session 34; likely
+#          jax.random.categorical's threefry Gumbel noise over 151 936 x 128 logits) shrink?
 #   tpre   every kernel of one grouped prefill call (1 024 tokens x top-8, K x N = 2048 x 768,
 #          the kpre shape), W4A4 and + RAC 0.5, outside the benchmark chain (kernel_probe
 #          --trace-grouped --trace-tokens 1024; session 34)
@@ -254,7 +258,7 @@
 # cafb3a0: RAC's scales coded in rac_operands, grouped RAC prefill +59.6 against +66.8 %),
 # `kpre tpre kdense2 kdense` (3fe901e), `kpre tpre b128` (e5cb791, atomic sums: reverted),
 # `ksplit kpre` (4c3a866: the split-K sweep), `kdense0 kdense2` (fb23019: FP8 >= XLA FP8 at
-# the large shapes). Next, on an H200: `kpre tpre`, `ksplit`, `b128` (48 layers), `place`,
+# the large shapes). Next, on an H200: `kpre tpre`, `ksplit`, `b128 prng` (48 layers), `place`,
 # `study` alone; on an H100 the same at 24 layers.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -310,6 +314,8 @@ for step in "$@"; do
     gcheck) check check-grouped 240 ;;
     mcheck) check check-moe 100 ;;
     b128) rollout b128 250 --quick --profile-steps 4 --precisions $ALL --budget-s 200 ;;
+    prng) rollout prng 220 --quick --profile-steps 4 --precisions nvfp4_rac,bf16 \
+      --prng-impl rbg --budget-s 170 ;;
     b32) rollout b32 220 --batches 32 --prompts 256 $short --precisions $ALL --budget-s 170 ;;
     b256) rollout b256 280 --batches 256 --prompts 256 $short --precisions $ALL --budget-s 220 ;;
     p1024) rollout p1024 220 --batches 128 --prompts 1024 $short --precisions nvfp4_rac,bf16 \

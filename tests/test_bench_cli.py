@@ -43,7 +43,8 @@ def test_bench_rollout_runs_with_kernel_overrides(tmp_path):
             "--act-operand-kernel", "--tile-plan-block", "8", "--n-samples", "2",
             "--rac-placed-values",
             "--share-prompt-cache", "--attention-prefix-mode", "per_group",
-            "--attention-prefix-rows", "2", "--layers", "1", "--out", str(tmp_path)]
+            "--attention-prefix-rows", "2", "--layers", "1", "--prng-impl", "rbg",
+            "--out", str(tmp_path)]
     try:
         assert bench_rollout.main(argv) == 0
     finally:
@@ -60,6 +61,8 @@ def test_bench_rollout_runs_with_kernel_overrides(tmp_path):
     assert [(r["tile_plan_kernel"], r["act_operand_kernel"], r["tile_plan_block"])
             for r in rows if r["kind"] == "device"] == [(True, True, 8)]
     assert [r["rac_placed_values"] for r in rows if r["kind"] == "device"] == [True]
+    assert [r["prng_impl"] for r in rows if r["kind"] == "device"] == ["rbg"]  # the engine
+    # samples with an RngBitGenerator key as with a threefry one
     assert [(r["attention_prefix_mode"], r["attention_prefix_rows"], r["attention_prefix_splits"])
             for r in rows if r["kind"] == "device"] == [("per_group", 2, 4)]
     assert [(r["precision"], r["n_samples"], r["share_prompt_cache"])
