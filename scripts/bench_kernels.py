@@ -527,34 +527,32 @@ SPLIT_SWEEP = (1, 2, 4, 8)
 def bench_splits(shapes=((4096, 14336), (4096, 57344), (2048, 3072), (2048, 768)), m=16):
     """The split-K choice (``w4a4_matmul.auto_k_splits``, both tile kernels' default) against
     fixed splits ``SPLIT_SWEEP``, W4A4 and our FP8 kernel, dense decode at M = ``m``, with
-    XLA's BF16 and FP8 GEMVs on the same shapes: which split is fastest where."""
+    XLA's FP8 GEMV on the same shapes: which split is fastest where."""
     log("== split-K sweep")
+
+    def sweep(name, matmul, x, weights, nbytes, fl, shape):
+        for tag, ks in [("auto", None)] + [(f"ks{s}", s) for s in SPLIT_SWEEP]:
+            try:  # a split that does not divide K's steps loses its row only
+                t, calls = time_chain(lambda x, w, ks=ks: matmul(x, w, ks), x, weights)
+                record(f"{name} [{tag}] {shape}", t, calls, bytes_=nbytes, flops=fl)
+            except Exception as e:  # noqa: BLE001
+                log(f"  {name} [{tag}] failed: {type(e).__name__}: {str(e)[:160]}")
+
     for k, n in shapes:
         k, n = S(k, 8, 256), S(n, 32, 128)
         x = rand(60, (m, k))
-        fl = 2 * m * n * k
+        fl, shape = 2 * m * n * k, f"M={m} K={k} N={n}"
         ws = [nvfp4_weight(100 + i, (n, k))[1] for i in range(copies_for(n * k * 0.625))]
+        sweep("w4a4", lambda x, w, ks: w4a4_matmul(x, w, config=kcfg(k_splits=ks)), x, ws,
+              n * k * 0.5625, fl, shape)
+        del ws
         w8 = [fp8_weight(300 + i, n, k) for i in range(copies_for(n * k))]
-        for tag, ks in [("auto", None)] + [(f"ks{s}", s) for s in SPLIT_SWEEP]:
-            try:  # a split that does not divide K's steps loses its row only
-                t, calls = time_chain(lambda x, w, ks=ks: w4a4_matmul(
-                    x, w, config=kcfg(k_splits=ks)), x, ws)
-                record(f"w4a4 [{tag}] M={m} K={k} N={n}", t, calls, bytes_=n * k * 0.5625,
-                       flops=fl)
-            except Exception as e:  # noqa: BLE001
-                log(f"  w4a4 [{tag}] failed: {type(e).__name__}: {str(e)[:160]}")
         t, calls = time_chain(xla_fp8, x, w8)
-        record(f"XLA fp8 (per-channel) M={m} K={k} N={n}", t, calls, bytes_=n * k, flops=fl)
+        record(f"XLA fp8 (per-channel) {shape}", t, calls, bytes_=n * k, flops=fl)
         w8 = [our_fp8_weight(w) for w in w8]
-        for tag, ks in [("auto", None)] + [(f"ks{s}", s) for s in SPLIT_SWEEP]:
-            try:
-                t, calls = time_chain(lambda x, w, ks=ks: w8a8_matmul(
-                    x, w, config=fp8_cfg(k_splits=ks)), x, w8)
-                record(f"our fp8 kernel [{tag}] M={m} K={k} N={n}", t, calls, bytes_=n * k,
-                       flops=fl)
-            except Exception as e:  # noqa: BLE001
-                log(f"  our fp8 kernel [{tag}] failed: {type(e).__name__}: {str(e)[:160]}")
-        del ws, w8
+        sweep("our fp8 kernel", lambda x, w, ks: w8a8_matmul(x, w, config=fp8_cfg(k_splits=ks)),
+              x, w8, n * k, fl, shape)
+        del w8
 
 
 def bench_dense(ms=(16,), shapes=((4096, 14336), (2048, 768), (4096, 57344), (2048, 3072)),
