@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--greedy", action="store_true", help="argmax decoding")
+    p.add_argument("--sampler", choices=("gumbel", "inverse_cdf"), default="gumbel",
+                   help="how a token is drawn from its log-probs (sampling.SAMPLERS)")
     p.add_argument("--n", type=int, default=1, help="samples of the prompt")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
@@ -205,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         stops = () if tokenizer.eos_id is None else (int(tokenizer.eos_id),)
         sc = SamplerConfig(max_new_tokens=args.max_new_tokens, n_samples=args.n,
                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                           greedy=args.greedy, stop_token_ids=stops,
+                           greedy=args.greedy, sampler=args.sampler, stop_token_ids=stops,
                            pad_token_id=int(tokenizer.pad_id),
                            kv_cache_dtype=args.kv_cache_dtype,
                            share_prompt_cache=args.share_prompt_cache)

@@ -307,7 +307,8 @@ def bench_case(params, cfg, recipe, batch, prompt, args, bandwidth, tag="") -> d
     sc = engine.SamplerConfig(max_new_tokens=args.new_tokens, temperature=1.0, n_samples=n,
                               prefill_chunk=chunk, unroll_decode_layers=args.unroll_decode,
                               kv_cache_dtype=args.kv_cache_dtype,
-                              share_prompt_cache=args.share_prompt_cache)
+                              share_prompt_cache=args.share_prompt_cache,
+                              sampler=args.sampler)
     prompts = jax.random.randint(jax.random.key(batch + prompt), (groups, prompt), 0,
                                  cfg.vocab_size)
     mask = jnp.ones((groups, prompt), bool)
@@ -552,6 +553,9 @@ def parse_args(argv):
     p.add_argument("--w4a4-mma-k", type=int, choices=(64, 128, 256), default=256,
                    help="K columns of decoded weight per wgmma group (W4A4MatmulConfig.mma_k; "
                    "--w4a4-mma-overlap 1 needs 64 or 128)")
+    p.add_argument("--sampler", choices=("gumbel", "inverse_cdf"), default="gumbel",
+                   help="how a token is drawn from its log-probs (SamplerConfig.sampler): "
+                   "Gumbel noise over the whole vocab, or two uniforms per row")
     p.add_argument("--prng-impl", choices=("threefry2x32", "rbg", "unsafe_rbg"),
                    default="threefry2x32",
                    help="the sampling key's PRNG implementation (jax.random.key(..., impl=)); "
@@ -712,6 +716,7 @@ def main(argv=None) -> int:
                           materialize_operands=args.materialize_operands,
                           w4a4_bits=args.w4a4_bits,
                           kv_cache_dtype=args.kv_cache_dtype, prng_impl=args.prng_impl,
+                          sampler=args.sampler,
                           attention_slot_splits=args.attention_slot_splits,
                           attention_prefix_mode=attention.prefix_mode,
                           attention_prefix_rows=attention.prefix_rows,

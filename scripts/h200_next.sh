@@ -97,6 +97,12 @@
 #          rbg; compare with b128 of the same call): does the step's one 107 us reduction
 #          (input_reduce_fusion, once per step in every arm, H100 session 34; likely
 #          jax.random.categorical's threefry Gumbel noise over 151 936 x 128 logits) shrink?
+#   kab    issue 4's prefill rows (kpre) at this commit and at BASE=<sha> (git archive or a
+#          carried ./base.tar), in the same call
+#   samp   the sampling probe (scripts/sampling_probe.py: one step's token draw at batch 128 /
+#          256 x 151 936, Gumbel noise by threefry / rbg / unsafe_rbg against the inverse-CDF
+#          sampler, greedy as the floor; session 35), then nvfp4_rac and bf16 at batch 128
+#          traced with --sampler gumbel and inverse_cdf (same call)
 #   tpre   every kernel of one grouped prefill call (1 024 tokens x top-8, K x N = 2048 x 768,
 #          the kpre shape), W4A4 and + RAC 0.5, outside the benchmark chain (kernel_probe
 #          --trace-grouped --trace-tokens 1024; session 34)
@@ -308,6 +314,15 @@ base_tree() {  # the tree of commit $BASE in /tmp/base (git archive; else ./base
       | tar -x -C /tmp/base || return 1
   fi
 }
+prefill_ab() {  # issue 4's prefill rows (kpre) at this commit and at BASE, in the same call
+  for tree in new base; do
+    dir=.; [ $tree = base ] && { base_tree || continue; dir=/tmp/base; }
+    (cd $dir && XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 PYTHONPATH=$dir timeout -k 15 120 \
+      python3 scripts/bench_kernels.py --part prefill --trace --out "$OUT/kpre_$tree" \
+      > "$OUT/kpre_$tree.log" 2>&1; echo "kpre $tree rc $?")
+    grep -E "grouped|floor|bw" "$OUT/kpre_$tree.log" | cut -c1-220
+  done
+}
 for step in "$@"; do
   case $step in
     check) check check 230; check check-grouped 240 ;;
@@ -464,12 +479,14 @@ for step in "$@"; do
     e2m1) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 200 python3 scripts/kernel_probe.py \
       --act-operands --rac-rows --out "$OUT/e2m1_probe" > "$OUT/e2m1_probe.log" 2>&1
       echo "e2m1 probe rc $?"; grep -E "PASS|FAIL|Error|us in|kernel " "$OUT/e2m1_probe.log" | cut -c1-160
-      for tree in new base; do
-        dir=.; [ $tree = base ] && { base_tree || continue; dir=/tmp/base; }
-        (cd $dir && XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 PYTHONPATH=$dir timeout -k 15 120 \
-          python3 scripts/bench_kernels.py --part prefill --trace --out "$OUT/kpre_$tree" \
-          > "$OUT/kpre_$tree.log" 2>&1; echo "kpre $tree rc $?")
-        grep -E "grouped|floor|bw" "$OUT/kpre_$tree.log" | cut -c1-220
+      prefill_ab ;;
+    kab) prefill_ab ;;
+    samp) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 120 python3 scripts/sampling_probe.py \
+      --out "$OUT/samp_probe" > "$OUT/samp_probe.log" 2>&1
+      echo "samp probe rc $?"; grep -E "^B=|Error" "$OUT/samp_probe.log" | cut -c1-120
+      for sampler in gumbel inverse_cdf; do
+        rollout "samp_$sampler" 170 --quick --profile-steps 4 --precisions nvfp4_rac,bf16 \
+          --sampler $sampler --budget-s 130
       done ;;
     ptile) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 300 python3 scripts/kernel_probe.py \
       --prefill-tiles --out "$OUT/ptile" > "$OUT/ptile.log" 2>&1
@@ -555,6 +572,6 @@ for step in "$@"; do
       --budget-s 150 ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
-    *) echo "unknown step $step (check gcheck mcheck kv8r rrows rrec b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 nobar1 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop ropad hlo prof2 plan plan2 b128p cont contshare contgroup share pgroup kpre tgrouped train traindw trainprof)"; exit 2 ;;
+    *) echo "unknown step $step (kab samp check gcheck mcheck kv8r rrows rrec b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 nobar1 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop ropad hlo prof2 plan plan2 b128p cont contshare contgroup share pgroup kpre tgrouped train traindw trainprof)"; exit 2 ;;
   esac
 done

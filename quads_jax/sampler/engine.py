@@ -51,7 +51,8 @@ class SamplerConfig:
       max_new_tokens: response tokens per sequence, >= 1 (the cache holds prompt + this - 1).
       n_samples: responses per prompt (a GRPO group), >= 1; rows ``i*n .. i*n+n-1`` of the
         rollout belong to prompt ``i``.
-      temperature, top_k, top_p, greedy: see ``quads_jax.sampler.sampling.SamplingParams``.
+      temperature, top_k, top_p, greedy, sampler: see
+        ``quads_jax.sampler.sampling.SamplingParams``.
       stop_token_ids: ids that end a sequence (EOS and any other stop token); may be empty.
       pad_token_id: written after a sequence ends and in the prompt padding.
       return_expert_ids: also return the routed expert ids of every token (router replay).
@@ -80,6 +81,7 @@ class SamplerConfig:
     top_k: int = 0
     top_p: float = 1.0
     greedy: bool = False
+    sampler: str = "gumbel"
     stop_token_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
     return_expert_ids: bool = False
@@ -93,7 +95,7 @@ class SamplerConfig:
         for field in ("max_new_tokens", "n_samples"):
             value = getattr(self, field)
             check(name, field, value, isinstance(value, int) and value >= 1, "an int >= 1")
-        validate_sampling(self.temperature, self.top_k, self.top_p, self.greedy)
+        validate_sampling(self.temperature, self.top_k, self.top_p, self.greedy, self.sampler)
         ids = self.stop_token_ids
         ok = isinstance(ids, tuple) and all(isinstance(i, int) and i >= 0 for i in ids)
         check(name, "stop_token_ids", ids, ok, "a tuple of token ids >= 0")
@@ -110,7 +112,7 @@ class SamplerConfig:
 
     @property
     def sampling(self) -> SamplingParams:
-        return SamplingParams(self.temperature, self.top_k, self.top_p, self.greedy)
+        return SamplingParams(self.temperature, self.top_k, self.top_p, self.greedy, self.sampler)
 
 
 @jax.tree_util.register_dataclass

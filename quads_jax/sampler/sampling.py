@@ -9,11 +9,21 @@ greedy rollout still carries a meaningful `logp_rollout`.
 
 Top-k works in the k-candidate subspace (``lax.top_k``, then sample among k), so the full vocab
 is never sorted when k is set; top-p alone sorts the vocab once per step.
+
+How a row's token is drawn from its log-probs is a registry entry (``SAMPLERS``):
+``"gumbel"`` is ``jax.random.categorical`` (argmax of log-probs plus Gumbel noise: one random
+number per candidate, ``[B, V]`` of them per step); ``"inverse_cdf"`` draws two uniforms per
+row and walks the cumulative mass, first over blocks of candidates, then inside the chosen
+block (one pass over ``exp(log_probs)`` for the block masses, then ``[B, block]`` work). Both
+are exact samplers of the same distribution, so either gives the same log-prob for the token
+it picks; they pick different tokens for the same key.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -29,19 +39,25 @@ class SamplingParams:
       top_p: keep the smallest prefix of tokens (most likely first) whose probability mass
         reaches top_p; in (0, 1], 1 keeps all.
       greedy: pick the most likely token instead of sampling (log-probs as above).
+      sampler: how a token is drawn from the log-probs, a key of ``SAMPLERS``.
     """
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     greedy: bool = False
+    sampler: str = "gumbel"
 
     def __post_init__(self) -> None:
-        validate_sampling(self.temperature, self.top_k, self.top_p, self.greedy)
+        validate_sampling(self.temperature, self.top_k, self.top_p, self.greedy, self.sampler)
 
 
-def validate_sampling(temperature: float, top_k: int, top_p: float, greedy: bool) -> None:
+def validate_sampling(
+    temperature: float, top_k: int, top_p: float, greedy: bool, sampler: str = "gumbel"
+) -> None:
     """Raise ValueError naming the field, the value and the accepted range."""
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sampler={sampler!r} must be one of {sorted(SAMPLERS)}")
     if not isinstance(greedy, bool):
         raise ValueError(f"greedy={greedy!r} must be a bool")
     if not isinstance(temperature, int | float) or not temperature > 0.0:
@@ -51,6 +67,53 @@ def validate_sampling(temperature: float, top_k: int, top_p: float, greedy: bool
         raise ValueError(f"top_k={top_k!r} must be an int >= 0 (0 disables top-k)")
     if not isinstance(top_p, int | float) or not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p={top_p!r} must be in (0, 1] (1 disables top-p)")
+
+
+def gumbel_choice(rng: jax.Array, log_probs: jax.Array) -> jax.Array:
+    """``[..., C]`` log-probs -> ``[...]`` int candidate index: argmax of log-probs + Gumbel."""
+    return jax.random.categorical(rng, log_probs, axis=-1)
+
+
+INVERSE_CDF_BLOCK = 1024
+
+
+def inverse_cdf_choice(
+    rng: jax.Array, log_probs: jax.Array, block: int = INVERSE_CDF_BLOCK
+) -> jax.Array:
+    """``[..., C]`` log-probs -> ``[...]`` int32 candidate index, by inverse-CDF sampling.
+
+    Two uniforms u in (0, 1] per row: the first picks a block of ``block`` candidates, the
+    first whose cumulative mass reaches u times the total; the second a candidate inside it
+    the same way over the block's own cumulative mass. The picked candidate always has
+    nonzero mass (its cumulative sum strictly exceeds the one before it, and the target is
+    > 0), so a filtered-out (-inf) candidate is never drawn. Candidates with log-prob below
+    float32's exp underflow (about -87; -103 with denormals) are never drawn either.
+    """
+    if block < 1:
+        raise ValueError(f"block={block!r} must be an int >= 1")
+    *lead, count = log_probs.shape
+    block = min(block, count)
+    n_blocks = math.ceil(count / block)
+    mass = jnp.exp(log_probs.astype(jnp.float32))
+    mass = jnp.pad(mass, [(0, 0)] * len(lead) + [(0, n_blocks * block - count)])
+    mass = mass.reshape(*lead, n_blocks, block)
+    u = 1.0 - jax.random.uniform(rng, (2, *lead), jnp.float32)
+
+    def first_reaching(weights: jax.Array, fraction: jax.Array) -> jax.Array:
+        cdf = jnp.cumsum(weights, axis=-1)
+        below = cdf < (fraction * cdf[..., -1])[..., None]
+        return jnp.minimum(jnp.sum(below, axis=-1, dtype=jnp.int32), weights.shape[-1] - 1)
+
+    chosen = first_reaching(jnp.sum(mass, axis=-1), u[0])
+    row = jnp.take_along_axis(mass, chosen[..., None, None], axis=-2)[..., 0, :]
+    return chosen * block + first_reaching(row, u[1])
+
+
+# How a token is drawn from ``[..., C]`` log-probs given a key (``SamplingParams.sampler``).
+SAMPLERS: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {
+    "gumbel": gumbel_choice,
+    "inverse_cdf": inverse_cdf_choice,
+}
 
 
 def _nucleus_mask(sorted_scaled: jax.Array, top_p: float) -> jax.Array:
@@ -107,7 +170,7 @@ def sample_tokens(
     if params.greedy:
         choice = jnp.argmax(log_probs, axis=-1)
     else:
-        choice = jax.random.categorical(rng, log_probs, axis=-1)
+        choice = SAMPLERS[params.sampler](rng, log_probs)
     choice = choice.astype(jnp.int32)
     logp = jnp.take_along_axis(log_probs, choice[..., None], axis=-1)[..., 0]
     tokens = choice if ids is None else jnp.take_along_axis(ids, choice[..., None], axis=-1)[..., 0]

@@ -26,6 +26,7 @@ from quads_jax.rl.grpo import GRPOConfig
 from quads_jax.rl.rewards import RewardConfig
 from quads_jax.rl.tasks import TaskConfig
 from quads_jax.sampler.engine import KV_CACHE_DTYPES
+from quads_jax.sampler.sampling import SAMPLERS
 from quads_jax.train.checkpoint import CheckpointConfig
 from quads_jax.train.mesh import MeshConfig
 from quads_jax.train.state import OptimizerConfig
@@ -72,6 +73,8 @@ class RolloutSection:
       prompts_per_step: prompts per RL step (batch = prompts_per_step * G responses).
       max_new_tokens: response length limit.
       temperature, top_k, top_p: sampling.
+      sampler: how a token is drawn (``quads_jax.sampler.sampling.SAMPLERS``): "gumbel"
+        (``jax.random.categorical``) or "inverse_cdf".
       calibration_prompts: with a static RAC selection or activation scale in the rollout
         recipe, the calibration batch of each weight sync: BOS + prompt + demonstration of
         the first this-many training examples, each cut to the shortest one's length (the
@@ -96,6 +99,7 @@ class RolloutSection:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    sampler: str = "gumbel"
     calibration_prompts: int = 8
     calibration_every: int = 1
     kv_cache_dtype: str = "model"
@@ -110,6 +114,7 @@ class RolloutSection:
         check(own, "max_new_tokens", self.max_new_tokens, self.max_new_tokens >= 1,
               "an integer >= 1")
         check(own, "temperature", self.temperature, self.temperature > 0, "a number > 0")
+        check_choice(own, "sampler", self.sampler, sorted(SAMPLERS))
         check(own, "calibration_prompts", self.calibration_prompts,
               self.calibration_prompts >= 1, "an integer >= 1")
         check(own, "calibration_every", self.calibration_every, self.calibration_every >= 1,
