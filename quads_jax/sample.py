@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--greedy", action="store_true", help="argmax decoding")
-    p.add_argument("--sampler", choices=("gumbel", "inverse_cdf"), default="gumbel",
+    p.add_argument("--sampler", choices=("gumbel", "inverse_cdf"), default="inverse_cdf",
                    help="how a token is drawn from its log-probs (sampling.SAMPLERS)")
     p.add_argument("--n", type=int, default=1, help="samples of the prompt")
     p.add_argument("--seed", type=int, default=0)

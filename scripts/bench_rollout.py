@@ -553,7 +553,7 @@ def parse_args(argv):
     p.add_argument("--w4a4-mma-k", type=int, choices=(64, 128, 256), default=256,
                    help="K columns of decoded weight per wgmma group (W4A4MatmulConfig.mma_k; "
                    "--w4a4-mma-overlap 1 needs 64 or 128)")
-    p.add_argument("--sampler", choices=("gumbel", "inverse_cdf"), default="gumbel",
+    p.add_argument("--sampler", choices=("gumbel", "inverse_cdf"), default="inverse_cdf",
                    help="how a token is drawn from its log-probs (SamplerConfig.sampler): "
                    "Gumbel noise over the whole vocab, or two uniforms per row")
     p.add_argument("--prng-impl", choices=("threefry2x32", "rbg", "unsafe_rbg"),

@@ -99,6 +99,7 @@
 #          jax.random.categorical's threefry Gumbel noise over 151 936 x 128 logits) shrink?
 #   kab    issue 4's prefill rows (kpre) at this commit and at BASE=<sha> (git archive or a
 #          carried ./base.tar), in the same call
+#   tab    tpre (below) at this commit and at BASE=<sha>, in the same call
 #   samp   the sampling probe (scripts/sampling_probe.py: one step's token draw at batch 128 /
 #          256 x 151 936, Gumbel noise by threefry / rbg / unsafe_rbg against the inverse-CDF
 #          sampler, greedy as the floor; session 35), then nvfp4_rac and bf16 at batch 128
@@ -481,6 +482,13 @@ for step in "$@"; do
       echo "e2m1 probe rc $?"; grep -E "PASS|FAIL|Error|us in|kernel " "$OUT/e2m1_probe.log" | cut -c1-160
       prefill_ab ;;
     kab) prefill_ab ;;
+    tab) for tree in new base; do  # tpre at this commit and at BASE, in the same call
+        dir=.; [ $tree = base ] && { base_tree || continue; dir=/tmp/base; }
+        (cd $dir && XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 PYTHONPATH=$dir timeout -k 15 150 \
+          python3 scripts/kernel_probe.py --trace-grouped --trace-tokens 1024 \
+          --out "$OUT/tpre_$tree" > "$OUT/tpre_$tree.log" 2>&1; echo "tpre $tree rc $?")
+        grep -vE "^ +0\.00[0-2]" "$OUT/tpre_$tree.log" | cut -c1-160 | head -60
+      done ;;
     samp) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 120 python3 scripts/sampling_probe.py \
       --out "$OUT/samp_probe" > "$OUT/samp_probe.log" 2>&1
       echo "samp probe rc $?"; grep -E "^B=|Error" "$OUT/samp_probe.log" | cut -c1-120
@@ -572,6 +580,6 @@ for step in "$@"; do
       --budget-s 150 ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
-    *) echo "unknown step $step (kab samp check gcheck mcheck kv8r rrows rrec b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 nobar1 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop ropad hlo prof2 plan plan2 b128p cont contshare contgroup share pgroup kpre tgrouped train traindw trainprof)"; exit 2 ;;
+    *) echo "unknown step $step (kab tab samp check gcheck mcheck kv8r rrows rrec b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 nobar1 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop ropad hlo prof2 plan plan2 b128p cont contshare contgroup share pgroup kpre tgrouped train traindw trainprof)"; exit 2 ;;
   esac
 done

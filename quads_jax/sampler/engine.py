@@ -81,7 +81,7 @@ class SamplerConfig:
     top_k: int = 0
     top_p: float = 1.0
     greedy: bool = False
-    sampler: str = "gumbel"
+    sampler: str = "inverse_cdf"
     stop_token_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
     return_expert_ids: bool = False

@@ -73,8 +73,8 @@ class RolloutSection:
       prompts_per_step: prompts per RL step (batch = prompts_per_step * G responses).
       max_new_tokens: response length limit.
       temperature, top_k, top_p: sampling.
-      sampler: how a token is drawn (``quads_jax.sampler.sampling.SAMPLERS``): "gumbel"
-        (``jax.random.categorical``) or "inverse_cdf".
+      sampler: how a token is drawn (``quads_jax.sampler.sampling.SAMPLERS``): "inverse_cdf"
+        (two uniforms per row) or "gumbel" (``jax.random.categorical``).
       calibration_prompts: with a static RAC selection or activation scale in the rollout
         recipe, the calibration batch of each weight sync: BOS + prompt + demonstration of
         the first this-many training examples, each cut to the shortest one's length (the
@@ -99,7 +99,7 @@ class RolloutSection:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
-    sampler: str = "gumbel"
+    sampler: str = "inverse_cdf"
     calibration_prompts: int = 8
     calibration_every: int = 1
     kv_cache_dtype: str = "model"
