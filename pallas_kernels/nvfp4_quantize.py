@@ -132,7 +132,6 @@ def nvfp4_quantize(
     rac_selector=None,
     row_valid: jax.Array | None = None,
     row_pass=None,
-    experts_sorted: bool = False,
 ) -> QuantizedActivations:
     """Quantize activations ``x: [M, K]`` (bf16/f16/f32, K % 16 == 0) and their RAC residual.
 
@@ -141,8 +140,7 @@ def nvfp4_quantize(
         static (``static_scale``: float32 ``[]`` or per row ``[M]``, calibrated).
       rac_config: None for plain W4A4.
       row_expert: int32 ``[M]`` expert of each row (grouped GEMMs: online_batch then selects
-        blocks per expert); num_experts: E, with row_expert; experts_sorted: row_expert is
-        non-decreasing (``rac.aggregate_scores``: a sorted scatter on the GPU).
+        blocks per expert); num_experts: E, with row_expert.
       static_blocks: bool ``[K/16]`` or ``[E, K/16]`` for ``rac_selection="static"``.
       source_rows: None, or int32 ``[M]`` with ``x`` the distinct rows ``[R, K]``: the GEMM's
         rows are ``x[source_rows]``. Per-token quantization is row by row, so ``q`` is computed
@@ -191,7 +189,6 @@ def nvfp4_quantize(
         x, q, rac_config, act_scale_mode=act_scale_mode, rows=source_rows,
         row_expert=row_expert, num_experts=num_experts, static_blocks=static_blocks,
         selector=rac_selector, row_valid=row_valid, row_stats=row_stats,
-        experts_sorted=experts_sorted,
     )
     residual = sel.masked().astype(jnp.bfloat16) if rac_config.rac_residual_format == "bf16" else sel
     return QuantizedActivations(q=q, residual=residual, mask=sel.mask, q_rows=source_rows,

@@ -178,7 +178,6 @@ def _grouped_acts(x, rexp, e, act_scale_mode, rac, rac_blocks, act_global_scale,
         row_expert=jnp.minimum(rexp, e - 1), num_experts=e, static_blocks=rac_blocks,
         static_scale=_static_rows(act_global_scale, rexp, e), source_rows=source_rows,
         rac_selector=selector, row_valid=row_valid, row_pass=row_pass,
-        experts_sorted=True,  # rows sorted by expert: the groups' order
     )
 
 

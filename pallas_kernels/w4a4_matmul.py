@@ -120,6 +120,8 @@ class W4A4MatmulConfig:
     rac_operand_kernel: bool = True
     rac_operand_block_rows: int = 8
     rac_operand_padding: str = "zeros"
+    # Triton warps per program of the two window-operand kernels (rac_operands, act_operands).
+    operand_warps: int = 4
     # Plain W4A4 with per-token scales: the windowed B operand quantized straight from the
     # activations by ``pallas_kernels.act_operands`` instead of the quantizer's XLA passes
     # and a gather (act_operand_block_rows: its block_rows). On the H200 (2026-12-04,
@@ -132,6 +134,10 @@ class W4A4MatmulConfig:
     # instead of the quantizer's and the residual's XLA passes (5-6 kernels of 1.1-3.3 us per
     # GEMM in the H100's batch-128 decode step, 2026-12-05).
     rac_row_kernel: bool = True
+    # rac_rows' grid (RACRowsConfig: rows and columns per program, warps).
+    rac_row_block_rows: int = 8
+    rac_row_block_k: int = 256
+    rac_row_warps: int = 4
     # Grouped RAC calls whose rows are their own distinct rows (no source_rows) and at least
     # prefill_min_rows: rac_rows writes each row's operand values straight into the windowed
     # stacked operand and rac_operands completes that buffer in place (operand 1 and the empty
@@ -165,6 +171,7 @@ class W4A4MatmulConfig:
         self.tile_config(1, self.num_sms, self.n_group)
         self.rac_operands_config()
         self.act_operands_config()
+        self.rac_row_pass(False)
         self.tile_plan_config()
         p = self.prefill_min_rows
         if p is not None and (not isinstance(p, int) or p < 1):
@@ -178,6 +185,7 @@ class W4A4MatmulConfig:
                 and self.stack_operands):
             return None
         return RACOperandsConfig(block_rows=self.rac_operand_block_rows,
+                                 num_warps=self.operand_warps,
                                  padding_rows=self.rac_operand_padding)
 
     def act_operands_config(self):
@@ -186,7 +194,8 @@ class W4A4MatmulConfig:
 
         if not (self.act_operand_kernel and self.windowed_operands):
             return None
-        return ActOperandsConfig(block_rows=self.act_operand_block_rows)
+        return ActOperandsConfig(block_rows=self.act_operand_block_rows,
+                                 num_warps=self.operand_warps)
 
     def rac_row_pass(self, interpret: bool, placement=None):
         """``nvfp4_quantize``'s ``row_pass`` argument: None when ``rac_row_kernel`` is off;
@@ -195,7 +204,9 @@ class W4A4MatmulConfig:
 
         if not self.rac_row_kernel:
             return None
-        return RACRowsConfig(), interpret, jnp.dtype(self.mma_dtype), placement
+        rows = RACRowsConfig(block_rows=self.rac_row_block_rows, block_k=self.rac_row_block_k,
+                             num_warps=self.rac_row_warps)
+        return rows, interpret, jnp.dtype(self.mma_dtype), placement
 
     def tile_plan_config(self):
         """The ``tile_plan`` kernel's config (``tile_plan_block`` entries per program,

@@ -107,6 +107,9 @@
 #   tpre   every kernel of one grouped prefill call (1 024 tokens x top-8, K x N = 2048 x 768,
 #          the kpre shape), W4A4 and + RAC 0.5, outside the benchmark chain (kernel_probe
 #          --trace-grouped --trace-tokens 1024; session 34)
+#   rowk   the row kernels' grids at the grouped prefill shape (ptile's probe with session 35's
+#          variants: rac_rows rows / columns / warps, the window-operand kernels' rows / warps),
+#          each GPU-checked, +-RAC (rac_rows' own knobs +RAC only)
 #   place  RAC's operand values placed in the windows by rac_rows (W4A4MatmulConfig.
 #          rac_placed_values, session 30; the default since session 32) against values not
 #          placed, at the grouped prefill shape, GPU-checked then traced (kernel_probe
@@ -496,6 +499,11 @@ for step in "$@"; do
         rollout "samp_$sampler" 170 --quick --profile-steps 4 --precisions nvfp4_rac,bf16 \
           --sampler $sampler --budget-s 130
       done ;;
+    rowk) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 400 python3 scripts/kernel_probe.py \
+      --prefill-tiles --variants "base,rows 16,rows 32,operand rows 16,operand rows 4,operand \
+warps 8,operand warps 2,rac_rows 16,rac_rows 4,rac_rows k512,rac_rows k1024,rac_rows k128,\
+rac_rows warps 8,rac_rows warps 2" --out "$OUT/rowk" > "$OUT/rowk.log" 2>&1
+      echo "rowk rc $?"; grep -E "grouped prefill|FAIL|Error" "$OUT/rowk.log" | cut -c1-230 ;;
     ptile) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 300 python3 scripts/kernel_probe.py \
       --prefill-tiles --out "$OUT/ptile" > "$OUT/ptile.log" 2>&1
       echo "ptile rc $?"; grep -E "grouped prefill|top:|FAIL|Error" "$OUT/ptile.log" | cut -c1-230 ;;
@@ -580,6 +588,6 @@ for step in "$@"; do
       --budget-s 150 ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
-    *) echo "unknown step $step (kab tab samp check gcheck mcheck kv8r rrows rrec b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 nobar1 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop ropad hlo prof2 plan plan2 b128p cont contshare contgroup share pgroup kpre tgrouped train traindw trainprof)"; exit 2 ;;
+    *) echo "unknown step $step (kab tab samp rowk check gcheck mcheck kv8r rrows rrec b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 nobar1 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop ropad hlo prof2 plan plan2 b128p cont contshare contgroup share pgroup kpre tgrouped train traindw trainprof)"; exit 2 ;;
   esac
 done

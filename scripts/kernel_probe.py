@@ -502,6 +502,23 @@ PREFILL_VARIANTS = (
     ("mma_k 128 overlap", {"mma_k": 128, "mma_overlap": 1}),
     ("mma_k 64 overlap", {"mma_k": 64, "mma_overlap": 1}),
     ("values not placed", {"rac_placed_values": False}),
+    # The row kernels' grids (rac_rows; the window-operand kernels act_operands, rac_operands):
+    # tuned at the decode step's shapes, run at 8 192 rows here (session 35).
+    ("rows 16", {"rac_row_block_rows": 16, "rac_operand_block_rows": 16,
+                 "act_operand_block_rows": 16}),
+    ("rows 32", {"rac_row_block_rows": 32, "rac_operand_block_rows": 32,
+                 "act_operand_block_rows": 32}),
+    ("operand rows 16", {"rac_operand_block_rows": 16, "act_operand_block_rows": 16}),
+    ("operand rows 4", {"rac_operand_block_rows": 4, "act_operand_block_rows": 4}),
+    ("operand warps 8", {"operand_warps": 8}),
+    ("operand warps 2", {"operand_warps": 2}),
+    ("rac_rows 16", {"rac_row_block_rows": 16}),
+    ("rac_rows 4", {"rac_row_block_rows": 4}),
+    ("rac_rows k512", {"rac_row_block_k": 512}),
+    ("rac_rows k1024", {"rac_row_block_k": 1024}),
+    ("rac_rows k128", {"rac_row_block_k": 128}),
+    ("rac_rows warps 8", {"rac_row_warps": 8}),
+    ("rac_rows warps 2", {"rac_row_warps": 2}),
 )
 
 
@@ -521,7 +538,9 @@ def run_prefill_tiles(tokens: int = 1024, variants=PREFILL_VARIANTS):
     ws = [weights(830 + i, (GE, GN, GK), "subnormal")[1] for i in range(2)]
     bk.log(f"== grouped prefill variants: rows={m} experts={touched} K={GK} N={GN}")
     racs = (("", None), (" +RAC0.5", aq.RACConfig()))
-    rows = [(f"{label}{tag}", over, r) for label, over in variants for tag, r in racs]
+    # rac_rows' own knobs change nothing without RAC: only the +RAC row for them
+    rows = [(f"{label}{tag}", over, r) for label, over in variants for tag, r in racs
+            if r is not None or not all(key.startswith("rac_row_") for key in over)]
     rows.append(("unstacked +RAC0.5", {"stack_operands": False}, aq.RACConfig()))
     interpret = jax.devices()[0].platform != "gpu"  # a CPU smoke run: the interpreters
     for label, over, r in rows:

@@ -264,7 +264,6 @@ def _rac_residual_product(x, qx, qw, recipe, group_sizes, row_expert, calib,
         num_experts=None if row_expert is None else qw.shape[0],
         static_blocks=None if calib is None else calib.rac_blocks,
         row_valid=row_valid,
-        experts_sorted=True,  # expert_of_rows: the groups' order
     )
     if recipe.rac_residual_format == "bf16":
         acc = matmul_f32(sel.masked().astype(jnp.bfloat16), nvfp4_unscaled(qw), group_sizes)

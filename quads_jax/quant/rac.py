@@ -82,22 +82,15 @@ def valid_row_scores(scores: jax.Array, row_valid: jax.Array | None) -> jax.Arra
 
 
 def aggregate_scores(
-    row_scores: jax.Array, score: str, row_expert: jax.Array | None, num_experts: int | None,
-    experts_sorted: bool = False,
+    row_scores: jax.Array, score: str, row_expert: jax.Array | None, num_experts: int | None
 ) -> jax.Array:
     """Combine per-row scores into one score per block (``[K/16]``) or per expert block
-    (``[E, K/16]``): sums for the residual norms, max for ``act_amax``.
-
-    ``experts_sorted``: ``row_expert`` is non-decreasing (a grouped GEMM's rows, sorted by
-    expert): the scatter is told so (``indices_are_sorted``), and XLA's GPU scatter then adds
-    each run of equal indices in a warp before one atomic write, instead of one atomic add per
-    row (XLA's ``ScatterWithDistributedIndices``). Wrong, not slow, if the rows are not sorted:
-    only for experts made from group sizes."""
+    (``[E, K/16]``): sums for the residual norms, max for ``act_amax``."""
     if row_expert is None:
         return jnp.max(row_scores, 0) if score == "act_amax" else jnp.sum(row_scores, 0)
-    segment = jax.ops.segment_max if score == "act_amax" else jax.ops.segment_sum
-    return segment(row_scores, row_expert, num_segments=num_experts,
-                   indices_are_sorted=experts_sorted)
+    if score == "act_amax":
+        return jax.ops.segment_max(row_scores, row_expert, num_segments=num_experts)
+    return jax.ops.segment_sum(row_scores, row_expert, num_segments=num_experts)
 
 
 # Above this many pairwise comparisons (rows x nb x nb) ``select_blocks`` ranks by sorting.
@@ -159,7 +152,6 @@ def selection_mask(
     row_expert: jax.Array | None = None,
     num_experts: int | None = None,
     static_blocks: jax.Array | None = None,
-    experts_sorted: bool = False,
 ) -> jax.Array:
     """Mask ``[M, K/16]`` of the blocks RAC compensates in each GEMM row, per
     ``recipe.rac_selection``, from the per-row block scores of ``row_block_scores``.
@@ -171,7 +163,6 @@ def selection_mask(
         ranks each distinct row once).
       row_expert: int32 ``[M]`` expert of each GEMM row for grouped GEMMs (None: dense).
       static_blocks: bool ``[K/16]`` or ``[E, K/16]`` for ``rac_selection="static"``.
-      experts_sorted: ``row_expert`` is non-decreasing (``aggregate_scores``).
     """
     sel = recipe.rac_selection
     m = scores.shape[0] if rows is None else rows.shape[0]
@@ -188,7 +179,7 @@ def selection_mask(
         chosen = select_blocks(scores, recipe.rac_ratio, recipe.rac_energy_target)
         return chosen if rows is None else chosen[rows]
     per_row = scores if rows is None else scores[rows]
-    agg = aggregate_scores(per_row, recipe.rac_score, row_expert, num_experts, experts_sorted)
+    agg = aggregate_scores(per_row, recipe.rac_score, row_expert, num_experts)
     chosen = select_blocks(agg, recipe.rac_ratio, recipe.rac_energy_target)
     if row_expert is None:
         return jnp.broadcast_to(chosen, per_row.shape)
@@ -330,7 +321,6 @@ def select_residual(
     selector=None,
     row_valid: jax.Array | None = None,
     row_stats=None,
-    experts_sorted: bool = False,
 ) -> SelectedResidual:
     """RAC's block selection and residual scales for activations ``x [R, K]`` quantized to
     ``q``: the one construction of ``Q(R_S)`` for the trainer-side reference (``ops``) and the
@@ -341,8 +331,7 @@ def select_residual(
       act_scale_mode: the activations' mode; with ``rac_residual_scale="separate"`` the
         residual gets one decode scale per GEMM row, or one for all rows under ``per_batch``;
         ``"shared"`` reuses ``q``'s.
-      rows / row_expert / num_experts / static_blocks / experts_sorted: as
-        ``selection_mask``.
+      rows / row_expert / num_experts / static_blocks: as ``selection_mask``.
       row_valid: None, or bool per row of ``x``: as ``row_block_scores``.
       selector: None, or a function ``(scores, amax, finite) -> (scales, reciprocals, mask,
         g)`` of the distinct rows' float32 block scores and amax and bool finiteness ``[R,
@@ -369,8 +358,7 @@ def select_residual(
     if rows is not None:
         amax, finite = amax[rows], finite[rows]
     mask = selection_mask(scores, recipe, rows=rows, row_expert=row_expert,
-                          num_experts=num_experts, static_blocks=static_blocks,
-                          experts_sorted=experts_sorted)
+                          num_experts=num_experts, static_blocks=static_blocks)
     m = mask.shape[0]
     if recipe.rac_residual_scale == "shared":
         g = jnp.asarray(q.global_scale, jnp.float32).reshape(-1)

