@@ -76,12 +76,18 @@ class RACOperandsConfig:
     garbage is read elsewhere. "nan": "skip" into a buffer first filled with NaN (a full extra
     write): the tests' proof that the result does not depend on those rows.
     Not yet measured on the GPU: "skip" is opt-in (``W4A4MatmulConfig.rac_operand_padding``).
+
+    recompute_placed: with ``placed`` (``rac_stacked_operands``), each row's operand values
+    are recomputed from the ``x`` block the residual reads anyway
+    (``nvfp4.unscaled_block_values``, ``rac_rows``' own arithmetic: the same bits) instead of
+    read back from the placed buffer: 2 bytes per element less to read.
     """
 
     block_rows: int = 8
     block_k: int = 256
     num_warps: int = 4
     padding_rows: str = "zeros"
+    recompute_placed: bool = False
 
     def __post_init__(self):
         check_row_grid(self)
@@ -117,7 +123,7 @@ def window_program(wr_ref, m: int, block_rows: int, blocks_k: int):
 
 def _kernel(wr_ref, *refs, m: int, has_q: bool, has_r: bool, block_rows: int,
             blocks_k: int, write_empty: bool, aliased: bool, recompute: bool, placed: bool,
-            coded: bool):
+            coded: bool, recompute_placed: bool = False):
     refs = list(refs)
     q_ref = refs.pop(0) if has_q else None
     rr_ref = refs.pop(0) if has_r else None
@@ -133,13 +139,16 @@ def _kernel(wr_ref, *refs, m: int, has_q: bool, has_r: bool, block_rows: int,
     q_src = q_ref[g] if has_q else g
     r_src = rr_ref[g] if has_r else g
     keep = valid[:, None, None]
-    if placed:  # the window rows' own values; rows without a GEMM row hold anything: masked
+    xb = x_ref[q_src, cols, :].astype(jnp.float32) if recompute else None
+    g_x = g_ref[q_src][:, None, None] if recompute else None
+    if placed and recompute_placed:  # rac_rows' arithmetic on the x block read below anyway
+        act = jnp.where(keep, nvfp4.unscaled_block_values(xb, g_x), 0.0)
+    elif placed:  # the window rows' own values; rows without a GEMM row hold anything: masked
         act = jnp.where(keep, buf_ref[0, rows, cols, :], 0)  # [BP, blocks_k, 16]
     else:
         act = b0_ref[q_src, cols, :]  # [BP, blocks_k, 16]
     if recompute:  # r_src is q_src: the residual of the row's own values, nvfp4.residual's
-        r = nvfp4.residual_from_values(x_ref[q_src, cols, :].astype(jnp.float32),
-                                       act.astype(jnp.float32), g_ref[q_src][:, None, None])
+        r = nvfp4.residual_from_values(xb, act.astype(jnp.float32), g_x)
     else:
         r = r_ref[r_src, cols, :]
     if coded:  # s_ref / rcp_ref: the coded block amax [M, nb] and the decode scales [M]
@@ -253,7 +262,8 @@ def rac_stacked_operands(b0: jax.Array, r: jax.Array, scales: jax.Array,
                                blocks_k=config.block_k // BLOCK,
                                write_empty=config.padding_rows == "zeros", aliased=aliased,
                                recompute=residual_of is not None, placed=placed is not None,
-                               coded=coded is not None)
+                               coded=coded is not None,
+                               recompute_placed=config.recompute_placed)
     return window_operand_call(kernel, window_rows, m, (*index_args, *b0_args, *r_args, s, rcp),
                                (2,), k_pad, b0.dtype, config, interpret, "rac_operands",
                                poisoned=aliased, into=placed)

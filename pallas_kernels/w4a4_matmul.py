@@ -148,6 +148,10 @@ class W4A4MatmulConfig:
     # 284.2 us of device time (rac_operands 46.3 against 55.5 us), RAC over W4A4 +63 % against
     # +70 %; plain W4A4 unchanged (168.1 / 167.3).
     rac_placed_values: bool = True
+    # With rac_placed_values: rac_operands recomputes the placed operand values from the x
+    # block it reads for the residual instead of reading them back (RACOperandsConfig.
+    # recompute_placed; bit-identical).
+    rac_operand_recompute_placed: bool = False
     # Grouped GEMMs: the token-tile plan (``w4a4_grouped.tile_plan``) in one Pallas kernel
     # (``pallas_kernels.tile_plan``) instead of ~10 small XLA kernels per layer. On the H200
     # (2026-12-04, b9d0759, batch-128 decode step, same call, with act_operand_kernel): 5.2 us
@@ -186,7 +190,8 @@ class W4A4MatmulConfig:
             return None
         return RACOperandsConfig(block_rows=self.rac_operand_block_rows,
                                  num_warps=self.operand_warps,
-                                 padding_rows=self.rac_operand_padding)
+                                 padding_rows=self.rac_operand_padding,
+                                 recompute_placed=self.rac_operand_recompute_placed)
 
     def act_operands_config(self):
         """The ``act_operands`` kernel's config, or None when it is off (``operand_rows``)."""

@@ -519,6 +519,7 @@ PREFILL_VARIANTS = (
     ("rac_rows k128", {"rac_row_block_k": 128}),
     ("rac_rows warps 8", {"rac_row_warps": 8}),
     ("rac_rows warps 2", {"rac_row_warps": 2}),
+    ("recompute placed", {"rac_operand_recompute_placed": True}),
 )
 
 
@@ -538,9 +539,10 @@ def run_prefill_tiles(tokens: int = 1024, variants=PREFILL_VARIANTS):
     ws = [weights(830 + i, (GE, GN, GK), "subnormal")[1] for i in range(2)]
     bk.log(f"== grouped prefill variants: rows={m} experts={touched} K={GK} N={GN}")
     racs = (("", None), (" +RAC0.5", aq.RACConfig()))
-    # rac_rows' own knobs change nothing without RAC: only the +RAC row for them
+    # rac_rows' and rac_operands' own knobs change nothing without RAC: only their +RAC row
     rows = [(f"{label}{tag}", over, r) for label, over in variants for tag, r in racs
-            if r is not None or not all(key.startswith("rac_row_") for key in over)]
+            if r is not None or not over
+            or not all(key.startswith(("rac_row_", "rac_operand_")) for key in over)]
     rows.append(("unstacked +RAC0.5", {"stack_operands": False}, aq.RACConfig()))
     interpret = jax.devices()[0].platform != "gpu"  # a CPU smoke run: the interpreters
     for label, over, r in rows:

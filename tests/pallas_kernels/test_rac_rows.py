@@ -70,8 +70,9 @@ def test_rac_matmul_with_the_row_kernel_equals_the_jnp_path():
     # writes the values into the windowed operand and rac_operands completes it in place.
     # The last: the row kernels on other grids (W4A4MatmulConfig's row-kernel fields).
     grids = dict(rac_row_block_rows=16, rac_row_block_k=128, rac_row_warps=2, operand_warps=8)
+    recompute = dict(rac_operand_recompute_placed=True)
     for row_kernel, placed, grid in ((True, False, {}), (False, False, {}), (True, True, {}),
-                                     (True, True, grids)):
+                                     (True, True, grids), (True, True, recompute)):
         cfg = W4A4MatmulConfig(a_via_smem=True, rac_row_kernel=row_kernel,
                                rac_placed_values=placed, prefill_min_rows=16, **grid)
         w = prepare_w4a4_weights(_weights(4, n, k, 1), mma_dtype=cfg.mma_dtype)
@@ -183,6 +184,14 @@ def test_values_placed_in_the_windows_and_completed_in_place():
                                   residual_of=(x, g), placed=placed.values, **kw)
     np.testing.assert_array_equal(np.asarray(got).view(np.uint16),
                                   np.asarray(want).view(np.uint16))
+    # The values recomputed from x instead of read back from the placed buffer: the same bits
+    # (NaN / inf blocks included); a buffer whose operand 0 is garbage proves they are not read.
+    garbage = placed.values.at[0].set(jnp.float16(-3.5))
+    recomputed = ro.rac_stacked_operands(
+        None, None, s32, res.reciprocals, window, residual_of=(x, g), placed=garbage,
+        k_pad=k, interpret=True, config=ro.RACOperandsConfig(block_rows=8, recompute_placed=True))
+    got1, want1 = np.asarray(recomputed[1]), np.asarray(want[1])
+    np.testing.assert_array_equal(got1.view(np.uint16), want1.view(np.uint16))
     assert np.count_nonzero(np.asarray(got[1])) > 0
     with pytest.raises(ValueError, match="placed"):  # P = 16 is not a multiple of 32 rows
         ro.rac_stacked_operands(None, None, s32, res.reciprocals, window, residual_of=(x, g),
@@ -192,7 +201,8 @@ def test_values_placed_in_the_windows_and_completed_in_place():
         rac_rows.rac_row_pass(x, g, window_of_row=window_of_row)
 
 
-def test_placed_values_lower_for_cuda():
+@pytest.mark.parametrize("recompute_placed", [False, True])
+def test_placed_values_lower_for_cuda(recompute_placed):
     from pallas_kernels import rac_operands as ro
 
     m, k, p = 64, 512, 80
@@ -205,7 +215,8 @@ def test_placed_values_lower_for_cuda():
     def run(x, g, wor, window, s):
         rp = rac_rows.rac_row_pass(x, g, with_residual=False, window_of_row=wor, windows=p)
         return ro.rac_stacked_operands(None, None, s, s, window, k_pad=k, residual_of=(x, g),
-                                       placed=rp.values)
+                                       placed=rp.values, config=ro.RACOperandsConfig(
+                                           recompute_placed=recompute_placed))
 
     lower_for_h200(run, x, g, wor, window, s)
 
