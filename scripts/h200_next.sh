@@ -110,6 +110,9 @@
 #   rowk   the row kernels' grids at the grouped prefill shape (ptile's probe with session 35's
 #          variants: rac_rows rows / columns / warps, the window-operand kernels' rows / warps),
 #          each GPU-checked, +-RAC (rac_rows' own knobs +RAC only)
+#   ropr   rac_operands' rows per program (4, 2; 4 with 8 warps) at the grouped prefill shape
+#          against the default 8 (ptile's probe, twice; session 35's rowk found rows 4 ~3 us
+#          faster in that kernel)
 #   rcp    rac_operands recomputing the placed operand values from x (W4A4MatmulConfig.
 #          rac_operand_recompute_placed, session 35) against reading them back: ptile's probe
 #          with "base,recompute placed", twice
@@ -507,6 +510,12 @@ for step in "$@"; do
 warps 8,operand warps 2,rac_rows 16,rac_rows 4,rac_rows k512,rac_rows k1024,rac_rows k128,\
 rac_rows warps 8,rac_rows warps 2" --out "$OUT/rowk" > "$OUT/rowk.log" 2>&1
       echo "rowk rc $?"; grep -E "grouped prefill|FAIL|Error" "$OUT/rowk.log" | cut -c1-230 ;;
+    ropr) for i in 1 2; do  # twice: rac_operands' rows per program at the prefill shape
+        XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 150 python3 scripts/kernel_probe.py \
+          --prefill-tiles --variants "base,rac_operand rows 4,rac_operand rows 2,rac_operand \
+rows 4 warps 8" --out "$OUT/ropr$i" > "$OUT/ropr$i.log" 2>&1
+        echo "ropr$i rc $?"; grep -E "grouped prefill|top:|FAIL|Error" "$OUT/ropr$i.log" | cut -c1-230
+      done ;;
     rcp) for i in 1 2; do  # twice, each a base / recompute pair
         XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 150 python3 scripts/kernel_probe.py \
           --prefill-tiles --variants "base,recompute placed" --out "$OUT/rcp$i" \
@@ -597,6 +606,6 @@ rac_rows warps 8,rac_rows warps 2" --out "$OUT/rowk" > "$OUT/rowk.log" 2>&1
       --budget-s 150 ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
-    *) echo "unknown step $step (kab tab samp rowk rcp check gcheck mcheck kv8r rrows rrec b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 nobar1 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop ropad hlo prof2 plan plan2 b128p cont contshare contgroup share pgroup kpre tgrouped train traindw trainprof)"; exit 2 ;;
+    *) echo "unknown step $step (kab tab samp rowk rcp ropr check gcheck mcheck kv8r rrows rrec b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 nobar1 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop ropad hlo prof2 plan plan2 b128p cont contshare contgroup share pgroup kpre tgrouped train traindw trainprof)"; exit 2 ;;
   esac
 done

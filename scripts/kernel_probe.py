@@ -520,6 +520,9 @@ PREFILL_VARIANTS = (
     ("rac_rows warps 8", {"rac_row_warps": 8}),
     ("rac_rows warps 2", {"rac_row_warps": 2}),
     ("recompute placed", {"rac_operand_recompute_placed": True}),
+    ("rac_operand rows 4", {"rac_operand_block_rows": 4}),
+    ("rac_operand rows 2", {"rac_operand_block_rows": 2}),
+    ("rac_operand rows 4 warps 8", {"rac_operand_block_rows": 4, "operand_warps": 8}),
 )
 
 
