@@ -209,10 +209,10 @@ def values_placement(window_rows: jax.Array, source_rows, m: int, k_pad: int, k:
     the stacked ``rac_operands`` path off, K padded, or ``P`` not a whole number of its
     programs. ``window_of_row`` inverts the plan's ``window_rows`` (each GEMM row has exactly
     one window row; ``window_of_rows`` from the groups and the rows' experts)."""
-    ocfg = config.rac_operands_config()
+    ocfg = config.rac_operands_config(prefill=True)
     p = window_rows.shape[0]
     if (not config.rac_placed_values or source_rows is not None or ocfg is None
-            or config.prefill_min_rows is None or m < config.prefill_min_rows
+            or not config.is_prefill(m)
             or k_pad != k or p % ocfg.block_rows or ocfg.padding_rows == "nan"):
         return None
     return window_of_rows(group_sizes, row_expert, p), p
@@ -311,7 +311,7 @@ def w4a4_grouped_matmul(
 
         def operand_of(idx):
             return operand_rows(acts, idx, w.mma_dtype, w.k_pad, config.materialize_operands,
-                                config.rac_operands_config(), interpret)
+                                config.rac_operands_config(config.is_prefill(m)), interpret)
     tiles, slot_g = token_tiles(operand_of, row_index, row0, window_rows,
                                 config.windowed_operands)
     return run_tiles(tiles, slot_g, output_row_slots(row_slot, output_rows), w, tile_expert,

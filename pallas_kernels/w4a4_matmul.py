@@ -64,12 +64,15 @@ class W4A4MatmulConfig:
         ``stack_operands``), the stacked B operands are written by
         ``pallas_kernels.rac_operands`` instead of an XLA gather fusion;
         rac_operand_block_rows / rac_operand_padding: its ``RACOperandsConfig.block_rows`` /
-        ``padding_rows``.
+        ``padding_rows``; rac_operand_block_rows_prefill: its ``block_rows`` in grouped calls
+        of at least ``prefill_min_rows`` rows; rac_operand_recompute_placed: its
+        ``recompute_placed``; operand_warps: its and ``act_operands``' ``num_warps``.
       act_operand_kernel: plain W4A4 with per-token activation scales (no RAC) and row
         windows: the B operand is quantized and laid out by ``pallas_kernels.act_operands``
         (bit-identical); act_operand_block_rows: its ``block_rows``.
       rac_row_kernel: RAC with per-token scales and a residual score: the distinct rows'
-        operand values and residual statistics from ``pallas_kernels.rac_rows`` (one kernel).
+        operand values and residual statistics from ``pallas_kernels.rac_rows`` (one kernel);
+        rac_row_block_rows / rac_row_block_k / rac_row_warps: its ``RACRowsConfig``.
       rac_placed_values: large grouped RAC calls without source rows: ``rac_rows`` writes the
         operand values into the windowed stacked operand itself (see the field's comment).
       tile_plan_kernel: grouped GEMMs compute their token-tile plan in
@@ -119,8 +122,17 @@ class W4A4MatmulConfig:
     # (kernel_probe --rac-operands).
     rac_operand_kernel: bool = True
     rac_operand_block_rows: int = 8
+    # rac_operands' window rows per program in grouped calls of at least prefill_min_rows rows.
+    # H100, 2026-12-06 (`kernel_probe.py --prefill-tiles`, 8 192 rows, K x N = 2048 x 768, three
+    # runs in two calls): 4 rows took the kernel 41.0-41.5 us against 44.2-45.2 at 8 (2 rows:
+    # 48.7-49.0; 4 rows with 8 warps: 48.9-49.1), the call 258.6-260.2 us of device time
+    # against 262.8-263.1 (RAC over W4A4 +55.0 / +55.7 % against +57.0 / +57.3 % in the same
+    # runs). Decode calls keep rac_operand_block_rows (not measured at 4).
+    rac_operand_block_rows_prefill: int = 4
     rac_operand_padding: str = "zeros"
     # Triton warps per program of the two window-operand kernels (rac_operands, act_operands).
+    # H100, 2026-12-06, the same probe: 2 or 8 warps changed the grouped prefill's device time
+    # by -1 to +3 us (act_operands 34.7-35.2 us at 4 warps, 36.5-37.0 at 8).
     operand_warps: int = 4
     # Plain W4A4 with per-token scales: the windowed B operand quantized straight from the
     # activations by ``pallas_kernels.act_operands`` instead of the quantizer's XLA passes
@@ -134,7 +146,10 @@ class W4A4MatmulConfig:
     # instead of the quantizer's and the residual's XLA passes (5-6 kernels of 1.1-3.3 us per
     # GEMM in the H100's batch-128 decode step, 2026-12-05).
     rac_row_kernel: bool = True
-    # rac_rows' grid (RACRowsConfig: rows and columns per program, warps).
+    # rac_rows' grid (RACRowsConfig: rows and columns per program, warps). H100, 2026-12-06
+    # (`kernel_probe.py --prefill-tiles`, 8 192 rows x K = 2048): rows 4 / 16, columns 128 / 512
+    # / 1024, 2 or 8 warps all kept the kernel at 43.2-45.8 us (8 / 256 / 4: 43.5), the call
+    # within 261.4-273.3 us against 263.1: it is bound by its arithmetic, not its grid.
     rac_row_block_rows: int = 8
     rac_row_block_k: int = 256
     rac_row_warps: int = 4
@@ -150,7 +165,9 @@ class W4A4MatmulConfig:
     rac_placed_values: bool = True
     # With rac_placed_values: rac_operands recomputes the placed operand values from the x
     # block it reads for the residual instead of reading them back (RACOperandsConfig.
-    # recompute_placed; bit-identical).
+    # recompute_placed; bit-identical). Off: on an H100 (2026-12-06, the grouped prefill at 8 192
+    # rows, two runs) the kernel took 59.5-59.9 us against 44.4-45.0 reading them (the
+    # quantizer's arithmetic costs more than 2 bytes per element of reads).
     rac_operand_recompute_placed: bool = False
     # Grouped GEMMs: the token-tile plan (``w4a4_grouped.tile_plan``) in one Pallas kernel
     # (``pallas_kernels.tile_plan``) instead of ~10 small XLA kernels per layer. On the H200
@@ -174,6 +191,7 @@ class W4A4MatmulConfig:
             )
         self.tile_config(1, self.num_sms, self.n_group)
         self.rac_operands_config()
+        self.rac_operands_config(prefill=True)
         self.act_operands_config()
         self.rac_row_pass(False)
         self.tile_plan_config()
@@ -181,14 +199,20 @@ class W4A4MatmulConfig:
         if p is not None and (not isinstance(p, int) or p < 1):
             raise ValueError(f"W4A4MatmulConfig.prefill_min_rows={p!r}: None or an int >= 1")
 
-    def rac_operands_config(self):
-        """The ``rac_operands`` kernel's config, or None when it is off (``operand_rows``)."""
+    def is_prefill(self, m: int) -> bool:
+        """A call of ``m`` GEMM rows runs the prefill paths (``prefill_min_rows``)."""
+        return self.prefill_min_rows is not None and m >= self.prefill_min_rows
+
+    def rac_operands_config(self, prefill: bool = False):
+        """The ``rac_operands`` kernel's config, or None when it is off (``operand_rows``);
+        ``prefill``: a grouped call of at least ``prefill_min_rows`` rows."""
         from pallas_kernels.rac_operands import RACOperandsConfig
 
         if not (self.rac_operand_kernel and self.materialize_operands and self.windowed_operands
                 and self.stack_operands):
             return None
-        return RACOperandsConfig(block_rows=self.rac_operand_block_rows,
+        rows = self.rac_operand_block_rows_prefill if prefill else self.rac_operand_block_rows
+        return RACOperandsConfig(block_rows=rows,
                                  num_warps=self.operand_warps,
                                  padding_rows=self.rac_operand_padding,
                                  recompute_placed=self.rac_operand_recompute_placed)
@@ -624,7 +648,7 @@ def w4a4_matmul(
         raise ValueError(f"w_q: stacked weight of {w.num_experts} experts; use w4a4_grouped_matmul")
     _check(x, w)
     m = x.shape[0]
-    decode = config.prefill_min_rows is None or m < config.prefill_min_rows
+    decode = not config.is_prefill(m)
     plain = config.act_operands_config() if rac is None and act_scale_mode == "per_token" else None
     if decode and plain is not None:
         return run_dense(lambda idx: act_operand_rows(x, None, idx, w.mma_dtype, w.k_pad, plain,

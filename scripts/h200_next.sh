@@ -276,6 +276,13 @@
 # `ksplit kpre` (4c3a866: the split-K sweep), `kdense0 kdense2` (fb23019: FP8 >= XLA FP8 at
 # the large shapes). Next, on an H200: `kpre tpre`, `ksplit`, `b128 prng` (48 layers), `place`,
 # `study` alone; on an H100 the same at 24 layers.
+# Session 35 got H100s only: `samp kab` (de2fc27: the inverse-CDF sampler, 65 against 153 us per
+# draw at batch 128; the sorted scatter of 3ee59e6 not faster), `tab b128` (832aed6: the sorted
+# scatter 9.3 against 4.6 us, reverted; nvfp4_rac 1.80x bf16), `rowk` (4e277df: the row
+# kernels' grids), `rcp` and `kpre b128` (364262b: recomputed placed values slower),
+# `ropr` (26d6d23: rac_operands at 4 rows per program in prefill, now the default). Next, on an
+# H200: `kpre` (the prefill default), `b128` (48 layers), `ksplit`, `place`, `study` alone;
+# on an H100 the same at 24 layers.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}

@@ -71,8 +71,10 @@ def test_rac_matmul_with_the_row_kernel_equals_the_jnp_path():
     # The last: the row kernels on other grids (W4A4MatmulConfig's row-kernel fields).
     grids = dict(rac_row_block_rows=16, rac_row_block_k=128, rac_row_warps=2, operand_warps=8)
     recompute = dict(rac_operand_recompute_placed=True)
+    prefill_rows = dict(rac_operand_block_rows_prefill=16)  # P = 48 rows: not placed at 32
     for row_kernel, placed, grid in ((True, False, {}), (False, False, {}), (True, True, {}),
-                                     (True, True, grids), (True, True, recompute)):
+                                     (True, True, grids), (True, True, recompute),
+                                     (True, True, prefill_rows)):
         cfg = W4A4MatmulConfig(a_via_smem=True, rac_row_kernel=row_kernel,
                                rac_placed_values=placed, prefill_min_rows=16, **grid)
         w = prepare_w4a4_weights(_weights(4, n, k, 1), mma_dtype=cfg.mma_dtype)
@@ -242,8 +244,9 @@ def test_values_placement_applies_only_where_each_row_fills_one_window_row():
     assert values_placement(window[:1024], None, 768, 2048, 2048, on, gs,
                             rexp) is None  # decode-sized
     assert values_placement(window, None, m, 2304, 2048, on, gs, rexp) is None  # K padded
-    assert values_placement(window[:p - 4], None, m, 2048, 2048, on, gs,
-                            rexp) is None  # P % 8
+    # P not a whole number of rac_operands' programs (its prefill rows per program)
+    assert on.rac_operand_block_rows_prefill == 4
+    assert values_placement(window[:p - 2], None, m, 2048, 2048, on, gs, rexp) is None
 
 
 @pytest.mark.parametrize("sizes", [[7, 0, 12, 5], [0, 0, 3, 0], [16, 1, 8, 9]])
@@ -271,6 +274,15 @@ def test_matmul_config_sets_the_row_kernels_grids():
     assert rows == rac_rows.RACRowsConfig(block_rows=16, block_k=512, num_warps=8)
     assert interpret and dtype == jnp.float16 and placement is None
     assert cfg.rac_operands_config().num_warps == 2 and cfg.act_operands_config().num_warps == 2
+    # rac_operands' rows per program: the prefill field in calls of >= prefill_min_rows rows
+    cfg = W4A4MatmulConfig(rac_operand_block_rows=16, rac_operand_block_rows_prefill=2,
+                           prefill_min_rows=64)
+    assert (cfg.is_prefill(63), cfg.is_prefill(64)) == (False, True)
+    assert cfg.rac_operands_config().block_rows == 16
+    assert cfg.rac_operands_config(prefill=True).block_rows == 2
+    assert not W4A4MatmulConfig(prefill_min_rows=None).is_prefill(10**6)
+    with pytest.raises(ValueError, match="RACOperandsConfig.block_rows=6"):
+        W4A4MatmulConfig(rac_operand_block_rows_prefill=6)
     assert W4A4MatmulConfig(rac_row_kernel=False, rac_row_block_rows=16).rac_row_pass(
         False) is None
     with pytest.raises(ValueError, match="RACRowsConfig.block_rows=3"):
