@@ -90,6 +90,12 @@ def inverse_cdf_choice(
     nonzero mass (its cumulative sum strictly exceeds the one before it, and the target is
     > 0), so a filtered-out (-inf) candidate is never drawn. Candidates with log-prob below
     float32's exp underflow (about -87; -103 with denormals) are never drawn either.
+
+    Resolution: a float32 uniform is a multiple of 2^-23, so a block holding less than ~1e-7
+    of its row's mass is drawn with a probability rounded to that grid (the second level is
+    relative to the block's own mass, so rare tokens inside a likely block are exact). Gumbel
+    noise from the same 23-bit uniforms has the like limit: it never draws a token more than
+    ~17 nats below the row's most likely one.
     """
     if block < 1:
         raise ValueError(f"block={block!r} must be an int >= 1")

@@ -146,3 +146,23 @@ def test_inverse_cdf_batches_rows_and_leading_axes():
 def test_inverse_cdf_bad_block():
     with pytest.raises(ValueError, match="block=0"):
         inverse_cdf_choice(jax.random.key(0), jnp.zeros((2, 8)), 0)
+
+
+def test_inverse_cdf_never_draws_a_masked_or_out_of_range_candidate():
+    """Peaked, flat and heavily masked rows (one survivor, survivors at block edges, -inf
+    everywhere but the last candidate, a vocab not a multiple of the block): every draw is a
+    candidate with finite log-prob, inside the vocab."""
+    vocab, rows = 1037, 512
+    key_logits, key_mask, key_draw = jax.random.split(jax.random.key(3), 3)
+    scale = jnp.asarray([0.1, 3.0, 30.0, 300.0])[jnp.arange(rows) % 4][:, None]
+    logits = jax.random.normal(key_logits, (rows, vocab)) * scale
+    keep = jax.random.uniform(key_mask, (rows, vocab)) < jnp.where(
+        jnp.arange(rows) % 3 == 0, 0.002, 0.5)[:, None]
+    edges = jnp.asarray([0, 1023, 1024, vocab - 1])
+    keep = keep.at[:, edges[jnp.arange(rows) % 4]].set(True)  # at least one survivor per row
+    log_probs = jax.nn.log_softmax(jnp.where(keep, logits, -jnp.inf), axis=-1)
+    for block in (64, 1024):
+        got = np.asarray(inverse_cdf_choice(key_draw, log_probs, block))
+        assert got.min() >= 0 and got.max() < vocab
+        picked = np.asarray(log_probs)[np.arange(rows), got]
+        assert np.all(np.isfinite(picked)), "a masked candidate was drawn"
