@@ -80,7 +80,9 @@ class RACOperandsConfig:
     recompute_placed: with ``placed`` (``rac_stacked_operands``), each row's operand values
     are recomputed from the ``x`` block the residual reads anyway
     (``nvfp4.unscaled_block_values``, ``rac_rows``' own arithmetic: the same bits) instead of
-    read back from the placed buffer: 2 bytes per element less to read.
+    read back from the placed buffer: 2 bytes per element less to read. Off by default: on an
+    H100 (2026-12-06, 8 192 rows x K = 2048) the kernel took 59.5-59.9 us with it against
+    44.4-45.0 without (the arithmetic costs more than the reads it saves).
     """
 
     block_rows: int = 8

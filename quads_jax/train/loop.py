@@ -127,7 +127,8 @@ class Trainer:
         self.sampler_config = SamplerConfig(
             max_new_tokens=c.rollout.max_new_tokens, n_samples=c.grpo.num_generations,
             temperature=c.rollout.temperature, top_k=c.rollout.top_k, top_p=c.rollout.top_p,
-            sampler=c.rollout.sampler, stop_token_ids=(self.tokenizer.eos_id,), pad_token_id=self.tokenizer.pad_id,
+            sampler=c.rollout.sampler, stop_token_ids=(self.tokenizer.eos_id,),
+            pad_token_id=self.tokenizer.pad_id,
             kv_cache_dtype=c.rollout.kv_cache_dtype,
             share_prompt_cache=c.rollout.share_prompt_cache,
         )
