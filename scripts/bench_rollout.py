@@ -45,6 +45,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from quads_jax import config as cfglib
 from quads_jax import models, profiling
 from quads_jax.models import ModelConfig
 from quads_jax.quant import ops
@@ -617,6 +618,10 @@ def parse_args(argv):
                    help="entries per program of the tile-plan kernel (a power of two >= 8)")
     p.add_argument("--tile-plan-warps", type=int, default=W4A4MatmulConfig.tile_plan_warps,
                    help="Triton warps per program of the tile-plan kernel")
+    p.add_argument("--w4a4-set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="any W4A4MatmulConfig field for every NVFP4 kernel call (repeatable; "
+                   "the value parsed as YAML, e.g. rac_operand_block_rows=4), after the "
+                   "dedicated flags")
     p.add_argument("--n-samples", type=int, default=1,
                    help="rows per prompt (a GRPO group); the batch counts rows")
     p.add_argument("--share-prompt-cache", action="store_true",
@@ -653,6 +658,18 @@ def parse_args(argv):
     return args
 
 
+def w4a4_set_fields(items: list[str]) -> dict:
+    """``--w4a4-set FIELD=VALUE`` items -> ``{field: value}`` (values parsed as YAML; the
+    fields and values are checked by ``kernel_backend.set_w4a4_overrides``)."""
+    fields = {}
+    for item in items:
+        key, value = cfglib.parse_override(item)
+        if len(key) != 1:
+            raise ValueError(f"--w4a4-set {item!r}: one W4A4MatmulConfig field, not a dotted key")
+        fields[key[0]] = value
+    return fields
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.bf16_path:
@@ -674,7 +691,7 @@ def main(argv=None) -> int:
             or args.tile_plan_kernel is not None or args.act_operand_kernel is not None
             or args.rac_row_kernel is not None or args.rac_placed_values is not None
             or args.tile_plan_block != W4A4MatmulConfig.tile_plan_block
-            or args.tile_plan_warps != W4A4MatmulConfig.tile_plan_warps):
+            or args.tile_plan_warps != W4A4MatmulConfig.tile_plan_warps or args.w4a4_set):
         operand_kernel = ({} if args.rac_operand_kernel is None
                           else dict(rac_operand_kernel=args.rac_operand_kernel))
         operand_kernel["rac_operand_padding"] = args.rac_operand_padding
@@ -696,7 +713,7 @@ def main(argv=None) -> int:
                                           rac_select_kernel=args.rac_select_kernel,
                                           rac_select_block_rows=args.rac_select_block_rows,
                                           windowed_operands=args.windowed_operands,
-                                          **operand_kernel)
+                                          **{**operand_kernel, **w4a4_set_fields(args.w4a4_set)})
         kernel_backend.set_fp8_overrides(windowed_operands=args.windowed_operands, **plan)
         kernel_backend.set_grouped_barrier(args.grouped_barrier)
     kernel_backend.set_w4a4_bits(args.w4a4_bits)
@@ -717,7 +734,7 @@ def main(argv=None) -> int:
                           materialize_operands=args.materialize_operands,
                           w4a4_bits=args.w4a4_bits,
                           kv_cache_dtype=args.kv_cache_dtype, prng_impl=args.prng_impl,
-                          sampler=args.sampler,
+                          sampler=args.sampler, w4a4_set=args.w4a4_set,
                           attention_slot_splits=args.attention_slot_splits,
                           attention_prefix_mode=attention.prefix_mode,
                           attention_prefix_rows=attention.prefix_rows,

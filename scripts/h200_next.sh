@@ -110,6 +110,9 @@
 #   rowk   the row kernels' grids at the grouped prefill shape (ptile's probe with session 35's
 #          variants: rac_rows rows / columns / warps, the window-operand kernels' rows / warps),
 #          each GPU-checked, +-RAC (rac_rows' own knobs +RAC only)
+#   rop4   nvfp4_rac at batch 128 with rac_operands at 8 (the decode default) and 4 window rows
+#          per program (bench_rollout --w4a4-set rac_operand_block_rows=N), interleaved twice
+#          (~5 minutes; 4 rows won in prefill, session 35)
 #   ropr   rac_operands' rows per program (4, 2; 4 with 8 warps) at the grouped prefill shape
 #          against the default 8 (ptile's probe, twice; session 35's rowk found rows 4 ~3 us
 #          faster in that kernel)
@@ -281,8 +284,8 @@
 # scatter 9.3 against 4.6 us, reverted; nvfp4_rac 1.80x bf16), `rowk` (4e277df: the row
 # kernels' grids), `rcp` and `kpre b128` (364262b: recomputed placed values slower),
 # `ropr` (26d6d23: rac_operands at 4 rows per program in prefill, now the default). Next, on an
-# H200: `kpre` (the prefill default), `b128` (48 layers), `ksplit`, `place`, `study` alone;
-# on an H100 the same at 24 layers.
+# H200: `kpre` (the prefill default), `rop4` (the same rows in decode), `b128` (48 layers),
+# `ksplit`, `place`, `study` alone; on an H100 the same at 24 layers.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
@@ -517,6 +520,10 @@ for step in "$@"; do
 warps 8,operand warps 2,rac_rows 16,rac_rows 4,rac_rows k512,rac_rows k1024,rac_rows k128,\
 rac_rows warps 8,rac_rows warps 2" --out "$OUT/rowk" > "$OUT/rowk.log" 2>&1
       echo "rowk rc $?"; grep -E "grouped prefill|FAIL|Error" "$OUT/rowk.log" | cut -c1-230 ;;
+    rop4) for i in 1 2; do for rows in 8 4; do  # the decode step's rac_operands rows, A/B
+        rollout "rop4_${i}_r$rows" 75 --quick --precisions nvfp4_rac \
+          --w4a4-set rac_operand_block_rows=$rows --budget-s 60
+      done; done ;;
     ropr) for i in 1 2; do  # twice: rac_operands' rows per program at the prefill shape
         XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 150 python3 scripts/kernel_probe.py \
           --prefill-tiles --variants "base,rac_operand rows 4,rac_operand rows 2,rac_operand \
@@ -613,6 +620,6 @@ rows 4 warps 8" --out "$OUT/ropr$i" > "$OUT/ropr$i.log" 2>&1
       --budget-s 150 ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
-    *) echo "unknown step $step (kab tab samp rowk rcp ropr check gcheck mcheck kv8r rrows rrec b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 nobar1 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop ropad hlo prof2 plan plan2 b128p cont contshare contgroup share pgroup kpre tgrouped train traindw trainprof)"; exit 2 ;;
+    *) echo "unknown step $step (kab tab samp rowk rcp ropr rop4 check gcheck mcheck kv8r rrows rrec b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 nobar1 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop ropad hlo prof2 plan plan2 b128p cont contshare contgroup share pgroup kpre tgrouped train traindw trainprof)"; exit 2 ;;
   esac
 done

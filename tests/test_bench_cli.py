@@ -44,7 +44,8 @@ def test_bench_rollout_runs_with_kernel_overrides(tmp_path):
             "--rac-placed-values",
             "--share-prompt-cache", "--attention-prefix-mode", "per_group",
             "--attention-prefix-rows", "2", "--layers", "1", "--prng-impl", "rbg",
-            "--out", str(tmp_path)]
+            "--sampler", "gumbel", "--w4a4-set", "rac_operand_block_rows=4",
+            "--w4a4-set", "operand_warps=2", "--out", str(tmp_path)]
     try:
         assert bench_rollout.main(argv) == 0
     finally:
@@ -61,12 +62,35 @@ def test_bench_rollout_runs_with_kernel_overrides(tmp_path):
     assert [(r["tile_plan_kernel"], r["act_operand_kernel"], r["tile_plan_block"])
             for r in rows if r["kind"] == "device"] == [(True, True, 8)]
     assert [r["rac_placed_values"] for r in rows if r["kind"] == "device"] == [True]
+    assert [(r["sampler"], r["w4a4_set"]) for r in rows if r["kind"] == "device"] == [
+        ("gumbel", ["rac_operand_block_rows=4", "operand_warps=2"])]
     assert [r["prng_impl"] for r in rows if r["kind"] == "device"] == ["rbg"]  # the engine
     # samples with an RngBitGenerator key as with a threefry one
     assert [(r["attention_prefix_mode"], r["attention_prefix_rows"], r["attention_prefix_splits"])
             for r in rows if r["kind"] == "device"] == [("per_group", 2, 4)]
     assert [(r["precision"], r["n_samples"], r["share_prompt_cache"])
             for r in rows if r["kind"] == "rollout"] == [("nvfp4_rac", 2, True)]
+
+
+def test_bench_rollout_refuses_a_bad_w4a4_field():
+    import pathlib
+    import sys
+
+    import pytest
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
+    import bench_rollout
+
+    assert bench_rollout.w4a4_set_fields(["mma_k=128", "rac_placed_values=false"]) == {
+        "mma_k": 128, "rac_placed_values": False}
+    with pytest.raises(ValueError, match="dotted"):
+        bench_rollout.w4a4_set_fields(["a.b=1"])
+    with pytest.raises(ValueError, match="dotted.key=value"):
+        bench_rollout.w4a4_set_fields(["mma_k"])
+    from quads_jax.quant import kernel_backend
+
+    with pytest.raises(ValueError, match="unknown field"):
+        kernel_backend.set_w4a4_overrides(**bench_rollout.w4a4_set_fields(["no_such=1"]))
 
 
 def test_bench_continuous_runs_every_schedule_on_one_workload(tmp_path):
