@@ -10,7 +10,7 @@ import pytest
 from pallas_kernels import nvfp4_quantize as aq
 from pallas_kernels import rac_rows
 from pallas_kernels.layout import prepare_w4a4_weights
-from pallas_kernels.w4a4_grouped import w4a4_grouped_matmul
+from pallas_kernels.w4a4_grouped import values_placement, w4a4_grouped_matmul
 from pallas_kernels.w4a4_matmul import W4A4MatmulConfig
 from quads_jax.quant import nvfp4
 from quads_jax.testing import lower_for_h200
@@ -68,18 +68,21 @@ def test_rac_matmul_with_the_row_kernel_equals_the_jnp_path():
     outs = []
     # rac_placed_values with prefill_min_rows=16: this call counts as a prefill, so rac_rows
     # writes the values into the windowed operand and rac_operands completes it in place.
-    # The last: the row kernels on other grids (W4A4MatmulConfig's row-kernel fields).
-    grids = dict(rac_row_block_rows=16, rac_row_block_k=128, rac_row_warps=2, operand_warps=8)
-    recompute = dict(rac_operand_recompute_placed=True)
-    prefill_rows = dict(rac_operand_block_rows_prefill=16)  # P = 48 rows: not placed at 32
+    # The last: the row kernels on other grids (W4A4MatmulConfig's row-kernel fields; the plan
+    # has P = 72 window rows, placed at 4 or 8 prefill rows per program) with rac_operands
+    # recomputing the placed values (one call for all: any of them wrong changes the result).
+    other = dict(rac_row_block_rows=16, rac_row_block_k=128, rac_row_warps=2, operand_warps=8,
+                 rac_operand_block_rows_prefill=8, rac_operand_recompute_placed=True)
     for row_kernel, placed, grid in ((True, False, {}), (False, False, {}), (True, True, {}),
-                                     (True, True, grids), (True, True, recompute),
-                                     (True, True, prefill_rows)):
+                                     (True, True, other)):
         cfg = W4A4MatmulConfig(a_via_smem=True, rac_row_kernel=row_kernel,
                                rac_placed_values=placed, prefill_min_rows=16, **grid)
         w = prepare_w4a4_weights(_weights(4, n, k, 1), mma_dtype=cfg.mma_dtype)
         gs = jnp.asarray([7, 0, 12, 5], jnp.int32)
         outs.append(w4a4_grouped_matmul(x, w, gs, rac=racc, config=cfg, interpret=True))
+        if placed:  # the plan's window rows are a whole number of rac_operands' programs
+            assert values_placement(jnp.zeros((72,), jnp.int32), None, m, k, k, cfg, gs,
+                                    jnp.zeros((m,), jnp.int32)) is not None
     for out in outs[1:]:
         np.testing.assert_array_equal(np.asarray(outs[0], np.float32),
                                       np.asarray(out, np.float32))
@@ -224,8 +227,6 @@ def test_placed_values_lower_for_cuda(recompute_placed):
 
 
 def test_values_placement_applies_only_where_each_row_fills_one_window_row():
-    from pallas_kernels.w4a4_grouped import values_placement
-
     m = 683 * 6  # groups of 6 rows, each padded to 8 window rows
     window = np.full((683, 8), m, np.int32)
     window[:, :6] = np.arange(m).reshape(683, 6)
