@@ -52,6 +52,7 @@ from quads_jax.quant import ops
 from quads_jax.quant.recipe import get_recipe
 from quads_jax.sampler import engine
 from quads_jax.sampler.calibration import needs_calibration
+from quads_jax.sampler.sampling import DEFAULT_SAMPLER, SAMPLERS
 from quads_jax.sampler.sync import SyncMismatchError, check_sync, sync, weight_bytes
 
 PRECISIONS = {
@@ -555,7 +556,7 @@ def parse_args(argv):
     p.add_argument("--w4a4-mma-k", type=int, choices=(64, 128, 256), default=256,
                    help="K columns of decoded weight per wgmma group (W4A4MatmulConfig.mma_k; "
                    "--w4a4-mma-overlap 1 needs 64 or 128)")
-    p.add_argument("--sampler", choices=("gumbel", "inverse_cdf"), default="inverse_cdf",
+    p.add_argument("--sampler", choices=sorted(SAMPLERS), default=DEFAULT_SAMPLER,
                    help="how a token is drawn from its log-probs (SamplerConfig.sampler): "
                    "Gumbel noise over the whole vocab, or two uniforms per row")
     p.add_argument("--prng-impl", choices=("threefry2x32", "rbg", "unsafe_rbg"),

@@ -35,7 +35,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from quads_jax.config import check
-from quads_jax.sampler.sampling import SamplingParams, sample_tokens, validate_sampling
+from quads_jax.sampler.sampling import (
+    DEFAULT_SAMPLER,
+    SamplingParams,
+    sample_tokens,
+    validate_sampling,
+)
 from quads_jax.sampler.sharding import constrain_rows, constrain_state
 
 FINISH_STOP = 1  # a stop / EOS token was sampled (it is part of the response)
@@ -81,7 +86,7 @@ class SamplerConfig:
     top_k: int = 0
     top_p: float = 1.0
     greedy: bool = False
-    sampler: str = "inverse_cdf"
+    sampler: str = DEFAULT_SAMPLER
     stop_token_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
     return_expert_ids: bool = False

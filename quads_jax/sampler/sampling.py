@@ -30,6 +30,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+# The sampler of SamplingParams, SamplerConfig and the trainer's RolloutSection (a key of
+# ``SAMPLERS``, defined below with the samplers).
+DEFAULT_SAMPLER = "inverse_cdf"
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -48,14 +52,14 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     greedy: bool = False
-    sampler: str = "inverse_cdf"
+    sampler: str = DEFAULT_SAMPLER
 
     def __post_init__(self) -> None:
         validate_sampling(self.temperature, self.top_k, self.top_p, self.greedy, self.sampler)
 
 
 def validate_sampling(
-    temperature: float, top_k: int, top_p: float, greedy: bool, sampler: str = "inverse_cdf"
+    temperature: float, top_k: int, top_p: float, greedy: bool, sampler: str = DEFAULT_SAMPLER
 ) -> None:
     """Raise ValueError naming the field, the value and the accepted range."""
     if sampler not in SAMPLERS:

@@ -26,7 +26,7 @@ from quads_jax.rl.grpo import GRPOConfig
 from quads_jax.rl.rewards import RewardConfig
 from quads_jax.rl.tasks import TaskConfig
 from quads_jax.sampler.engine import KV_CACHE_DTYPES
-from quads_jax.sampler.sampling import SAMPLERS
+from quads_jax.sampler.sampling import DEFAULT_SAMPLER, SAMPLERS
 from quads_jax.train.checkpoint import CheckpointConfig
 from quads_jax.train.mesh import MeshConfig
 from quads_jax.train.state import OptimizerConfig
@@ -99,7 +99,7 @@ class RolloutSection:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
-    sampler: str = "inverse_cdf"
+    sampler: str = DEFAULT_SAMPLER
     calibration_prompts: int = 8
     calibration_every: int = 1
     kv_cache_dtype: str = "model"
