@@ -462,10 +462,10 @@ def rows_from_tiles(out: jax.Array, row_slot: jax.Array | int, n: int, dtype) ->
     r`` (a slot ``>= T * block_m`` gives a zero row), an int ``row_slot`` M takes the first M
     slots (dense). The kernels store token-major tiles, so this is a gather of whole rows
     (before 2026-12-03 they stored ``[Np, block_m]`` and an XLA transpose of every output came
-    first: 15-22 us per layer of the decode step on the H200). Behind the grouped kernels'
-    optimization barrier (``kernel_backend._materialized``) XLA runs it as a kernel of its own:
-    4.2 us (down) and 3.6 us (gate_up) per layer of the nvfp4_rac decode step on the H200
-    (2026-12-05 trace and HLO).
+    first: 15-22 us per layer of the decode step on the H200). Behind an optimization barrier
+    (``kernel_backend._materialized``, an ablation since 2026-12-06) XLA ran it as a kernel of
+    its own (4.2 us down, 3.6 us gate_up per layer, H200, 2026-12-05); without one it fuses
+    into its consumer (swiglu, the MoE block's weighted sum).
     """
     t_max, splits, _, block_m, n_pad = out.shape
     summed = out[:, 0, 0] if splits == 1 else jnp.sum(out[:, :, 0], axis=1, dtype=jnp.float32)

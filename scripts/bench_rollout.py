@@ -523,6 +523,7 @@ def summary(out_dir: str) -> str:
 def parse_args(argv):
     from pallas_kernels.decode_attention import PREFIX_MODES
     from pallas_kernels.w4a4_matmul import W4A4MatmulConfig
+    from quads_jax.quant import kernel_backend
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true",
@@ -630,9 +631,10 @@ def parse_args(argv):
     p.add_argument("--unroll-decode", action="store_true",
                    help="decode steps with the layers unrolled (SamplerConfig."
                    "unroll_decode_layers; an ablation: longer compile)")
-    p.add_argument("--grouped-barrier", action=argparse.BooleanOptionalAction, default=True,
-                   help="the optimization barrier after the grouped kernels "
-                   "(kernel_backend.set_grouped_barrier; an ablation)")
+    p.add_argument("--grouped-barrier", action=argparse.BooleanOptionalAction,
+                   default=kernel_backend.DEFAULT_GROUPED_BARRIER,
+                   help="an optimization barrier after the grouped kernels "
+                   "(kernel_backend.set_grouped_barrier; an ablation, off by default)")
     p.add_argument("--decode-at", choices=("mid", "start"), default="mid",
                    help="time the decode steps at the middle of the generation (default; the "
                    "attention reads the slots written so far) or right after the prompt")
@@ -687,7 +689,8 @@ def main(argv=None) -> int:
     if (args.w4a4_n_group != 1 or not args.w4a4_stack_operands or args.w4a4_mma_overlap
             or args.w4a4_mma_k != 256 or not args.materialize_operands
             or args.rac_select_kernel or args.rac_select_block_rows != 16
-            or not args.grouped_barrier or not args.windowed_operands
+            or args.grouped_barrier != kernel_backend.DEFAULT_GROUPED_BARRIER
+            or not args.windowed_operands
             or args.rac_operand_kernel is not None or args.rac_operand_padding != "zeros"
             or args.tile_plan_kernel is not None or args.act_operand_kernel is not None
             or args.rac_row_kernel is not None or args.rac_placed_values is not None

@@ -368,10 +368,11 @@ for step in "$@"; do
     nobar1) rollout nobar1 110 --batches 128 --prompts 256 --decode-steps 8 --reps 1 \
       --prefill-reps 1 --profile-steps 2 --no-grouped-barrier --precisions nvfp4_rac --budget-s 80
       rollout bar1 110 --batches 128 --prompts 256 --decode-steps 8 --reps 1 --prefill-reps 1 \
-      --profile-steps 2 --precisions nvfp4_rac --budget-s 80 ;;
+      --profile-steps 2 --grouped-barrier --precisions nvfp4_rac --budget-s 80 ;;
     nobar) rollout nobar 200 --quick --profile-steps 4 --no-grouped-barrier \
       --precisions nvfp4_rac,nvfp4 --budget-s 150
-      rollout bar 200 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 --budget-s 150 ;;
+      rollout bar 200 --quick --profile-steps 4 --grouped-barrier --precisions nvfp4_rac,nvfp4 \
+        --budget-s 150 ;;
     unroll) rollout unroll 280 --quick --unroll-decode --precisions nvfp4,bf16 --budget-s 220 ;;
     kern) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 540 python3 scripts/bench_kernels.py \
       --part decode,grouped --out "$OUT/kern" > "$OUT/kern.log" 2>&1

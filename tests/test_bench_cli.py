@@ -51,7 +51,7 @@ def test_bench_rollout_runs_with_kernel_overrides(tmp_path):
     finally:
         kernel_backend.set_w4a4_overrides()
         kernel_backend.set_fp8_overrides()
-        kernel_backend.set_grouped_barrier(True)
+        kernel_backend.set_grouped_barrier()
         kernel_backend.set_w4a4_bits()
         layers.set_decode_attention("kernel")
     rows = [json.loads(line) for line in open(tmp_path / "rollout.jsonl")]

@@ -149,27 +149,33 @@ def _dense(mode: str):
     return fn
 
 
-_GROUPED_BARRIER = {"on": True}
+# Off since 2026-12-06: on the H100 (24 layers, batch 128, `h200_next.sh nobar`, e76925f) the
+# decode step without the barrier ran 8.80 against 9.03 ms (nvfp4_rac; traced busy 8.75 against
+# 8.86 ms, 1 261 against 1 285 kernels) and 8.21 against 8.31 ms (nvfp4; busy 8.08 against
+# 8.20), prefill 43.8k / 52.6k against 41.6k / 49.4k tok/s.
+DEFAULT_GROUPED_BARRIER = False
+_GROUPED_BARRIER = {"on": DEFAULT_GROUPED_BARRIER}
 
 
-def set_grouped_barrier(on: bool) -> None:
-    """Ablation: keep (True, the default) or drop the optimization barrier after the grouped
-    kernels (``_materialized``); takes effect at the next trace."""
+def set_grouped_barrier(on: bool = DEFAULT_GROUPED_BARRIER) -> None:
+    """Ablation: add (True) or leave out (False, the default) the optimization barrier after
+    the grouped kernels (``_materialized``); takes effect at the next trace."""
     if not isinstance(on, bool):
         raise ValueError(f"set_grouped_barrier: on={on!r}; need True or False")
     _GROUPED_BARRIER["on"] = on
 
 
 def _materialized(y: jax.Array) -> jax.Array:
-    """The grouped result as its own buffer. Without the barrier XLA fused the kernel's
+    """The grouped result, optionally behind an optimization barrier (an ablation, off by
+    default). In 2026-12-03's layout the barrier paid: without it XLA fused the kernel's
     row-slot gather and scaling into the MoE block's unsort-and-combine, recomputing them per
-    element: on the H200 that fusion took 53 us per layer in the nvfp4 decode step, where the
-    bf16 arm's unsort of a materialized result took 4 us (2026-12-03, docs/bench/rollout.md).
-    Since the kernels store token-major tiles the read-back is a plain row gather, which the
-    barrier now forces into a buffer of its own (4.2 us per layer for down, 3.6 for gate_up,
-    2026-12-05; the down rows are then gathered again by the MoE block's unsort): whether the
-    barrier still pays is open, last measured in 2026-12-03's layout
-    (``set_grouped_barrier``; ``bench_rollout --no-grouped-barrier``, h200_next ``nobar``)."""
+    element (53 us per layer on the H200 against 4 us for a materialized result,
+    docs/bench/rollout.md). Since the kernels store token-major tiles the read-back is a plain
+    row gather; with the barrier it was a buffer of its own (4.8 us per layer for down, 3.6 for
+    gate_up, the down rows then gathered again by the MoE block's unsort), without it XLA fuses
+    the down read-back into the weighted sum and the gate_up read-back into swiglu: one kernel
+    per layer fewer and ~5 us less per layer (DEFAULT_GROUPED_BARRIER's note;
+    ``bench_rollout --grouped-barrier``, h200_next ``nobar``)."""
     return jax.lax.optimization_barrier(y) if _GROUPED_BARRIER["on"] else y
 
 

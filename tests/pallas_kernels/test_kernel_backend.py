@@ -57,21 +57,22 @@ def test_fp8_overrides_are_checked_and_used():
 
 
 def test_grouped_barrier_switch():
-    """The barrier after the grouped kernels is on by default; the ablation drops it from the
-    traced program; a non-bool is refused and changes nothing."""
+    """The barrier after the grouped kernels is off by default (measured faster); the ablation
+    adds it to the traced program; a non-bool is refused and changes nothing."""
     y = jnp.ones((4, 8))
     # a fresh function per trace: make_jaxpr caches by function (the switch is read at trace)
     prim = lambda: str(jax.make_jaxpr(lambda a: kernel_backend._materialized(a))(y))  # noqa: E731
-    assert "optimization_barrier" in prim()
+    assert kernel_backend.DEFAULT_GROUPED_BARRIER is False
+    assert "optimization_barrier" not in prim()
     try:
-        kernel_backend.set_grouped_barrier(False)
-        assert "optimization_barrier" not in prim()
+        kernel_backend.set_grouped_barrier(True)
+        assert "optimization_barrier" in prim()
         with pytest.raises(ValueError, match="True or False"):
             kernel_backend.set_grouped_barrier("no")
-        assert "optimization_barrier" not in prim()
+        assert "optimization_barrier" in prim()
     finally:
-        kernel_backend.set_grouped_barrier(True)
-    assert "optimization_barrier" in prim()
+        kernel_backend.set_grouped_barrier()
+    assert "optimization_barrier" not in prim()
 
 
 def test_w4a4_bits_switch():
