@@ -417,10 +417,11 @@ def run_attention():
     ws8 = [(k8, v8, jnp.int32(i)) for i in range(layers_n)]
     for kv_len in (768 * s // 1279, s):
         valid = (slot >= first) & (slot < kv_len)
-        # bf16 at the rollout's shape is at ~0.53 of its KV-byte floor in the traced rollout
-        # (52.7 us per layer for 99.6 MB at 3.55 TB/s, 2026-12-05): latency, not bytes. Of
-        # the stage / block / warp variants timed on 2026-12-05 none beat the default (the
-        # DecodeAttentionConfig docstring); the FP8 cache was fastest at 64 slots per block.
+        # bf16 at the rollout's shape is at its KV-byte floor in the traced rollout (74.4 us
+        # per layer for 199 MB at 2.89 TB/s on the H100, 2026-12-06: 0.93; an earlier note
+        # here counted 99.6 MB, the element count). Of the stage / block / warp variants timed
+        # on 2026-12-05 none beat the default (the DecodeAttentionConfig docstring); the FP8
+        # cache was fastest at 64 slots per block.
         for name, w, item, cfg in (("", ws, 2, DecodeAttentionConfig()),
                                    ("num_stages=2 ", ws, 2, DecodeAttentionConfig(num_stages=2)),
                                    ("block_s=64 ", ws, 2, DecodeAttentionConfig(block_s=64)),
