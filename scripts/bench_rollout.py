@@ -500,6 +500,29 @@ def bench_split(cfg, batch, prompt, args, bandwidth, clock, out_dir) -> None:
 
 
 # ------------------------------------------------------------------------------ main
+def multiples(rows: list[dict], baselines: tuple[str, ...] = ("bf16", "fp8")) -> list[str]:
+    """One line per precision and baseline of the same case (batch, prompt, samples, shared
+    cache): the decode step's multiple over the baseline, and the multiple the two floors
+    allow (the baseline's step bytes over the precision's: what equal floor / step ratios
+    would give)."""
+    case = lambda r: (r["batch"], r["prompt"], r["n_samples"], r["share_prompt_cache"])  # noqa: E731
+    runs = [r for r in rows if r["kind"] == "rollout"]
+    base = {(case(r), r["precision"]): r for r in runs if r["precision"] in baselines}
+    lines = []
+    for r in runs:
+        for b in baselines:
+            ref = base.get((case(r), b))
+            # a baseline against the baselines before it only (fp8 vs bf16, not bf16 vs fp8)
+            if ref is None or (r["precision"] in baselines
+                               and baselines.index(r["precision"]) <= baselines.index(b)):
+                continue
+            lines.append(
+                f"{r['precision']} vs {b} (batch {r['batch']}, prompt {r['prompt']}): "
+                f"{ref['decode_step_ms'] / r['decode_step_ms']:.2f}x the decode step, "
+                f"{ref['decode_floor_ms'] / r['decode_floor_ms']:.2f}x by the floors")
+    return lines
+
+
 def summary(out_dir: str) -> str:
     rows = [json.loads(line) for line in open(os.path.join(out_dir, "rollout.jsonl"))]
     lines = ["| precision | batch | prompt | prefill tok/s | decode tok/s | step ms | floor ms "
@@ -511,6 +534,7 @@ def summary(out_dir: str) -> str:
                 f"| {r['decode_tok_s']:.0f} | {r['decode_step_ms']:.2f} | "
                 f"{r['decode_floor_ms']:.2f} | {r['decode_floor_ratio']:.2f} | "
                 f"{r['e2e_tok_s']:.0f} | {r['max_batch_1k_context']} |")
+    lines += multiples(rows)
     for r in rows:
         if r["kind"] == "sync":
             lines.append(f"sync {r['precision']}: {r['sync_s']:.3f} s, check {r['check_s']:.3f}"

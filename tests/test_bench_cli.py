@@ -93,6 +93,30 @@ def test_bench_rollout_refuses_a_bad_w4a4_field():
         kernel_backend.set_w4a4_overrides(**bench_rollout.w4a4_set_fields(["no_such=1"]))
 
 
+def test_bench_rollout_multiples_pair_each_case_with_its_baselines():
+    """The summary's multiples: step and floor ratios against bf16 and fp8 of the same case
+    only (batch, prompt, samples, shared cache); a case without a baseline gets no line."""
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
+    import bench_rollout
+
+    def row(precision, batch, step, floor, prompt=256):
+        return {"kind": "rollout", "precision": precision, "batch": batch, "prompt": prompt,
+                "n_samples": 1, "share_prompt_cache": False, "decode_step_ms": step,
+                "decode_floor_ms": floor}
+
+    rows = [{"kind": "device"}, row("bf16", 128, 16.0, 12.0), row("fp8", 128, 10.0, 8.0),
+            row("nvfp4_rac", 128, 8.0, 5.0), row("nvfp4_rac", 32, 6.0, 4.0),
+            row("bf16", 128, 20.0, 15.0, prompt=1024)]
+    assert bench_rollout.multiples(rows) == [
+        "fp8 vs bf16 (batch 128, prompt 256): 1.60x the decode step, 1.50x by the floors",
+        "nvfp4_rac vs bf16 (batch 128, prompt 256): 2.00x the decode step, 2.40x by the floors",
+        "nvfp4_rac vs fp8 (batch 128, prompt 256): 1.25x the decode step, 1.60x by the floors",
+    ]
+
+
 def test_bench_continuous_runs_every_schedule_on_one_workload(tmp_path):
     """``scripts/bench_continuous.py`` on the tiny model: one row per schedule, each with the
     responses it made and a batch utilisation in (0, 1]."""
