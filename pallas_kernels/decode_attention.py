@@ -17,6 +17,10 @@ This kernel (Pallas, Triton backend) runs one program per (row, KV head):
 - online softmax (flash-decoding) in f32, P cast to the cache dtype for the PV product, the
   output divided by the softmax sum at the end.
 
+At the 30B decode shape it reads at its byte floor: 74.4 us per layer for the 199 MB of K and
+V at position 760 against 69 us at the run's 2.89 TB/s copy rate (0.93; H100 rollout,
+2026-12-06), so only fewer bytes (the FP8 cache) make it faster.
+
 GRPO groups sharing their prompt's cache (``SharedPrefix``) read the prefix in one of two
 ways (``DecodeAttentionConfig.prefix_mode``): each row's program reads its group's prefix
 before its own slots ("per_row"), or a first kernel reads each prefix once per tile of up to
