@@ -286,6 +286,10 @@
 # `ropr` (26d6d23: rac_operands at 4 rows per program in prefill, now the default). Next, on an
 # H200: `kpre` (the prefill default), `rop4` (the same rows in decode), `b128` (48 layers),
 # `ksplit`, `place`, `study` alone; on an H100 the same at 24 layers.
+# Session 36 (H100s only; three H200 asks got none) ran `kpre nobar` (e76925f: the barrier
+# after the grouped kernels now off by default, 04546c3), `prof2 rop4`, `b128` + a barrier-on
+# run, `b256 p1024`, `b32`, `kgroup`, `kgroup2`. Next, on an H200: `b128` (48 layers), `nobar`,
+# `kdense`, `kdense2`, `kpre`, `place`, `study` alone; on an H100: `kdense`, `kdense2`.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
