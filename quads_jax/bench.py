@@ -6,7 +6,9 @@ WHAT is one of:
 * ``rollout``: the 30B-A3B-shaped rollout engine per precision (``scripts/bench_rollout.py``; GPU);
 * ``trainer``: the trainer step, BF16 vs asymmetric QAT, expert matmuls on ``bf16_grouped`` or
   XLA (``quads_jax.train.bench``, ``--grouped kernel|xla|both``);
-* ``numerics``: what the NVFP4 format costs (``scripts/nvfp4_report.py``; CPU is fine).
+* ``numerics``: what the NVFP4 format costs (``scripts/nvfp4_report.py``; CPU is fine);
+* ``floors``: the bytes a decode step must move per rollout precision, and the speed-ups they
+  allow over bf16 and fp8 (``quads_jax.sampler.floors``; no GPU needed).
 
 The remaining arguments go to that benchmark (``--help`` lists them). The scripts live in the
 repository's ``scripts/`` folder, so this entry point needs a checkout (an editable install).
@@ -23,7 +25,7 @@ SCRIPTS = {
     "rollout": "bench_rollout.py",
     "numerics": "nvfp4_report.py",
 }
-MODULES = {"trainer": "quads_jax.train.bench"}
+MODULES = {"trainer": "quads_jax.train.bench", "floors": "quads_jax.sampler.floors"}
 CHOICES = sorted([*SCRIPTS, *MODULES])
 
 

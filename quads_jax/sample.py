@@ -33,12 +33,7 @@ import time
 import jax
 import numpy as np
 
-PRECISIONS = {
-    "bf16": "bf16",
-    "fp8": "rollout_fp8",
-    "nvfp4": "rollout_nvfp4",
-    "nvfp4_rac": "rollout_quads",
-}
+from quads_jax.quant.recipe import ROLLOUT_PRECISIONS as PRECISIONS
 
 
 def build_parser() -> argparse.ArgumentParser:

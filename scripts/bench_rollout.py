@@ -49,17 +49,15 @@ from quads_jax import config as cfglib
 from quads_jax import models, profiling
 from quads_jax.models import ModelConfig
 from quads_jax.quant import ops
-from quads_jax.quant.recipe import get_recipe
+from quads_jax.quant.recipe import ROLLOUT_PRECISIONS, get_recipe
 from quads_jax.sampler import engine
 from quads_jax.sampler.calibration import needs_calibration
+from quads_jax.sampler.floors import QWEN3_30B_A3B, decode_step_bytes, expert_bytes, kv_bytes
 from quads_jax.sampler.sampling import DEFAULT_SAMPLER, SAMPLERS
 from quads_jax.sampler.sync import SyncMismatchError, check_sync, sync, weight_bytes
 
 PRECISIONS = {
-    "bf16": "bf16",
-    "fp8": "rollout_fp8",
-    "nvfp4": "rollout_nvfp4",
-    "nvfp4_rac": "rollout_quads",
+    **ROLLOUT_PRECISIONS,
     "nvfp4_rac_static": "rollout_quads",  # with RECIPE_OVERRIDES' static RAC selection
     "bf16_mgpu": "bf16",
 }
@@ -93,12 +91,6 @@ def timing_calibration(params: dict, recipe, cfg: ModelConfig) -> dict:
     return out
 
 
-QWEN3_30B_A3B = dict(
-    vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-    num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-    num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=40960,
-    rope_theta=1e6, dtype="bfloat16", param_dtype="bfloat16",
-)
 TINY = dict(QWEN3_30B_A3B, vocab_size=512, hidden_size=64, moe_intermediate_size=32,
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             num_experts=8, num_experts_per_tok=2, max_position_embeddings=4096)
@@ -266,22 +258,12 @@ def bench_ragged_dot(config: ModelConfig, rows: list[int], reps: int) -> list[di
 
 
 # ------------------------------------------------------------------------------ rollout cases
-def expert_bytes(tree) -> int:
-    return sum(weight_bytes(g["mlp"]["experts"]) for g in tree["layers"] if "experts" in g["mlp"])
-
-
 def matmul_flops_per_token(cfg: ModelConfig) -> float:
     """2 x the weights one token multiplies with (attention, router, its top-k experts)."""
     h, d = cfg.hidden_size, cfg.head_dim
     attn = h * d * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
     moe = cfg.num_experts * h + cfg.num_experts_per_tok * 3 * h * cfg.moe_intermediate_size
     return 2.0 * cfg.num_hidden_layers * (attn + moe)
-
-
-def kv_bytes(config: ModelConfig, rows: int, slots: int, itemsize: int = 2) -> int:
-    """Key and value bytes of ``rows`` x ``slots`` cache slots (``itemsize``: the cache dtype's)."""
-    return 2 * config.num_hidden_layers * rows * slots * config.num_key_value_heads * \
-        config.head_dim * itemsize
 
 
 def profile_decode(dec, params, start, steps: int, tag: str, top: int = 16) -> dict:
@@ -370,14 +352,10 @@ def bench_case(params, cfg, recipe, batch, prompt, args, bandwidth, tag="") -> d
     t_step = statistics.median(times) / max(ran, 1)
 
     slots = prompt + int(state.step) + ran // 2  # slots that must be read, mid-window
-    touched = 1.0 - (1.0 - cfg.num_experts_per_tok / cfg.num_experts) ** batch
-    embed = params["embed"].size * params["embed"].dtype.itemsize
-    w_all, w_exp = weight_bytes(params), expert_bytes(params)
-    kv = functools.partial(kv_bytes, cfg, itemsize=kv_itemsize(args))
     # A shared prompt is read once per group, the responses once per row.
-    read_kv = (kv(groups, prompt) + kv(batch, slots - prompt) if args.share_prompt_cache
-               else kv(batch, slots))
-    step_bytes = (w_all - w_exp - embed) + touched * w_exp + read_kv
+    step_bytes = decode_step_bytes(
+        cfg, params, batch=batch, slots=slots, kv_itemsize=kv_itemsize(args),
+        groups=groups if args.share_prompt_cache else None, prompt=prompt)
     cache_slots = prompt + args.new_tokens - 1  # prefill attends over the whole cache
     if args.share_prompt_cache:
         cache_slots = prompt

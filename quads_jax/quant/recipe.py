@@ -172,6 +172,16 @@ _REGISTRY: dict[str, Callable[[], QuantRecipe]] = {
 }
 
 
+# The rollout precisions a user picks by name (``sample --precision``, the benchmarks' arms,
+# ``quads_jax.sampler.floors``) and the registered recipe of each.
+ROLLOUT_PRECISIONS = {
+    "bf16": "bf16",
+    "fp8": "rollout_fp8",
+    "nvfp4": "rollout_nvfp4",
+    "nvfp4_rac": "rollout_quads",
+}
+
+
 def register_recipe(name: str, factory: Callable[[], QuantRecipe]) -> None:
     """Add a named recipe (an experiment is then a config change)."""
     if name in _REGISTRY:
