@@ -141,7 +141,11 @@ def main(argv=None) -> int:
                    "on it; default: the H200's datasheet rate)")
     args = p.parse_args(argv)
     try:
-        batches = [int(b) for b in args.batches.split(",")]
+        try:
+            batches = [int(b) for b in args.batches.split(",")]
+        except ValueError:
+            raise ValueError(f"--batches={args.batches!r}: comma-separated integers, e.g. "
+                             "32,128,256") from None
         precisions = tuple(args.precisions.split(","))
         if bad := [x for x in precisions if x not in ROLLOUT_PRECISIONS]:
             raise ValueError(f"--precisions: unknown {bad}; one of {sorted(ROLLOUT_PRECISIONS)}")

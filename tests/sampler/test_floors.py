@@ -1,5 +1,7 @@
 """The decode step's byte floor (``quads_jax.sampler.floors``) and its CLI."""
 
+import json
+
 import jax
 import pytest
 
@@ -72,7 +74,7 @@ def test_floor_rows_rank_the_precisions_by_their_bytes():
     assert x[1] < x[128] and x[1024] < x[128]
 
 
-def test_floors_cli_prints_the_table_and_refuses_bad_input(capsys):
+def test_floors_cli_prints_the_table_and_refuses_bad_input(capsys, tmp_path):
     assert bench.MODULES["floors"] == floors.__name__  # python -m quads_jax.bench floors
     assert floors.main(["--layers", "2", "--batches", "8,128", "--position", "300",
                         "--precisions", "bf16,nvfp4", "--kv-cache-dtype", "float8_e4m3fn"]) == 0
@@ -80,8 +82,21 @@ def test_floors_cli_prints_the_table_and_refuses_bad_input(capsys):
     assert "2 layers, 128 experts top-8, position 300, KV float8_e4m3fn" in out
     lines = [line for line in out.splitlines() if line.startswith("| 128 | nvfp4 |")]
     assert len(lines) == 1 and lines[0].endswith("x |")
+    # a transformers directory's config.json (no weights read)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    shape = models.ModelConfig(**{**floors.QWEN3_30B_A3B, "num_hidden_layers": 3})
+    (hf / "config.json").write_text(json.dumps(shape.to_hf_dict()))
+    assert floors.main(["--hf", str(hf), "--batches", "4", "--precisions", "nvfp4"]) == 0
+    assert "3 layers, 128 experts top-8" in capsys.readouterr().out
+    assert floors.main(["--hf", str(tmp_path)]) == 2
+    assert "no config.json" in capsys.readouterr().err
     assert floors.main(["--precisions", "bf16,int3"]) == 2
     assert "unknown ['int3']" in capsys.readouterr().err
+    assert floors.main(["--batches", "8,x"]) == 2
+    assert "comma-separated integers" in capsys.readouterr().err
+    assert floors.main(["--batches", "0"]) == 2
+    assert "batch=0" in capsys.readouterr().err
     assert floors.main(["--bandwidth-tbps", "0"]) == 2
     assert floors.main(["--layers", "0"]) == 2
 
