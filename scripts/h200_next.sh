@@ -530,9 +530,10 @@ rac_rows warps 8,rac_rows warps 2" --out "$OUT/rowk" > "$OUT/rowk.log" 2>&1
           --w4a4-set rac_operand_block_rows=$rows --budget-s 60
       done; done ;;
     ropr) for i in 1 2; do  # twice: rac_operands' rows per program at the prefill shape
+        # (base: rac_operand_block_rows_prefill 4, the default since session 35)
         XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 150 python3 scripts/kernel_probe.py \
-          --prefill-tiles --variants "base,rac_operand rows 4,rac_operand rows 2,rac_operand \
-rows 4 warps 8" --out "$OUT/ropr$i" > "$OUT/ropr$i.log" 2>&1
+          --prefill-tiles --variants "base,rac_operand rows 8,rac_operand rows 2,operand \
+warps 8" --out "$OUT/ropr$i" > "$OUT/ropr$i.log" 2>&1
         echo "ropr$i rc $?"; grep -E "grouped prefill|top:|FAIL|Error" "$OUT/ropr$i.log" | cut -c1-230
       done ;;
     rcp) for i in 1 2; do  # twice, each a base / recompute pair

@@ -504,13 +504,14 @@ PREFILL_VARIANTS = (
     ("mma_k 64 overlap", {"mma_k": 64, "mma_overlap": 1}),
     ("values not placed", {"rac_placed_values": False}),
     # The row kernels' grids (rac_rows; the window-operand kernels act_operands, rac_operands):
-    # tuned at the decode step's shapes, run at 8 192 rows here (session 35).
-    ("rows 16", {"rac_row_block_rows": 16, "rac_operand_block_rows": 16,
+    # tuned at the decode step's shapes, run at 8 192 rows here (session 35); rac_operands'
+    # rows in a call this large are rac_operand_block_rows_prefill (4 since session 35).
+    ("rows 16", {"rac_row_block_rows": 16, "rac_operand_block_rows_prefill": 16,
                  "act_operand_block_rows": 16}),
-    ("rows 32", {"rac_row_block_rows": 32, "rac_operand_block_rows": 32,
+    ("rows 32", {"rac_row_block_rows": 32, "rac_operand_block_rows_prefill": 32,
                  "act_operand_block_rows": 32}),
-    ("operand rows 16", {"rac_operand_block_rows": 16, "act_operand_block_rows": 16}),
-    ("operand rows 4", {"rac_operand_block_rows": 4, "act_operand_block_rows": 4}),
+    ("operand rows 16", {"rac_operand_block_rows_prefill": 16, "act_operand_block_rows": 16}),
+    ("operand rows 4", {"rac_operand_block_rows_prefill": 4, "act_operand_block_rows": 4}),
     ("operand warps 8", {"operand_warps": 8}),
     ("operand warps 2", {"operand_warps": 2}),
     ("rac_rows 16", {"rac_row_block_rows": 16}),
@@ -521,9 +522,9 @@ PREFILL_VARIANTS = (
     ("rac_rows warps 8", {"rac_row_warps": 8}),
     ("rac_rows warps 2", {"rac_row_warps": 2}),
     ("recompute placed", {"rac_operand_recompute_placed": True}),
-    ("rac_operand rows 4", {"rac_operand_block_rows": 4}),
-    ("rac_operand rows 2", {"rac_operand_block_rows": 2}),
-    ("rac_operand rows 4 warps 8", {"rac_operand_block_rows": 4, "operand_warps": 8}),
+    # rac_operands at the decode default's 8 rows and at 2 (4 with 8 warps: "operand warps 8")
+    ("rac_operand rows 8", {"rac_operand_block_rows_prefill": 8}),
+    ("rac_operand rows 2", {"rac_operand_block_rows_prefill": 2}),
 )
 
 
