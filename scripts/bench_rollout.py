@@ -52,7 +52,13 @@ from quads_jax.quant import ops
 from quads_jax.quant.recipe import ROLLOUT_PRECISIONS, get_recipe
 from quads_jax.sampler import engine
 from quads_jax.sampler.calibration import needs_calibration
-from quads_jax.sampler.floors import QWEN3_30B_A3B, decode_step_bytes, expert_bytes, kv_bytes
+from quads_jax.sampler.floors import (
+    BASELINES,
+    QWEN3_30B_A3B,
+    decode_step_bytes,
+    expert_bytes,
+    kv_bytes,
+)
 from quads_jax.sampler.sampling import DEFAULT_SAMPLER, SAMPLERS
 from quads_jax.sampler.sync import SyncMismatchError, check_sync, sync, weight_bytes
 
@@ -478,7 +484,7 @@ def bench_split(cfg, batch, prompt, args, bandwidth, clock, out_dir) -> None:
 
 
 # ------------------------------------------------------------------------------ main
-def multiples(rows: list[dict], baselines: tuple[str, ...] = ("bf16", "fp8")) -> list[str]:
+def multiples(rows: list[dict], baselines: tuple[str, ...] = BASELINES) -> list[str]:
     """One line per precision and baseline of the same case (batch, prompt, samples, shared
     cache): the decode step's multiple over the baseline, and the multiple the two floors
     allow (the baseline's step bytes over the precision's: what equal floor / step ratios

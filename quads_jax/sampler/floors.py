@@ -20,6 +20,7 @@ import sys
 
 import jax
 
+from quads_jax import models
 from quads_jax.models import ModelConfig
 from quads_jax.quant.recipe import ROLLOUT_PRECISIONS, get_recipe
 from quads_jax.sampler.sync import sync, weight_bytes
@@ -77,8 +78,6 @@ def decode_step_bytes(config: ModelConfig, tree, *, batch: int, slots: int,
 def rollout_tree_shapes(config: ModelConfig, precision: str):
     """The rollout tree of ``precision`` (a ``ROLLOUT_PRECISIONS`` key) as shapes, in the layout
     the GPU kernels read: no arrays are made."""
-    from quads_jax import models
-
     if precision not in ROLLOUT_PRECISIONS:
         raise ValueError(f"precision {precision!r}: one of {sorted(ROLLOUT_PRECISIONS)}")
     recipe = get_recipe(ROLLOUT_PRECISIONS[precision])
