@@ -184,7 +184,7 @@ def nvfp4_quantize(
         if placement is not None:  # the values live in the windowed buffer, not per row
             placed = rp.values
         operand = (None if placement is not None else rp.values, g, x)
-        row_stats = (None, rp.amax, rp.finite, rp.scores)
+        row_stats = (None, rp.amax, rp.finite, rp.scores, rp.finite_i8)
     sel = rac.select_residual(
         x, q, rac_config, act_scale_mode=act_scale_mode, rows=source_rows,
         row_expert=row_expert, num_experts=num_experts, static_blocks=static_blocks,

@@ -72,6 +72,9 @@ class RowPass(NamedTuple):
     amax: jax.Array
     finite: jax.Array
     scores: jax.Array
+    # The kernel's int8 finiteness [R, K/16] (1 = finite): what the selection kernel reads,
+    # where ``finite`` (bool) would be a conversion pass of its own.
+    finite_i8: jax.Array | None = None
 
 
 def _blocks_per_program(nb: int, block_k: int) -> int:
@@ -184,7 +187,7 @@ def rac_row_pass(x: jax.Array, g: jax.Array, *, score: str = "residual_l2",
     vals, r, amax, fin, sc = outs if with_residual else (outs[0], None, *outs[1:])
     vals = vals.reshape(r_pad, k) if windows is None else vals.reshape(2, windows, k)
     out = RowPass(vals, None if r is None else r.reshape(r_pad, k),
-                  amax[..., None], (fin > 0)[..., None], sc)
+                  amax[..., None], (fin > 0)[..., None], sc, fin)
     if r_pad == r_rows:
         return out
     placed = windows is not None
@@ -201,5 +204,6 @@ def rac_row_pass_reference(x: jax.Array, score: str = "residual_l2",
     vals = nvfp4.unscaled_values(q).astype(dtype)
     r = nvfp4.residual(x, q)
     amax, finite = nvfp4.block_amax(rac.block_view(r))
-    return (RowPass(vals, r, amax, finite, rac.row_block_scores(x, r, score)),
+    return (RowPass(vals, r, amax, finite, rac.row_block_scores(x, r, score),
+                    finite[..., 0].astype(jnp.int8)),
             q.global_scale[:, 0])

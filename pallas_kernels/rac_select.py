@@ -1,47 +1,48 @@
-"""RAC's per-expert block selection and residual scales in one kernel (Pallas, Triton backend).
+"""RAC's per-expert block selection in one kernel, coded for ``rac_operands`` (Pallas, Triton).
 
 For a grouped (MoE) W4A4 GEMM with ``online_batch`` selection, RAC picks one block set per
-expert from the summed residual scores of the expert's GEMM rows, then gives every GEMM row a
-residual decode scale (the amax of its selected blocks / 2688) and each selected block its E4M3
-scale and code reciprocal (``quads_jax.quant.rac.select_residual``). Written in jnp that is a
-scatter-add (the per-expert sums), a pairwise rank, a row reduction and two elementwise passes:
-on the H200 (2026-12-03 trace of the decode step, batch 128) about 11 us of small XLA kernels
-for gate_up and 8 us for down, per layer. Here it is one kernel per GEMM.
+expert from the summed residual scores of the expert's GEMM rows (the rows that are tokens),
+then each GEMM row gets a residual decode scale (the amax of its selected blocks / 2688), and
+the stacked-operand kernel (``pallas_kernels.rac_operands``) codes each selected block's E4M3
+scale and reciprocal from the block's amax itself. Written in jnp the selection is a
+zero-fill and scatter-add (the per-expert sums), a pairwise rank, a masked row reduction
+writing the coded block amax (``rac.code_block_amax``) and the decode scales: five XLA
+kernels per GEMM, on an H100 (2026-12-06, 04546c3, batch-128 decode step, traced) 10.3 us for
+gate_up and 8.3 us for down per layer, plus a launch gap each. Here it is one kernel per GEMM,
+writing the same two arrays: the coded amax ``[M, K/16]`` and the decode scales ``[M]``.
 
 One program per expert ``e`` (``grid = (E,)``) walks the expert's GEMM rows ``[start_e,
 start_e + group_sizes[e])`` twice, ``block_rows`` rows per step (a gather of their distinct
-rows); the last expert also takes any rows past ``sum(group_sizes)``, as the jnp path's clipped
-row experts do. It
+rows; the last expert also takes any rows past ``sum(group_sizes)``, as the jnp path's clipped
+row experts do):
 
-1. sums the score rows ``scores[rows[i]]``, ranks the sums like
-   ``rac.stable_descending_rank`` (ties to the lower block, NaN last) and keeps the top
-   ``n_keep`` blocks;
-2. for each row: ``g = decode_scale_from_amax(max(amax over the kept blocks))`` and the block
-   scales and reciprocals of ``nvfp4.block_scales_f32_from_amax`` -- the same jnp functions the
-   reference calls, traced into the kernel, so there is no second quantizer to drift.
+1. sums the score rows ``scores[rows[i]]`` of the rows that are tokens, ranks the sums like
+   ``rac.stable_descending_rank`` (``rac.sorts_before``: ties to the lower block, NaN last),
+   keeps the top ``n_keep`` blocks;
+2. for each row: ``g = decode_scale_from_amax(max(amax over the kept blocks))`` and the coded
+   amax ``rac.code_block_amax(keep, amax, finite)``: the jnp functions the reference calls,
+   traced into the kernel, so there is no second implementation to drift.
 
-Shapes: scores / amax float32 and finite bool ``[R, nb]`` (one row per distinct activation
-row), rows int32 ``[M]`` (GEMM row -> distinct row), group_sizes int ``[E]``. Outputs: block
-scales float32 ``[M, nb]`` (E4M3 values, 0 outside the selection), reciprocals float32
-``[M, nb]`` (0 outside), mask bool ``[M, nb]``, decode scales float32 ``[M]``.
+The blocks are handled in column chunks of the largest power of two dividing ``K/16`` (at
+most 128; Triton's arrays are powers of two), the rank as chunk-by-chunk comparisons, so no
+array is padded and no output sliced (either would be an XLA pass of its own). Windows of
+rows stay inside ``[0, M)`` (a step near the end is moved back and masks the rows before its
+own): the interpreter clamps windows that cross the end.
 
-Triton needs power-of-two block shapes: ``nb`` and ``E`` are padded in the wrapper (scores with
-NaN, which ranks after every real block and never before one; the pad columns are dropped).
 The per-expert sums add a step's rows as a tree, then the steps in order: where float32
-addition is inexact the last bit of a sum can differ from ``segment_sum``'s sequential order
-(XLA's GPU scatter-add adds in any order anyway), and two sums within an ulp may then rank the
-other way. With exactly representable sums (the tests) the results are bit-identical.
+addition is inexact the last bit of a sum can differ from ``segment_sum``'s order (XLA's GPU
+scatter-add adds in any order anyway), and two sums within an ulp may then rank the other
+way. With exactly representable sums (the tests) the results are bit-identical.
 
-The row loop is serial per expert, so the kernel is for decode-sized GEMMs: ``MAX_ROWS``
-bounds where ``pallas_kernels.w4a4_grouped`` uses it (prefill keeps the jnp path).
+History: the first version of this kernel (session 9, 2026-12-03) also coded every row's
+block scales and reciprocals (four ``[M, K/16]`` outputs) and took 14.3 + 11.1 us per layer on
+the H200, no faster than the jnp path; it was off by default until ``rac_operands`` learned to
+code the scales itself.
 
-Measured on the H200 (2026-12-03, ``kernel_probe --rac-select``, traced): at uniform routing
-(largest expert 15-17 rows) 7.5 / 6.5 us for gate_up / down against 14.1 / 10.7 us for the jnp
-path's 8 kernels, but its time grows with the largest expert (55 rows: 18.8 us; 225: 41 us),
-and in the rollout's decode step (random-init router) it took 14.3 + 11.1 us per layer: the
-step was 18.66 ms against 18.47 with jnp. So it is off by default
-(``W4A4MatmulConfig.rac_select_kernel``). A faster design would split the per-row scale coding
-(parallel over row blocks) from the per-expert selection.
+Shapes: scores / amax float32 and finite bool or int8 (nonzero: finite) ``[R, K/16]`` (one
+row per distinct activation row), rows int32 ``[M]`` (GEMM row -> distinct row), group_sizes
+int ``[E]``, row_valid None or bool / int ``[R]``. Outputs float32: coded ``[M, K/16]``,
+decode scales ``[M]``.
 """
 
 from __future__ import annotations
@@ -65,11 +66,12 @@ MAX_ROWS = 16384
 
 @dataclasses.dataclass(frozen=True)
 class RACSelectConfig:
-    """block_rows: GEMM rows an expert's program loads per loop step (a power of two; most
-    decode experts have fewer rows); num_warps: Triton warps per program; exact_division:
-    divide with ``div.rn.f32`` on the GPU (False: Triton's approximate ``div.full.f32``)."""
+    """block_rows: GEMM rows an expert's program loads per loop step (a power of two; a decode
+    step's experts have ~8 rows at batch 128 under uniform routing, a random-init router's
+    largest ~55); num_warps: Triton warps per program; exact_division: divide with
+    ``div.rn.f32`` on the GPU (False: Triton's approximate ``div.full.f32``)."""
 
-    block_rows: int = 16
+    block_rows: int = 32
     num_warps: int = 4
     # False: the same division as XLA:GPU's jnp path. On the H200 XLA's float32 1 / x differs
     # from the IEEE quotient on 13.5 % of values (2026-12-03, kernel_probe --rac-select), and
@@ -87,6 +89,11 @@ class RACSelectConfig:
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def _chunk(nb: int) -> int:
+    """Columns per chunk: the largest power of two that divides ``nb``, at most 128."""
+    return min(nb & -nb, 128)
 
 
 def supports(rac_config, act_scale_mode: str) -> bool:
@@ -118,44 +125,58 @@ def _kernel(*refs, exact_division: bool, **static):
     # (arith.division); otherwise with Triton's '/', as XLA:GPU's jnp path does (bit-identical
     # on the H200). The interpreter always runs jnp's division.
     with arith.division(_div_rn if exact_division else None):
-        _select_and_code(*refs, **static)
+        _select(*refs, **static)
 
 
-def _select_and_code(gs_ref, rows_ref, scores_ref, amax_ref, finite_ref,
-                     s_ref, rcp_ref, mask_ref, g_ref, *, num_experts: int, nb: int,
-                     n_keep: int, m: int, block_rows: int):
+def _select(gs_ref, rows_ref, *refs, num_experts: int, nb: int, ch: int, n_keep: int, m: int,
+            block_rows: int, has_valid: bool):
+    valid_ref = refs[0] if has_valid else None
+    scores_ref, amax_ref, finite_ref, coded_ref, g_ref = refs[1:] if has_valid else refs
     e = pl.program_id(0)
     gs = gs_ref[...]  # [Ep]
     ids = jnp.arange(gs.shape[0])
     start = jnp.sum(jnp.where(ids < e, gs, 0))
     end = jnp.where(e == num_experts - 1, m, start + jnp.sum(jnp.where(ids == e, gs, 0)))
-    steps = (end - start + block_rows - 1) // block_rows
-    lane = jnp.arange(block_rows)
-    real = jnp.arange(scores_ref.shape[1]) < nb
+    br = block_rows
+    steps = (end - start + br - 1) // br
+    lane = jnp.arange(br)
+    chunks = [pl.ds(c * ch, ch) for c in range(nb // ch)]
 
-    def rows_at(c):  # the step's GEMM rows, whether each is the expert's, their distinct rows
-        i0 = start + c * block_rows
-        return i0, (i0 + lane) < end, rows_ref[pl.ds(i0, block_rows)]
+    def window(c):  # the step's first row, which of its rows are the step's, their distinct rows
+        s_c = start + c * br
+        i0 = jnp.minimum(s_c, m - br)  # inside [0, M): a window past the end moves back
+        r = i0 + lane
+        ours = (r >= s_c) & (r < jnp.minimum(s_c + br, end))
+        return i0, ours, rows_ref[pl.ds(i0, br)]
 
     def add_scores(c, acc):
-        _, valid, t = rows_at(c)
-        return acc + jnp.sum(jnp.where(valid[:, None], scores_ref[t, :], 0.0), axis=0)
+        _, ours, t = window(c)
+        if has_valid:
+            ours = ours & (valid_ref[t] != 0)
+        return tuple(a + jnp.sum(jnp.where(ours[:, None], scores_ref[t, cols], 0.0), axis=0)
+                     for a, cols in zip(acc, chunks, strict=True))
 
-    total = jax.lax.fori_loop(0, steps, add_scores, jnp.zeros(real.shape, jnp.float32))
-    total = jnp.where(real, total, jnp.nan)  # pad columns rank last (NaN)
-    keep = ((rac.stable_descending_rank(total) < n_keep) & real)[None, :]
+    sums = jax.lax.fori_loop(0, steps, add_scores,
+                             tuple(jnp.zeros((ch,), jnp.float32) for _ in chunks))
+    idx = [c * ch + jnp.arange(ch) for c in range(len(chunks))]
+    # Each block's rank among all nb: the blocks of every chunk that sort before it.
+    keep = [sum(jnp.sum(rac.sorts_before(sj[None, :], ij[None, :], si[:, None], ii[:, None]),
+                        axis=1, dtype=jnp.int32)
+                for sj, ij in zip(sums, idx, strict=True)) < n_keep
+            for si, ii in zip(sums, idx, strict=True)]
 
     def code_rows(c, carry):
-        i0, valid, t = rows_at(c)
-        a = amax_ref[t, :]
-        g = nvfp4.decode_scale_from_amax(jnp.max(jnp.where(keep, a, 0.0), axis=1))  # [BR]
-        s, r = nvfp4.block_scales_f32_from_amax(a, finite_ref[t, :] != 0, g[:, None])
-        rows, ok = pl.ds(i0, block_rows), valid[:, None]
-        pltriton.store(s_ref.at[rows, :], jnp.where(keep, s, 0.0), mask=ok)
-        pltriton.store(rcp_ref.at[rows, :], jnp.where(keep, r, 0.0), mask=ok)
-        pltriton.store(mask_ref.at[rows, :], jnp.broadcast_to(keep, s.shape).astype(jnp.int32),
-                       mask=ok)
-        pltriton.store(g_ref.at[rows, :], g[:, None], mask=ok)
+        i0, ours, t = window(c)
+        amax = [amax_ref[t, cols] for cols in chunks]
+        sel = None
+        for a, k in zip(amax, keep, strict=True):
+            part = jnp.max(jnp.where(k[None, :], a, 0.0), axis=1)
+            sel = part if sel is None else jnp.maximum(sel, part)
+        rows = pl.ds(i0, br)
+        for a, k, cols in zip(amax, keep, chunks, strict=True):
+            coded = rac.code_block_amax(k[None, :], a, finite_ref[t, cols] != 0)
+            pltriton.store(coded_ref.at[rows, cols], coded, mask=ours[:, None])
+        pltriton.store(g_ref.at[rows], nvfp4.decode_scale_from_amax(sel), mask=ours)
         return carry
 
     jax.lax.fori_loop(0, steps, code_rows, 0)
@@ -164,12 +185,13 @@ def _select_and_code(gs_ref, rows_ref, scores_ref, amax_ref, finite_ref,
 @functools.partial(jax.jit, static_argnames=("ratio", "config", "interpret"))
 def grouped_rac_selection(scores: jax.Array, amax: jax.Array, finite: jax.Array,
                           rows: jax.Array, group_sizes: jax.Array, *, ratio: float,
+                          row_valid: jax.Array | None = None,
                           config: RACSelectConfig = RACSelectConfig(),
                           interpret: bool = False):
-    """RAC selection per expert and the residual's scales per GEMM row (module docstring).
+    """RAC selection per expert, coded per GEMM row (module docstring).
 
-    Returns ``(scales f32 [M, nb], reciprocals f32 [M, nb], mask bool [M, nb], g f32 [M])``.
-    """
+    Returns ``(coded float32 [M, nb], g float32 [M])``: ``rac.code_block_amax`` of the
+    selection and the residual's decode scales."""
     r_rows, nb = scores.shape
     if amax.shape != (r_rows, nb) or finite.shape != (r_rows, nb):
         raise ValueError(f"grouped_rac_selection: scores {scores.shape}, amax {amax.shape} and "
@@ -177,51 +199,53 @@ def grouped_rac_selection(scores: jax.Array, amax: jax.Array, finite: jax.Array,
     if rows.ndim != 1 or group_sizes.ndim != 1:
         raise ValueError(f"grouped_rac_selection: rows {rows.shape} must be [M] and "
                          f"group_sizes {group_sizes.shape} [E]")
+    if row_valid is not None and row_valid.shape != (r_rows,):
+        raise ValueError(f"grouped_rac_selection: row_valid {row_valid.shape} must be [R] = "
+                         f"[{r_rows}]")
     m, e = rows.shape[0], group_sizes.shape[0]
-    nbp, ep = _pow2(nb), _pow2(e)
+    ep = _pow2(e)
     n_keep = rac.kept_blocks(ratio, nb)  # rac.select_blocks' count
-    br = config.block_rows
-    mp = m + br  # a step's rows [i0, i0 + br) stay inside: no clamped window in interpret mode
-    pad = ((0, 0), (0, nbp - nb))
-    scores_p = jnp.pad(scores.astype(jnp.float32), pad, constant_values=jnp.nan)
-    amax_p = jnp.pad(amax.astype(jnp.float32), pad)
-    finite_p = jnp.pad(finite.astype(jnp.int32), pad, constant_values=1)
-    gs_p = jnp.pad(group_sizes.astype(jnp.int32), (0, ep - e))
+    br = min(config.block_rows, 1 << (m.bit_length() - 1))  # a window fits in [0, M)
+    gs = group_sizes.astype(jnp.int32)
+    if ep != e:  # empty groups past E: no row is theirs
+        gs = jnp.pad(gs, (0, ep - e))
+    # int8 finiteness (the row pass's) is read as it is; bool as int8 (Triton's i1 loads).
+    fin = finite if finite.dtype == jnp.int8 else finite.astype(jnp.int8)
+    valid = () if row_valid is None else (
+        row_valid if row_valid.dtype == jnp.int8 else row_valid.astype(jnp.int8),)
+    args = (gs, rows.astype(jnp.int32), *valid, scores.astype(jnp.float32),
+            amax.astype(jnp.float32), fin)
+    vary, args = varying_operands(*args)
     whole = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))  # noqa: E731
-    rows_p = jnp.pad(rows.astype(jnp.int32), (0, br))
-    vary, (gs_p, rows_p, scores_p, amax_p, finite_p) = varying_operands(
-        gs_p, rows_p, scores_p, amax_p, finite_p)
-    kernel = functools.partial(_kernel, num_experts=e, nb=nb, n_keep=n_keep, m=m,
-                               block_rows=br,
+    kernel = functools.partial(_kernel, num_experts=e, nb=nb, ch=_chunk(nb), n_keep=n_keep,
+                               m=m, block_rows=br, has_valid=row_valid is not None,
                                exact_division=config.exact_division and not interpret)
-    s, rcp, mask, g = pl.pallas_call(
+    coded, g = pl.pallas_call(
         kernel,
         grid=(e,),
-        in_specs=[whole((ep,)), whole((mp,)), whole((r_rows, nbp)), whole((r_rows, nbp)),
-                  whole((r_rows, nbp))],
-        out_specs=[whole((mp, nbp)), whole((mp, nbp)), whole((mp, nbp)), whole((mp, 1))],
-        out_shape=[jax.ShapeDtypeStruct((mp, nbp), jnp.float32, **vary),
-                   jax.ShapeDtypeStruct((mp, nbp), jnp.float32, **vary),
-                   jax.ShapeDtypeStruct((mp, nbp), jnp.int32, **vary),
-                   jax.ShapeDtypeStruct((mp, 1), jnp.float32, **vary)],
+        in_specs=[whole(a.shape) for a in args],
+        out_specs=[whole((m, nb)), whole((m,))],
+        out_shape=[jax.ShapeDtypeStruct((m, nb), jnp.float32, **vary),
+                   jax.ShapeDtypeStruct((m,), jnp.float32, **vary)],
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=1),
         interpret=interpret,
         name="rac_select",
-    )(gs_p, rows_p, scores_p, amax_p, finite_p)
-    return s[:m, :nb], rcp[:m, :nb], mask[:m, :nb] != 0, g[:m, 0]
+    )(*args)
+    return coded, g
 
 
-def grouped_rac_selection_reference(scores, amax, finite, rows, group_sizes, *, ratio: float):
-    """The jnp path (``rac.selection_mask`` + the per-row scales of ``rac.select_residual``)
-    on the same inputs: what the kernel must equal."""
+def grouped_rac_selection_reference(scores, amax, finite, rows, group_sizes, *, ratio: float,
+                                    row_valid=None):
+    """The jnp path (``rac.selection_mask``, ``rac.residual_decode_scales`` and
+    ``rac.code_block_amax``, as ``rac.select_residual`` runs them) on the same inputs: what
+    the kernel must equal."""
     m, e = rows.shape[0], group_sizes.shape[0]
     # Each GEMM row's expert (w4a4_grouped.row_experts), rows past the groups in the last one.
     rexp = jnp.minimum(ops.count_le(jnp.cumsum(group_sizes), jnp.arange(m, dtype=jnp.int32)),
                        e - 1)
     recipe = types.SimpleNamespace(rac_selection="online_batch", rac_score="residual_l2",
                                    rac_ratio=ratio, rac_energy_target=None)
-    mask = rac.selection_mask(scores, recipe, rows=rows, row_expert=rexp, num_experts=e)
-    a, f = amax[rows], finite[rows]
-    g = nvfp4.decode_scale_from_amax(jnp.max(jnp.where(mask, a, 0.0), axis=-1))
-    s, r = nvfp4.block_scales_f32_from_amax(a, f, g[:, None])
-    return jnp.where(mask, s, 0.0), jnp.where(mask, r, 0.0), mask, g
+    mask = rac.selection_mask(rac.valid_row_scores(scores, row_valid), recipe, rows=rows,
+                              row_expert=rexp, num_experts=e)
+    a, f = amax[rows], finite[rows] != 0
+    return rac.code_block_amax(mask, a, f), rac.residual_decode_scales(mask, a, "per_token")

@@ -193,10 +193,10 @@ def rac_selector(rac, act_scale_mode: str, group_sizes: jax.Array, source_rows, 
     rows = jnp.arange(m, dtype=jnp.int32) if source_rows is None else source_rows
     cfg = rac_select.RACSelectConfig(block_rows=config.rac_select_block_rows)
 
-    def select(scores, amax, finite):
+    def select(scores, amax, finite, row_valid):
         return rac_select.grouped_rac_selection(scores, amax, finite, rows, group_sizes,
-                                                ratio=rac.rac_ratio, config=cfg,
-                                                interpret=interpret)
+                                                ratio=rac.rac_ratio, row_valid=row_valid,
+                                                config=cfg, interpret=interpret)
 
     return select
 

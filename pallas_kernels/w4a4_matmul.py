@@ -108,7 +108,7 @@ class W4A4MatmulConfig:
     # per layer against the jnp path's ~14 + 11, and the step 18.66 ms against 18.47 (its
     # serial walk over an expert's rows is latency-bound; 64 rows per step: 21.67 ms).
     rac_select_kernel: bool = False
-    rac_select_block_rows: int = 16
+    rac_select_block_rows: int = 32
     # On: the residual GEMM over the selected blocks. On the H200 (2026-12-05, 7e950af, M =
     # 8192, K x N = 4096 x 14336) it took 584 us against 1093 over all K, but the columns
     # gathered element by element (`b[:, cols]`, `wd[:, cols]`) took 355 + 2 x 264 us (device
@@ -370,7 +370,7 @@ def operand_rows(acts: aq.QuantizedActivations, index: jax.Array, dtype, k_pad: 
     # the jnp selection made them): XLA's scale and reciprocal passes drop out, and the
     # kernel's operands are materialized anyway (no barrier).
     coded = ((rac.coded_block_amax(res), res.global_scale)
-             if stacked_kernel and res.amax is not None else None)
+             if stacked_kernel and res.has_coded_amax else None)
     if coded is None and materialize and isinstance(res, rac.SelectedResidual):
         # The block scales too, as float32 (exact): inside the gather fusion XLA would convert
         # each E4M3 scale once per element it scales (16 times per block, every windowed row).

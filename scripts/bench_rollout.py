@@ -599,7 +599,7 @@ def parse_args(argv):
     p.add_argument("--rac-select-kernel", action=argparse.BooleanOptionalAction, default=False,
                    help="RAC's per-expert selection in the Triton kernel or in jnp (the "
                    "default; W4A4MatmulConfig.rac_select_kernel)")
-    p.add_argument("--rac-select-block-rows", type=int, default=16,
+    p.add_argument("--rac-select-block-rows", type=int, default=32,
                    help="rows per loop step of the RAC selection kernel")
     p.add_argument("--rac-operand-kernel", action=argparse.BooleanOptionalAction, default=None,
                    help="RAC's stacked B operands written by the Triton kernel "
@@ -696,7 +696,7 @@ def main(argv=None) -> int:
     models.layers.set_decode_attention(args.decode_attention, attention)
     if (args.w4a4_n_group != 1 or not args.w4a4_stack_operands or args.w4a4_mma_overlap
             or args.w4a4_mma_k != 256 or not args.materialize_operands
-            or args.rac_select_kernel or args.rac_select_block_rows != 16
+            or args.rac_select_kernel or args.rac_select_block_rows != 32
             or args.grouped_barrier != kernel_backend.DEFAULT_GROUPED_BARRIER
             or not args.windowed_operands
             or args.rac_operand_kernel is not None or args.rac_operand_padding != "zeros"

@@ -51,6 +51,10 @@
 #   rsel   the RAC selection kernel (pallas_kernels.rac_select): the decode MoE operand check
 #          (check-moe), then nvfp4_rac and nvfp4 at batch 128 traced, and nvfp4_rac with
 #          --no-rac-select-kernel (the jnp selection) in the same call
+#   rsel3  the coded selection kernel (session 37: per-expert selection writing the coded block
+#          amax and decode scales for rac_operands): its GPU check and times against the jnp
+#          path (kernel_probe --rac-select), then nvfp4_rac at batch 128 without it, with it
+#          at 32 and at 16 rows per step, same call, traced
 #   rsel2  the selection kernel's variants (block rows, warps, division) against the jnp path on
 #          the GPU, then nvfp4_rac with --rac-select-block-rows 64 and without the kernel
 #   win    nvfp4_rac and nvfp4 at batch 128, traced, with the token tiles read as row windows
@@ -451,6 +455,14 @@ for step in "$@"; do
       --rac-select-kernel --rac-select-block-rows 64 --budget-s 100
       rollout nosel128 130 --quick --profile-steps 4 --precisions nvfp4_rac \
       --no-rac-select-kernel --budget-s 100 ;;
+    rsel3) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 150 python3 scripts/kernel_probe.py \
+      --rac-select --out "$OUT/rselk" > "$OUT/rselk.log" 2>&1
+      echo "rselk rc $?"; grep -E "rac_select|XLA:GPU|Error" "$OUT/rselk.log" | cut -c1-150
+      for v in nosel sel32 sel16; do  # the jnp selection, then the kernel at 32 / 16 rows
+        case $v in nosel) a=--no-rac-select-kernel ;; sel32) a=--rac-select-kernel ;;
+          sel16) a="--rac-select-kernel --rac-select-block-rows 16" ;; esac
+        rollout $v 150 --quick --profile-steps 4 --precisions nvfp4_rac $a --budget-s 120
+      done ;;
     win) rollout win128 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 --budget-s 110
       rollout gat128 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \
       --no-windowed-operands --budget-s 110 ;;

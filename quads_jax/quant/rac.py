@@ -103,14 +103,22 @@ def stable_descending_rank(scores: jax.Array) -> jax.Array:
     fused reduction instead of two sorts, which are separate kernels on a GPU and ran in every
     RAC matmul of a decode step. Elementwise ops and one sum: the RAC selection kernel
     (``pallas_kernels.rac_select``) calls it too."""
-    key = -scores
-    a, b = key[..., :, None], key[..., None, :]  # a: block i, b: block j
+    nb = scores.shape[-1]
+    idx = jnp.arange(nb)
+    return jnp.sum(sorts_before(scores[..., None, :], idx[None, :], scores[..., :, None],
+                                idx[:, None]), axis=-1, dtype=jnp.int32)
+
+
+def sorts_before(score_j, j, score_i, i) -> jax.Array:
+    """Whether block ``j`` comes before block ``i`` in a stable descending sort of scores (NaN
+    last; equal scores: the lower index first), elementwise over broadcast operands: the
+    comparison ``stable_descending_rank`` sums, and the RAC selection kernel sums chunk by
+    chunk (``pallas_kernels.rac_select``)."""
+    a, b = -score_i, -score_j
     nan_a, nan_b = jnp.isnan(a), jnp.isnan(b)
     before = (b < a) | (nan_a & ~nan_b)  # j sorts strictly before i
     tie = (b == a) | (nan_a & nan_b)
-    nb = scores.shape[-1]
-    earlier = jnp.arange(nb)[None, :] < jnp.arange(nb)[:, None]  # j < i
-    return jnp.sum(before | (tie & earlier), axis=-1, dtype=jnp.int32)
+    return before | (tie & (j < i))
 
 
 def kept_blocks(ratio: float, num_blocks: int) -> int:
@@ -252,6 +260,9 @@ class SelectedResidual:
         ``reciprocals`` are coded from (``nvfp4.block_scales_f32_from_amax`` with
         ``global_scale``, zero outside ``mask``): a kernel that codes them itself
         (``coded_block_amax``) reads these instead, and XLA drops the scales' own pass.
+      coded: None, or float32 ``[M, K/16]``: ``code_block_amax`` of the selection, as the
+        selection kernel wrote it (``scales``, ``reciprocals`` and ``mask`` are then XLA
+        expressions of it that only a consumer other than ``rac_operands`` computes).
       dtype: the logical dtype of the codes (the activations').
     """
 
@@ -263,7 +274,13 @@ class SelectedResidual:
     rows: jax.Array | None = None
     amax: jax.Array | None = None
     finite: jax.Array | None = None
+    coded: jax.Array | None = None
     dtype: jnp.dtype = dataclasses.field(default=jnp.dtype(jnp.bfloat16), metadata={"static": True})
+
+    @property
+    def has_coded_amax(self) -> bool:
+        """Whether ``coded_block_amax`` can give a kernel the coded block amax."""
+        return self.coded is not None or self.amax is not None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -333,28 +350,35 @@ def select_residual(
         ``"shared"`` reuses ``q``'s.
       rows / row_expert / num_experts / static_blocks: as ``selection_mask``.
       row_valid: None, or bool per row of ``x``: as ``row_block_scores``.
-      selector: None, or a function ``(scores, amax, finite) -> (scales, reciprocals, mask,
-        g)`` of the distinct rows' float32 block scores and amax and bool finiteness ``[R,
-        K/16]`` that computes what the rest of this function does (float32 block scales on
-        the E4M3 grid, reciprocals and mask ``[M, K/16]``, decode scales ``[M]``) in one
-        kernel (``pallas_kernels.rac_select``, for the configurations its ``supports``
-        accepts; it traces this module's and ``nvfp4``'s functions).
-      row_stats: None, or ``(r, amax, finite, scores)`` of the distinct rows as computed here
-        (``scores`` before the ``row_valid`` mask; ``r`` None: computed here, where a consumer
-        needs it): ``pallas_kernels.rac_rows``'s one-kernel row pass.
+      selector: None, or a function ``(scores, amax, finite, row_valid) -> (coded, g)`` of
+        the distinct rows' float32 block scores (before the ``row_valid`` mask) and amax and
+        finiteness ``[R, K/16]`` (bool, or the row pass's int8) that computes what the rest of
+        this function does, as ``code_block_amax`` of the selection ``[M, K/16]`` and the
+        decode scales ``[M]``, in one kernel (``pallas_kernels.rac_select``, for the
+        configurations its ``supports`` accepts; it traces this module's and ``nvfp4``'s
+        functions).
+      row_stats: None, or ``(r, amax, finite, scores[, finite_i8])`` of the distinct rows as
+        computed here (``scores`` before the ``row_valid`` mask; ``r`` None: computed here,
+        where a consumer needs it): ``pallas_kernels.rac_rows``'s one-kernel row pass
+        (``finite_i8``: its int8 finiteness, what a selector reads without a conversion).
     """
+    finite_raw = None
     if row_stats is None:
         r = nvfp4.residual(x, q)
         amax, finite = nvfp4.block_amax(block_view(r))  # [R, K/16, 1]
-        scores = row_block_scores(x, r, recipe.rac_score, row_valid)
+        raw_scores = row_block_scores(x, r, recipe.rac_score)
     else:
-        r, amax, finite, scores = row_stats
+        r, amax, finite, raw_scores, *finite_raw = row_stats
+        finite_raw = finite_raw[0] if finite_raw else None
         r = nvfp4.residual(x, q) if r is None else r
-        scores = valid_row_scores(scores, row_valid)
     if selector is not None:
-        s, rcp, mask, g = selector(scores, amax[..., 0], finite[..., 0])
+        coded, g = selector(raw_scores, amax[..., 0],
+                            finite[..., 0] if finite_raw is None else finite_raw, row_valid)
+        s, rcp = scales_from_coded_amax(coded, g[:, None])
         return SelectedResidual(r=r, scales=s.astype(jnp.float8_e4m3fn), reciprocals=rcp,
-                                mask=mask, global_scale=g, rows=rows, dtype=jnp.dtype(x.dtype))
+                                mask=~(coded < 0), global_scale=g, rows=rows, coded=coded,
+                                dtype=jnp.dtype(x.dtype))
+    scores = valid_row_scores(raw_scores, row_valid)
     if rows is not None:
         amax, finite = amax[rows], finite[rows]
     mask = selection_mask(scores, recipe, rows=rows, row_expert=row_expert,
@@ -364,10 +388,7 @@ def select_residual(
         g = jnp.asarray(q.global_scale, jnp.float32).reshape(-1)
         g = jnp.broadcast_to(g, (m,)) if g.size == 1 else (g if rows is None else g[rows])
     else:
-        sel = jnp.max(jnp.where(mask, amax[..., 0], 0.0), axis=-1)  # [M]
-        if act_scale_mode == "per_batch":
-            sel = jnp.broadcast_to(jnp.max(sel), (m,))
-        g = nvfp4.decode_scale_from_amax(sel)
+        g = residual_decode_scales(mask, amax[..., 0], act_scale_mode)
     s, rcp = nvfp4.block_scales_from_amax(amax, finite, g[:, None, None])
     return SelectedResidual(
         r=r, scales=jnp.where(mask, s, jnp.zeros((), s.dtype)),
@@ -375,15 +396,34 @@ def select_residual(
         amax=amax[..., 0], finite=finite[..., 0], dtype=jnp.dtype(x.dtype))
 
 
+def residual_decode_scales(mask: jax.Array, amax: jax.Array, act_scale_mode: str) -> jax.Array:
+    """float32 ``[M]``: the residual's own decode scale of each GEMM row
+    (``rac_residual_scale="separate"``) from its selected blocks' amax (``mask`` / ``amax``
+    ``[M, K/16]``), one for all rows under ``per_batch``."""
+    sel = jnp.max(jnp.where(mask, amax, 0.0), axis=-1)  # [M]
+    if act_scale_mode == "per_batch":
+        sel = jnp.broadcast_to(jnp.max(sel), sel.shape)
+    return nvfp4.decode_scale_from_amax(sel)
+
+
+def code_block_amax(mask, amax, finite) -> jax.Array:
+    """Elementwise: the amax where the block is selected and finite, NaN where selected and not
+    finite, -1 outside the selection (an amax is >= 0): ``coded_block_amax``'s values, which
+    the selection kernel also writes (``pallas_kernels.rac_select``)."""
+    return jnp.where(mask, jnp.where(finite, amax, jnp.nan), -1.0)
+
+
 def coded_block_amax(res: SelectedResidual) -> jax.Array:
     """float32 ``[M, K/16]``: ``res``'s block amax with its finiteness and selection folded
-    in, for a kernel that codes the block scales itself (``pallas_kernels.rac_operands``):
-    the amax where the block is selected and finite, NaN where selected and not finite, -1
-    outside the selection (an amax is >= 0). ``res.amax`` must be set."""
+    in (``code_block_amax``), for a kernel that codes the block scales itself
+    (``pallas_kernels.rac_operands``). ``res.coded`` when a selection kernel wrote it, else
+    from ``res.amax`` / ``res.finite``, which must then be set."""
+    if res.coded is not None:
+        return res.coded
     if res.amax is None or res.finite is None:
-        raise ValueError("coded_block_amax: the SelectedResidual has no amax / finite (made "
-                         "by a selection kernel): use its scales and reciprocals")
-    return jnp.where(res.mask, jnp.where(res.finite, res.amax, jnp.nan), -1.0)
+        raise ValueError("coded_block_amax: the SelectedResidual has neither coded amax nor "
+                         "amax / finite: use its scales and reciprocals")
+    return code_block_amax(res.mask, res.amax, res.finite)
 
 
 def scales_from_coded_amax(a: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -40,6 +40,7 @@ def test_interpret_equals_the_jnp_path(r, k, score, block_rows, dtype):
     np.testing.assert_array_equal(np.asarray(got.values).view(np.uint16),
                                   np.asarray(want.values).view(np.uint16))
     np.testing.assert_array_equal(np.asarray(got.finite), np.asarray(want.finite))
+    np.testing.assert_array_equal(np.asarray(got.finite_i8), np.asarray(want.finite_i8))
     assert not np.asarray(got.finite).all()  # the NaN / inf blocks
     # The residual and its block amax bit for bit (nvfp4.residual_from_values: exact
     # products, whether or not a compiler fuses them into multiply-adds); the scores' sums of

@@ -1,5 +1,6 @@
 """The RAC selection kernel (pallas_kernels.rac_select): interpret mode equals the jnp path bit
-for bit, through the grouped W4A4 matmul too; cuda lowering; bad input."""
+for bit (coded block amax and decode scales, with and without the token mask), through the
+grouped W4A4 matmul too; cuda lowering; bad input."""
 
 import jax
 import jax.numpy as jnp
@@ -16,13 +17,14 @@ from quads_jax.testing import lower_for_h200
 
 
 def _inputs(r, m, nb, seed):
-    k = jax.random.split(jax.random.key(seed), 4)
+    k = jax.random.split(jax.random.key(seed), 5)
     # Multiples of 1/16 below 4: every sum of them is exact, so any summation order agrees.
     scores = jnp.floor(jax.random.uniform(k[0], (r, nb)) * 64) / 16
     amax = jax.random.uniform(k[1], (r, nb)) * 3
     finite = jax.random.uniform(k[2], (r, nb)) > 0.05
     rows = jax.random.randint(k[3], (m,), 0, r)
-    return scores, amax, finite, rows
+    valid = jax.random.uniform(k[4], (r,)) > 0.2
+    return scores, amax, finite, rows, valid
 
 
 @pytest.mark.parametrize(
@@ -32,19 +34,28 @@ def _inputs(r, m, nb, seed):
         (12, 30, 48, [5, 5, 0, 0, 3, 7], 16),  # 10 rows past the groups: the last expert's
         (20, 100, 128, [40, 1, 0, 35, 24], 8),  # experts over several loop steps
         (8, 8, 16, [0, 0, 8], 4),
+        (8, 5, 24, [2, 3], 32),  # M below block_rows; 24 blocks: chunks of 8
     ],
 )
-def test_interpret_equals_the_jnp_path(r, m, nb, group_sizes, block_rows):
-    scores, amax, finite, rows = _inputs(r, m, nb, seed=r + m)
+@pytest.mark.parametrize("with_valid", [False, True])
+def test_interpret_equals_the_jnp_path(r, m, nb, group_sizes, block_rows, with_valid):
+    scores, amax, finite, rows, valid = _inputs(r, m, nb, seed=r + m)
+    valid = valid if with_valid else None
     gs = jnp.asarray(group_sizes, jnp.int32)
-    out = rs.grouped_rac_selection(scores, amax, finite, rows, gs, ratio=0.5,
-                                   config=rs.RACSelectConfig(block_rows=block_rows),
-                                   interpret=True)
-    ref = rs.grouped_rac_selection_reference(scores, amax, finite, rows, gs, ratio=0.5)
-    for name, a, b in zip(("scales", "reciprocals", "mask", "g"), out, ref, strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
-    mask = np.asarray(out[2])
-    assert mask.sum(axis=1).min() == mask.sum(axis=1).max() == round(0.5 * nb)
+    ref = rs.grouped_rac_selection_reference(scores, amax, finite, rows, gs, ratio=0.5,
+                                             row_valid=valid)
+    for fin in (finite, finite.astype(jnp.int8)):  # the row pass's int8 is read as it is
+        out = rs.grouped_rac_selection(scores, amax, fin, rows, gs, ratio=0.5, row_valid=valid,
+                                       config=rs.RACSelectConfig(block_rows=block_rows),
+                                       interpret=True)
+        for name, a, b in zip(("coded", "g"), out, ref, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+    selected = ~(np.asarray(out[0]) < 0)
+    assert selected.sum(axis=1).min() == selected.sum(axis=1).max() == round(0.5 * nb)
+    if with_valid:  # the rows that are not tokens do not vote
+        alone = rs.grouped_rac_selection_reference(
+            jnp.where(valid[:, None], scores, 0.0), amax, finite, rows, gs, ratio=0.5)
+        np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(alone[0]))
 
 
 def test_nan_scores_rank_last_and_ties_take_the_lower_block():
@@ -53,14 +64,16 @@ def test_nan_scores_rank_last_and_ties_take_the_lower_block():
     finite = jnp.ones((4, 16), bool)
     rows = jnp.arange(4, dtype=jnp.int32)
     gs = jnp.asarray([4], jnp.int32)
-    _, _, mask, _ = rs.grouped_rac_selection(scores, amax, finite, rows, gs, ratio=0.25,
-                                             interpret=True)
-    np.testing.assert_array_equal(np.flatnonzero(np.asarray(mask[0])), [0, 1, 2, 4])
+    coded, _ = rs.grouped_rac_selection(scores, amax, finite, rows, gs, ratio=0.25,
+                                        interpret=True)
+    np.testing.assert_array_equal(np.flatnonzero(np.asarray(coded[0]) >= 0), [0, 1, 2, 4])
 
 
-def test_grouped_matmul_with_and_without_the_kernel_agree():
+@pytest.mark.parametrize("with_valid", [False, True])
+def test_grouped_matmul_with_and_without_the_kernel_agree(with_valid):
     """The grouped RAC matmul through the selection kernel equals the jnp selection bit for bit
-    (the tiles, the kernel's products and the scales are then the same)."""
+    (the tiles, the kernel's products and the scales are then the same), with a token mask
+    too (finished sequences do not vote)."""
     k = jax.random.split(jax.random.key(7), 2)
     x = jax.random.normal(k[0], (12, 256), jnp.bfloat16)
     src = jnp.asarray([0, 3, 5, 1, 2, 7, 4, 9, 11, 6, 8, 10, 3, 1, 0, 2], jnp.int32)
@@ -70,8 +83,9 @@ def test_grouped_matmul_with_and_without_the_kernel_agree():
 
     def run(flag):
         cfg = W4A4MatmulConfig(a_via_smem=True, num_sms=2, rac_select_kernel=flag)
+        valid = (jnp.arange(12) % 3 != 1) if with_valid else None
         return w4a4_grouped_matmul(x, w, gs, rac=aq.RACConfig(), config=cfg, interpret=True,
-                                   source_rows=src)
+                                   source_rows=src, row_valid=valid)
 
     np.testing.assert_array_equal(np.asarray(run(True), np.float32),
                                   np.asarray(run(False), np.float32))
@@ -88,10 +102,11 @@ def test_supports_only_what_it_computes():
 
 @pytest.mark.parametrize("exact", [False, True])
 def test_lowers_for_cuda(exact):
-    args = (jnp.ones((128, 48)), jnp.ones((128, 48)), jnp.ones((128, 48), bool),
-            jnp.zeros((1024,), jnp.int32), jnp.full((128,), 8, jnp.int32))
+    args = (jnp.ones((128, 48)), jnp.ones((128, 48)), jnp.ones((128, 48), jnp.int8),
+            jnp.zeros((1024,), jnp.int32), jnp.full((128,), 8, jnp.int32), jnp.ones(128, bool))
     cfg = rs.RACSelectConfig(exact_division=exact)
-    text = lower_for_h200(lambda *a: rs.grouped_rac_selection(*a, ratio=0.5, config=cfg),
+    text = lower_for_h200(lambda *a: rs.grouped_rac_selection(*a[:5], ratio=0.5,
+                                                              row_valid=a[5], config=cfg),
                           *args)
     assert "rac_select" in text
     assert ("div.rn.f32" in text) == exact  # arith.division: the kernel's division
@@ -107,5 +122,8 @@ def test_bad_input():
         rs.grouped_rac_selection(s, jnp.ones((4, 8)), s > 0, rows, gs, ratio=0.5, interpret=True)
     with pytest.raises(ValueError, match="rows"):
         rs.grouped_rac_selection(s, s, s > 0, rows[None], gs, ratio=0.5, interpret=True)
+    with pytest.raises(ValueError, match="row_valid"):
+        rs.grouped_rac_selection(s, s, s > 0, rows, gs, ratio=0.5, row_valid=jnp.ones(3, bool),
+                                 interpret=True)
     with pytest.raises(ValueError, match="block_rows"):
         rs.RACSelectConfig(block_rows=12)
