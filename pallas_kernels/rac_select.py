@@ -149,15 +149,22 @@ def _select(gs_ref, rows_ref, *refs, num_experts: int, nb: int, ch: int, n_keep:
         ours = (r >= s_c) & (r < jnp.minimum(s_c + br, end))
         return i0, ours, rows_ref[pl.ds(i0, br)]
 
-    def add_scores(c, acc):
-        _, ours, t = window(c)
-        if has_valid:
-            ours = ours & (valid_ref[t] != 0)
-        return tuple(a + jnp.sum(jnp.where(ours[:, None], scores_ref[t, cols], 0.0), axis=0)
-                     for a, cols in zip(acc, chunks, strict=True))
+    def loads(c):  # a step's rows and their scores (of the rows that are tokens), amax, finite
+        i0, ours, t = window(c)
+        votes = ours & (valid_ref[t] != 0) if has_valid else ours
+        return (i0, ours, [jnp.where(votes[:, None], scores_ref[t, cols], 0.0) for cols in chunks],
+                [amax_ref[t, cols] for cols in chunks],
+                [finite_ref[t, cols] != 0 for cols in chunks])
 
-    sums = jax.lax.fori_loop(0, steps, add_scores,
-                             tuple(jnp.zeros((ch,), jnp.float32) for _ in chunks))
+    def add_scores(c, acc):
+        return tuple(a + jnp.sum(v, axis=0) for a, v in zip(acc, loads(c)[2], strict=True))
+
+    # The first step's loads are issued together, before the rank, and its rows are coded from
+    # registers after it: at decode an expert's rows fit one step, and its amax and finiteness
+    # then cost no second round of dependent loads.
+    i0, ours, first_scores, first_amax, first_finite = loads(0)
+    sums = jax.lax.fori_loop(1, steps, add_scores,
+                             tuple(jnp.sum(v, axis=0) for v in first_scores))
     idx = [c * ch + jnp.arange(ch) for c in range(len(chunks))]
     # Each block's rank among all nb: the blocks of every chunk that sort before it.
     keep = [sum(jnp.sum(rac.sorts_before(sj[None, :], ij[None, :], si[:, None], ii[:, None]),
@@ -165,21 +172,24 @@ def _select(gs_ref, rows_ref, *refs, num_experts: int, nb: int, ch: int, n_keep:
                 for sj, ij in zip(sums, idx, strict=True)) < n_keep
             for si, ii in zip(sums, idx, strict=True)]
 
-    def code_rows(c, carry):
-        i0, ours, t = window(c)
-        amax = [amax_ref[t, cols] for cols in chunks]
+    def code(i0, ours, amax, finite):
         sel = None
         for a, k in zip(amax, keep, strict=True):
             part = jnp.max(jnp.where(k[None, :], a, 0.0), axis=1)
             sel = part if sel is None else jnp.maximum(sel, part)
         rows = pl.ds(i0, br)
-        for a, k, cols in zip(amax, keep, chunks, strict=True):
-            coded = rac.code_block_amax(k[None, :], a, finite_ref[t, cols] != 0)
-            pltriton.store(coded_ref.at[rows, cols], coded, mask=ours[:, None])
+        for a, f, k, cols in zip(amax, finite, keep, chunks, strict=True):
+            pltriton.store(coded_ref.at[rows, cols], rac.code_block_amax(k[None, :], a, f),
+                           mask=ours[:, None])
         pltriton.store(g_ref.at[rows], nvfp4.decode_scale_from_amax(sel), mask=ours)
+
+    def code_rows(c, carry):
+        i0, ours, _, amax, finite = loads(c)
+        code(i0, ours, amax, finite)
         return carry
 
-    jax.lax.fori_loop(0, steps, code_rows, 0)
+    code(i0, ours, first_amax, first_finite)
+    jax.lax.fori_loop(1, steps, code_rows, 0)
 
 
 @functools.partial(jax.jit, static_argnames=("ratio", "config", "interpret"))

@@ -102,12 +102,14 @@ class W4A4MatmulConfig:
     # On the H200 (2026-12-03, 4a3768d, same call): the RAC decode step 19.37 -> 18.37 ms at
     # batch 128; the grouped kernels alone: gate_up +RAC 114.6 -> 97.7 us, down 59.8 -> 51.8.
     stack_operands: bool = True
-    # Grouped GEMMs with RAC: the per-expert block selection and the residual's scales in one
-    # Triton kernel (``pallas_kernels.rac_select``) instead of ~8 small XLA kernels per GEMM.
-    # Off: on the H200 (2026-12-03, batch 128 decode step, same calls) it took 14.3 + 11.1 us
-    # per layer against the jnp path's ~14 + 11, and the step 18.66 ms against 18.47 (its
-    # serial walk over an expert's rows is latency-bound; 64 rows per step: 21.67 ms).
-    rac_select_kernel: bool = False
+    # Grouped GEMMs with RAC (up to rac_select.MAX_ROWS rows): the per-expert block selection,
+    # coded for rac_operands, in one Triton kernel (``pallas_kernels.rac_select``) instead of
+    # five XLA kernels per GEMM. On an H100 (2026-12-06, 8581402, batch-128 decode step, 24
+    # layers, same call): 6.2 + 4.7 us per layer against ~18.6, 144 kernels per step fewer,
+    # the step 8.76 ms against 8.84 (16 rows per step: 8.80). Its serial walk over an
+    # expert's rows is latency-bound: with one expert holding 225 of 1 024 rows, down's call
+    # took 18.5 us against the jnp path's 10.2 (``kernel_probe --rac-select``).
+    rac_select_kernel: bool = True
     rac_select_block_rows: int = 32
     # On: the residual GEMM over the selected blocks. On the H200 (2026-12-05, 7e950af, M =
     # 8192, K x N = 4096 x 14336) it took 584 us against 1093 over all K, but the columns

@@ -596,10 +596,12 @@ def parse_args(argv):
                    help="the NVFP4 and FP8 kernels read token tiles as row windows (the "
                    "default) or as gathered tiles (W4A4MatmulConfig / W8A8MatmulConfig."
                    "windowed_operands)")
-    p.add_argument("--rac-select-kernel", action=argparse.BooleanOptionalAction, default=False,
-                   help="RAC's per-expert selection in the Triton kernel or in jnp (the "
-                   "default; W4A4MatmulConfig.rac_select_kernel)")
-    p.add_argument("--rac-select-block-rows", type=int, default=32,
+    p.add_argument("--rac-select-kernel", action=argparse.BooleanOptionalAction,
+                   default=W4A4MatmulConfig.rac_select_kernel,
+                   help="RAC's per-expert selection in the Triton kernel (pallas_kernels."
+                   "rac_select) or in jnp (default: W4A4MatmulConfig.rac_select_kernel)")
+    p.add_argument("--rac-select-block-rows", type=int,
+                   default=W4A4MatmulConfig.rac_select_block_rows,
                    help="rows per loop step of the RAC selection kernel")
     p.add_argument("--rac-operand-kernel", action=argparse.BooleanOptionalAction, default=None,
                    help="RAC's stacked B operands written by the Triton kernel "
@@ -696,7 +698,8 @@ def main(argv=None) -> int:
     models.layers.set_decode_attention(args.decode_attention, attention)
     if (args.w4a4_n_group != 1 or not args.w4a4_stack_operands or args.w4a4_mma_overlap
             or args.w4a4_mma_k != 256 or not args.materialize_operands
-            or args.rac_select_kernel or args.rac_select_block_rows != 32
+            or args.rac_select_kernel != W4A4MatmulConfig.rac_select_kernel
+            or args.rac_select_block_rows != W4A4MatmulConfig.rac_select_block_rows
             or args.grouped_barrier != kernel_backend.DEFAULT_GROUPED_BARRIER
             or not args.windowed_operands
             or args.rac_operand_kernel is not None or args.rac_operand_padding != "zeros"
