@@ -596,6 +596,9 @@ def parse_args(argv):
                    help="the NVFP4 and FP8 kernels read token tiles as row windows (the "
                    "default) or as gathered tiles (W4A4MatmulConfig / W8A8MatmulConfig."
                    "windowed_operands)")
+    p.add_argument("--slot-sort-kernel", action=argparse.BooleanOptionalAction, default=True,
+                   help="the MoE slots' sort by expert in the Pallas kernel (pallas_kernels."
+                   "slot_sort, the default) or in jnp (moe.set_slot_sort_kernel)")
     p.add_argument("--rac-select-kernel", action=argparse.BooleanOptionalAction,
                    default=W4A4MatmulConfig.rac_select_kernel,
                    help="RAC's per-expert selection in the Triton kernel (pallas_kernels."
@@ -732,6 +735,7 @@ def main(argv=None) -> int:
         kernel_backend.set_fp8_overrides(windowed_operands=args.windowed_operands, **plan)
         kernel_backend.set_grouped_barrier(args.grouped_barrier)
     kernel_backend.set_w4a4_bits(args.w4a4_bits)
+    models.moe.set_slot_sort_kernel(args.slot_sort_kernel)
     clock = Clock(args.budget_s)
     os.makedirs(args.out, exist_ok=True)
     open(os.path.join(args.out, "rollout.jsonl"), "w").close()
@@ -756,6 +760,7 @@ def main(argv=None) -> int:
                           attention_prefix_splits=attention.prefix_splits,
                           rac_select_kernel=args.rac_select_kernel,
                           rac_select_block_rows=args.rac_select_block_rows,
+                          slot_sort_kernel=args.slot_sort_kernel,
                           rac_operand_kernel=(W4A4MatmulConfig().rac_operand_kernel
                                               if args.rac_operand_kernel is None
                                               else args.rac_operand_kernel),

@@ -774,6 +774,36 @@ def run_rac_select():
                        f"selections equal {same.mean():.4f}; differing coded/g {diffs}")
 
 
+def run_slot_sort():
+    """The slot-sort kernel (``pallas_kernels.slot_sort``) at the decode step's shapes (top-8
+    of 128 experts for 1, 16, 128 and 256 tokens; uniform and skewed routing): GPU equality
+    with ``moe.sort_slots``' jnp path (order, inverse, counts), then the traced device time of
+    the kernel and of the jnp path's kernels, per block size."""
+    from pallas_kernels import slot_sort as ss
+    from quads_jax.models.moe import sort_slots
+
+    bk.log("== slot-sort kernel (pallas_kernels.slot_sort) vs the jnp path")
+    for tokens in (1, 16, 128, 256):
+        for skew in (0.0, 1.5):
+            k = jax.random.split(jax.random.key(tokens), 2)
+            logits = jax.random.normal(k[1], (GE,)) * skew
+            ids = jax.random.categorical(k[0], logits, shape=(tokens * 8,)).astype(jnp.int32)
+            ref = jax.jit(lambda i: sort_slots(i, GE))
+            want = [np.asarray(a) for a in ref(ids)]
+            case = f"{tokens} tokens skew {skew}"
+            us, count, _ = traced_kernels(ref, ids, match="", tag=f"ssort_{tokens}_jnp")
+            bk.log(f"  slot_sort {case} jnp {us * count:6.1f} us in {count} kernels")
+            for block, warps in ((16, 4), (8, 4), (32, 4), (16, 2), (16, 8)):
+                cfg = ss.SlotSortConfig(block=block, num_warps=warps)
+                kern = jax.jit(lambda i, cfg=cfg: ss.slot_sort(i, GE, config=cfg))
+                got = [np.asarray(a) for a in kern(ids)]
+                equal = all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+                us, _, _ = traced_kernels(kern, ids, match="slot_sort",
+                                          tag=f"ssort_{tokens}_{block}")
+                bk.log(f"  slot_sort {case} block {block} warps {warps}: "
+                       f"{us:5.1f} us; {'EQUAL' if equal else 'DIFFERENT (FAIL)'}")
+
+
 def decode_operand_cases(tokens: int):
     """The decode step's two grouped GEMMs (``tokens`` top-8 over 128 experts, uniform
     routing): ``(name, K, x [R, K] bf16, source_rows or None, expert of each sorted row,
@@ -1075,6 +1105,8 @@ def main(argv=None):
                         "table's shape K x N = 2048 x 768 alone, every kernel listed")
     p.add_argument("--grouped-ablations", action="store_true",
                    help="floors + the grouped tile kernel's variants and ablations, traced")
+    p.add_argument("--slot-sort", action="store_true",
+                   help="the MoE slot-sort kernel: GPU equality with jnp, traced times")
     p.add_argument("--rac-select", action="store_true",
                    help="the RAC selection kernel: GPU bit-identity with jnp, traced times")
     p.add_argument("--rac-operands", action="store_true",
@@ -1115,6 +1147,8 @@ def main(argv=None):
                 variants=None if args.variants is None else tuple(args.variants.split(",")),
                 checks=tuple(v for v in args.check_variants.split(",") if v))
             return 0
+        if args.slot_sort:
+            run_slot_sort()
         if args.rac_select:
             run_rac_select()
             return 0

@@ -119,9 +119,23 @@ def moe_block(
 # Up to this many (slot, slot) pairs ``sort_slots`` ranks the slots by counting (one fused
 # comparison); above it (prefill) it sorts.
 PAIRWISE_SORT_LIMIT = 1 << 22
+# Whether ``_experts`` sorts a decode step's slots with the Pallas kernel where the expert
+# matmuls are kernels (``set_slot_sort_kernel``; bench_rollout's --no-slot-sort-kernel A/B).
+_SLOT_SORT_KERNEL = [True]
 
 
-def sort_slots(flat_ids: jax.Array, num_experts: int):
+def set_slot_sort_kernel(on: bool = True) -> None:
+    """Use (the default) or not the slot-sort kernel in ``_experts`` (traced after the call)."""
+    _SLOT_SORT_KERNEL[0] = bool(on)
+
+
+def slot_sorts_before(id_j, slot_j, id_i, slot_i) -> jax.Array:
+    """Whether slot ``j`` comes before slot ``i`` in the stable sort by expert, elementwise over
+    broadcast operands: what ``sort_slots`` counts (the slot-sort kernel too)."""
+    return (id_j < id_i) | ((id_j == id_i) & (slot_j < slot_i))
+
+
+def sort_slots(flat_ids: jax.Array, num_experts: int, kernel: str | None = None):
     """Stable sort of token slots by expert: ``(order, inverse, counts)``.
 
     ``flat_ids``: int32 ``[S]`` expert of each slot. ``order[i]``: the slot at sorted row ``i``;
@@ -131,13 +145,22 @@ def sort_slots(flat_ids: jax.Array, num_experts: int):
     of 1 024 keys took 8 us per layer on the H200 (2026-12-03 trace). Same permutation either
     way. The count needs no cumulative sum of ``counts``: XLA runs a cumsum of E values as a
     ``reduce_window`` kernel of its own (4.4 us per layer on the H200, 2026-12-04 trace).
+
+    ``kernel``: None, "gpu" or "interpret": where the grouped matmuls run kernels, a decode
+    step's count runs as one Pallas kernel (``pallas_kernels.slot_sort``; the jnp path was
+    five XLA kernels per layer), the same permutation.
     """
     s = flat_ids.shape[0]
+    if kernel is not None and s * s <= PAIRWISE_SORT_LIMIT:
+        from pallas_kernels import slot_sort  # here: the trainer's CPU path never needs Pallas
+
+        if slot_sort.supports(s, num_experts):
+            return slot_sort.slot_sort(flat_ids, num_experts, interpret=kernel == "interpret")
     counts = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
     slot = jnp.arange(s, dtype=jnp.int32)
     if s * s <= PAIRWISE_SORT_LIMIT:
-        a, b = flat_ids[:, None], flat_ids[None, :]
-        before = (b < a) | ((b == a) & (slot[None, :] < slot[:, None]))
+        before = slot_sorts_before(flat_ids[None, :], slot[None, :], flat_ids[:, None],
+                                   slot[:, None])
         inverse = jnp.sum(before, axis=1, dtype=jnp.int32)
         order = jnp.zeros_like(inverse).at[inverse].set(slot)
     else:
@@ -156,7 +179,13 @@ def _experts(config, experts, x, expert_ids, weights, site, recipe, first=None,
     n, h = x.shape
     k = config.num_experts_per_tok
     flat_ids = expert_ids.reshape(-1)  # slot s = token s // k, choice s % k
-    order, inverse, counts = sort_slots(flat_ids, config.num_experts)
+    # The slot sort as a kernel where the expert matmuls are kernels (a GPU, or interpret), and
+    # not inside the expert-parallel shard_map: its ids vary over the mesh there, and the
+    # kernel's interpret mode cannot type its index arithmetic as varying (check_vma).
+    kernel = (("interpret" if recipe.backend == "interpret" else "gpu")
+              if _SLOT_SORT_KERNEL[0] and not jax.typeof(flat_ids).mat.varying
+              and ops.grouped_kernel_runs(f"{site}.experts.gate_up", recipe) else None)
+    order, inverse, counts = sort_slots(flat_ids, config.num_experts, kernel)
     token_of_row = order // k  # sorted row -> token: gate_up's rows are the tokens' rows
     offset, row_slot = None, order  # row_slot: the slot at each (rotated) sorted row
     if first is None:
