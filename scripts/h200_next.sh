@@ -469,9 +469,9 @@ for step in "$@"; do
     ssort) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 120 python3 scripts/kernel_probe.py \
       --slot-sort --out "$OUT/ssortk" > "$OUT/ssortk.log" 2>&1
       echo "ssortk rc $?"; grep -E "slot_sort|Error" "$OUT/ssortk.log" | cut -c1-150
-      rollout ssort 200 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 --budget-s 160
-      rollout nossort 200 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \
-      --no-slot-sort-kernel --budget-s 160 ;;
+      rollout ssort 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 --budget-s 120
+      rollout nossort 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \
+      --no-slot-sort-kernel --budget-s 120 ;;
     win) rollout win128 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 --budget-s 110
       rollout gat128 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \
       --no-windowed-operands --budget-s 110 ;;
