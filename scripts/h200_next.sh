@@ -56,8 +56,8 @@
 #          path (kernel_probe --rac-select), then nvfp4_rac at batch 128 without it, with it
 #          at 32 and at 16 rows per step, same call, traced
 #   ssort  the MoE slot-sort kernel (session 37): its GPU check and times against the jnp path
-#          (kernel_probe --slot-sort), then nvfp4_rac and nvfp4 at batch 128 with it and
-#          without (--no-slot-sort-kernel), same call, traced
+#          (kernel_probe --slot-sort), then nvfp4_rac at batch 128 with it and without
+#          (--no-slot-sort-kernel), same call, traced
 #   rsel2  the selection kernel's variants (block rows, warps, division) against the jnp path on
 #          the GPU, then nvfp4_rac with --rac-select-block-rows 64 and without the kernel
 #   win    nvfp4_rac and nvfp4 at batch 128, traced, with the token tiles read as row windows
@@ -469,9 +469,9 @@ for step in "$@"; do
     ssort) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 120 python3 scripts/kernel_probe.py \
       --slot-sort --out "$OUT/ssortk" > "$OUT/ssortk.log" 2>&1
       echo "ssortk rc $?"; grep -E "slot_sort|Error" "$OUT/ssortk.log" | cut -c1-150
-      rollout ssort 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 --budget-s 120
-      rollout nossort 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \
-      --no-slot-sort-kernel --budget-s 120 ;;
+      rollout ssort 110 --quick --profile-steps 4 --precisions nvfp4_rac --budget-s 90
+      rollout nossort 110 --quick --profile-steps 4 --precisions nvfp4_rac \
+      --no-slot-sort-kernel --budget-s 90 ;;
     win) rollout win128 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 --budget-s 110
       rollout gat128 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \
       --no-windowed-operands --budget-s 110 ;;
