@@ -17,6 +17,11 @@ numbers to ``order[inverse]`` (a permutation: no two programs write the same row
 its experts' counts. Integer arithmetic only: equal to the jnp path (tests, and on the GPU
 ``kernel_probe --slot-sort``).
 
+Status (session 37): equal to the jnp path in interpret mode and lowered for cuda in CI, but
+never compiled by Triton on a GPU nor timed there (the session's device time ran out), so
+``moe`` uses it only when asked (``moe.set_slot_sort_kernel(True)``, ``bench_rollout.py
+--slot-sort-kernel``; ``h200_next.sh ssort`` is the A/B).
+
 Shapes: ids int32 ``[S]`` in ``[0, E)``, S a power of two up to ``MAX_SLOTS`` (Triton's
 arrays are powers of two; padding would be an XLA pass of its own, and ``moe.sort_slots``
 keeps the jnp path for other S, ``supports``); outputs int32 ``order [S]``, ``inverse [S]``,

@@ -55,9 +55,9 @@
 #          amax and decode scales for rac_operands): its GPU check and times against the jnp
 #          path (kernel_probe --rac-select), then nvfp4_rac at batch 128 without it, with it
 #          at 32 and at 16 rows per step, same call, traced
-#   ssort  the MoE slot-sort kernel (session 37): its GPU check and times against the jnp path
-#          (kernel_probe --slot-sort), then nvfp4_rac at batch 128 with it and without
-#          (--no-slot-sort-kernel), same call, traced
+#   ssort  the MoE slot-sort kernel (session 37; off by default, never run on a GPU yet): its
+#          GPU check and times against the jnp path (kernel_probe --slot-sort), then nvfp4_rac
+#          at batch 128 with it (--slot-sort-kernel) and without, same call, traced
 #   rsel2  the selection kernel's variants (block rows, warps, division) against the jnp path on
 #          the GPU, then nvfp4_rac with --rac-select-block-rows 64 and without the kernel
 #   win    nvfp4_rac and nvfp4 at batch 128, traced, with the token tiles read as row windows
@@ -297,6 +297,11 @@
 # after the grouped kernels now off by default, 04546c3), `prof2 rop4`, `b128` + a barrier-on
 # run, `b256 p1024`, `b32`, `kgroup`, `kgroup2`. Next, on an H200: `b128` (48 layers), `nobar`,
 # `kdense`, `kdense2`, `kpre`, `place`, `study` alone; on an H100: `kdense`, `kdense2`.
+# Session 37 ran `b128` and `kdense0 kgroup2` on an H200 (ae0da10), then `rsel3` (8581402) and
+# `rsel3 b128` (d126d0a: the RAC selection kernel on by default) on H100s; later asks got no
+# machine and the device time ran out. Next: `ssort` first (the slot-sort kernel has never
+# been compiled by Triton on a GPU; it is off by default until this A/B), then on an H200
+# `b128` (48 layers, at the newest commit), `b32`, `b256`; on an H100 `kdense`, `kdense2`.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
@@ -469,9 +474,9 @@ for step in "$@"; do
     ssort) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 120 python3 scripts/kernel_probe.py \
       --slot-sort --out "$OUT/ssortk" > "$OUT/ssortk.log" 2>&1
       echo "ssortk rc $?"; grep -E "slot_sort|Error" "$OUT/ssortk.log" | cut -c1-150
-      rollout ssort 110 --quick --profile-steps 4 --precisions nvfp4_rac --budget-s 90
-      rollout nossort 110 --quick --profile-steps 4 --precisions nvfp4_rac \
-      --no-slot-sort-kernel --budget-s 90 ;;
+      rollout ssort 110 --quick --profile-steps 4 --precisions nvfp4_rac --slot-sort-kernel \
+      --budget-s 90
+      rollout nossort 110 --quick --profile-steps 4 --precisions nvfp4_rac --budget-s 90 ;;
     win) rollout win128 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 --budget-s 110
       rollout gat128 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \
       --no-windowed-operands --budget-s 110 ;;

@@ -120,12 +120,15 @@ def moe_block(
 # comparison); above it (prefill) it sorts.
 PAIRWISE_SORT_LIMIT = 1 << 22
 # Whether ``_experts`` sorts a decode step's slots with the Pallas kernel where the expert
-# matmuls are kernels (``set_slot_sort_kernel``; bench_rollout's --no-slot-sort-kernel A/B).
-_SLOT_SORT_KERNEL = [True]
+# matmuls are kernels (``set_slot_sort_kernel``; bench_rollout's --slot-sort-kernel). Off by
+# default: built in session 37 after its last device call, equal to the jnp path in
+# interpret mode and lowered for cuda, but never compiled by Triton on a GPU nor timed there
+# (h200_next.sh ssort is the A/B that decides).
+_SLOT_SORT_KERNEL = [False]
 
 
-def set_slot_sort_kernel(on: bool = True) -> None:
-    """Use (the default) or not the slot-sort kernel in ``_experts`` (traced after the call)."""
+def set_slot_sort_kernel(on: bool = False) -> None:
+    """Use or not (the default) the slot-sort kernel in ``_experts`` (traced after the call)."""
     _SLOT_SORT_KERNEL[0] = bool(on)
 
 

@@ -70,3 +70,31 @@ def test_bad_input():
         ss.SlotSortConfig(block=48)
     with pytest.raises(ValueError, match="num_warps"):
         ss.SlotSortConfig(num_warps=3)
+
+
+def test_moe_block_equals_with_and_without_the_kernel():
+    """The MoE block (bf16 expert kernels in interpret mode) gives the same output and routing
+    with the slot-sort kernel as with the jnp count (``moe.set_slot_sort_kernel``), and only
+    traces the kernel when asked."""
+    from quads_jax.models import init_params, moe
+    from quads_jax.quant.recipe import QuantRecipe
+    from quads_jax.testing import tiny_config
+
+    cfg = tiny_config(dtype="float32")
+    p = jax.tree.map(lambda a: a[0], init_params(cfg, jax.random.key(0))["layers"][0]["mlp"])
+    x = jax.random.normal(jax.random.key(1), (8, cfg.hidden_size), jnp.float32)
+    recipe = QuantRecipe(backend="interpret")
+    assert ss.supports(8 * cfg.num_experts_per_tok, cfg.num_experts)
+
+    def run(on):
+        try:
+            moe.set_slot_sort_kernel(on)
+            fn = lambda p, x: moe.moe_block(cfg, p, x, "layers.0.mlp", recipe)  # noqa: E731
+            return str(jax.make_jaxpr(fn)(p, x)), jax.jit(fn)(p, x)
+        finally:
+            moe.set_slot_sort_kernel()
+
+    (text_on, (y_on, r_on)), (text_off, (y_off, r_off)) = run(True), run(False)
+    assert "slot_sort" in text_on and "slot_sort" not in text_off
+    np.testing.assert_array_equal(np.asarray(r_on.expert_ids), np.asarray(r_off.expert_ids))
+    np.testing.assert_array_equal(np.asarray(y_on), np.asarray(y_off))
