@@ -101,8 +101,8 @@ def stable_descending_rank(scores: jax.Array) -> jax.Array:
     """int32 ``[..., nb]``: each block's position in a stable descending sort of its row (the
     ``argsort(argsort(-scores, stable=True))`` of jnp, NaN last), from pairwise comparisons: one
     fused reduction instead of two sorts, which are separate kernels on a GPU and ran in every
-    RAC matmul of a decode step. Elementwise ops and one sum: the RAC selection kernel
-    (``pallas_kernels.rac_select``) calls it too."""
+    RAC matmul of a decode step. Elementwise ops (``sorts_before``, which the RAC selection
+    kernel ``pallas_kernels.rac_select`` sums chunk by chunk) and one sum."""
     nb = scores.shape[-1]
     idx = jnp.arange(nb)
     return jnp.sum(sorts_before(scores[..., None, :], idx[None, :], scores[..., :, None],
