@@ -34,6 +34,13 @@ addition is inexact the last bit of a sum can differ from ``segment_sum``'s orde
 scatter-add adds in any order anyway), and two sums within an ulp may then rank the other
 way. With exactly representable sums (the tests) the results are bit-identical.
 
+Measured on an H100 (2026-12-06, d126d0a, ``kernel_probe --rac-select``, traced, 1 024 GEMM
+rows over 128 experts): 6.0 / 3.6 us for gate_up / down against 12.9 / 10.0 us for the jnp
+path alone (7 kernels), equal on the GPU; in the batch-128 decode step 5.8 + 3.5 us per layer,
+144 kernels per step fewer, the step 8.67 against 8.84 ms (``h200_next.sh rsel3``). An expert's
+rows are walked serially: with one expert holding 225 of 1 024 rows, down's call took 12.4
+us against the jnp path's 10.4.
+
 History: the first version of this kernel (session 9, 2026-12-03) also coded every row's
 block scales and reciprocals (four ``[M, K/16]`` outputs) and took 14.3 + 11.1 us per layer on
 the H200, no faster than the jnp path; it was off by default until ``rac_operands`` learned to
