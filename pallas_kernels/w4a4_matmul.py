@@ -106,9 +106,10 @@ class W4A4MatmulConfig:
     # coded for rac_operands, in one Triton kernel (``pallas_kernels.rac_select``) instead of
     # five XLA kernels per GEMM. On an H100 (2026-12-06, 8581402, batch-128 decode step, 24
     # layers, same call): 6.2 + 4.7 us per layer against ~18.6, 144 kernels per step fewer,
-    # the step 8.76 ms against 8.84 (16 rows per step: 8.80). Its serial walk over an
+    # the step 8.76 ms against 8.84 (16 rows per step: 8.80); at d126d0a (the first step's
+    # loads hoisted) 5.8 + 3.5 us, the step 8.67 against 8.84. Its serial walk over an
     # expert's rows is latency-bound: with one expert holding 225 of 1 024 rows, down's call
-    # took 18.5 us against the jnp path's 10.2 (``kernel_probe --rac-select``).
+    # took 12.4 us against the jnp path's 10.4 (``kernel_probe --rac-select``).
     rac_select_kernel: bool = True
     rac_select_block_rows: int = 32
     # On: the residual GEMM over the selected blocks. On the H200 (2026-12-05, 7e950af, M =
