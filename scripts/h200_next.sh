@@ -41,6 +41,9 @@
 #          (mma_overlap, stages, n_group, unchained) and ablations (no decode / one MMA / no
 #          compute), +-RAC, and our FP8 kernel on the same tiles (kernel_probe
 #          --grouped-ablations; about 3-4 minutes)
+#   gabl2  where the grouped W4A4 kernel's time goes at today's defaults (session 37: on the H200
+#          it reaches 0.60-0.63 of its bytes' floor against our FP8 kernel's 0.83-0.89): base,
+#          no decode, no compute (the pipeline alone), n_group 2, 2 stages (~2 minutes)
 #   stk    the grouped tile kernel with RAC's operands stacked on the wgmma N side
 #          (stack_operands), checked first, against base and mma_overlap (kernel_probe
 #          --grouped-ablations; ~2.5 minutes)
@@ -301,7 +304,8 @@
 # `rsel3 b128` (d126d0a: the RAC selection kernel on by default) on H100s; later asks got no
 # machine and the device time ran out. Next: `ssort` first (the slot-sort kernel has never
 # been compiled by Triton on a GPU; it is off by default until this A/B), then on an H200
-# `b128` (48 layers, at the newest commit), `b32`, `b256`; on an H100 `kdense`, `kdense2`.
+# `gabl2` (what bounds the W4A4 expert kernels there), `b128` (48 layers, at the newest
+# commit), `b32`, `b256`; on an H100 `kdense`, `kdense2`.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
@@ -434,6 +438,11 @@ for step in "$@"; do
     gabl) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 280 python3 scripts/kernel_probe.py \
       --grouped-ablations --out "$OUT/gabl" > "$OUT/gabl.log" 2>&1
       echo "gabl rc $?"; grep -E "grouped|FAIL|floor" "$OUT/gabl.log" | cut -c1-130 ;;
+    gabl2) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 200 python3 scripts/kernel_probe.py \
+      --grouped-ablations --out "$OUT/gabl2" \
+      --variants "base,ablate no_decode,ablate no_compute,n_group 2,stages 2" \
+      > "$OUT/gabl2.log" 2>&1
+      echo "gabl2 rc $?"; grep -E "grouped|FAIL|floor" "$OUT/gabl2.log" | cut -c1-130 ;;
     stk) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 200 python3 scripts/kernel_probe.py \
       --grouped-ablations --out "$OUT/stk" --variants "base,mma_overlap=1,stacked,stacked overlap1" \
       --check-variants "stacked" > "$OUT/stk.log" 2>&1
