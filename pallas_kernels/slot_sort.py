@@ -89,9 +89,8 @@ def _kernel(ids_ref, order_ref, inverse_ref, counts_ref, *, s: int, e: int, bloc
             experts_per: int):
     from quads_jax.models.moe import slot_sorts_before  # the jnp path's comparison
 
-    # Every program loads all S ids (a few KB, from L2) and picks its own by comparison: a
-    # load at a program-dependent offset is, in interpret mode inside shard_map, a dynamic
-    # slice whose index does not vary like the ids (a check_vma error).
+    # Every program loads all S ids (a few KB, from L2; its slots' rank needs them all) and
+    # picks its own by comparison, in the same [block, S] shape as the rank.
     every = ids_ref[...]  # [S]
     every_slot = jnp.arange(s, dtype=jnp.int32)
     p = pl.program_id(0)
