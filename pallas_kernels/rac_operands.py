@@ -52,6 +52,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.triton_grid import check_num_warps, check_pow2_fields
 from pallas_kernels.vma import varying_operands
 from pallas_kernels.w4a4_matmul import _pad_k
 from quads_jax.quant import nvfp4, rac
@@ -101,15 +102,10 @@ class RACOperandsConfig:
 def check_row_grid(config) -> None:
     """A rows x columns Triton grid config (``block_rows``, ``block_k``, ``num_warps``): a
     ``ValueError`` naming the field and what it must be."""
-    cls = type(config).__name__
-    for name in ("block_rows", "block_k"):
-        v = getattr(config, name)
-        if not isinstance(v, int) or v < 1 or v & (v - 1):
-            raise ValueError(f"{cls}.{name}={v!r}: a power of two >= 1")
+    check_pow2_fields(config, "block_rows", "block_k")
     if config.block_k < BLOCK:
-        raise ValueError(f"{cls}.block_k={config.block_k}: at least {BLOCK}")
-    if config.num_warps not in (1, 2, 4, 8):
-        raise ValueError(f"{cls}.num_warps={config.num_warps}: one of 1, 2, 4, 8")
+        raise ValueError(f"{type(config).__name__}.block_k={config.block_k}: at least {BLOCK}")
+    check_num_warps(config)
 
 
 def window_program(wr_ref, m: int, block_rows: int, blocks_k: int):

@@ -63,6 +63,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.triton_grid import check_num_warps, check_pow2_fields, pow2_at_least
 from pallas_kernels.vma import varying_operands
 from quads_jax.quant import arith, nvfp4, ops, rac
 
@@ -87,15 +88,8 @@ class RACSelectConfig:
     exact_division: bool = False
 
     def __post_init__(self):
-        br = self.block_rows
-        if not isinstance(br, int) or br < 1 or br & (br - 1):
-            raise ValueError(f"RACSelectConfig.block_rows={br!r}: a power of two >= 1")
-        if self.num_warps not in (1, 2, 4, 8):
-            raise ValueError(f"RACSelectConfig.num_warps={self.num_warps}: one of 1, 2, 4, 8")
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+        check_pow2_fields(self, "block_rows")
+        check_num_warps(self)
 
 
 def _chunk(nb: int) -> int:
@@ -220,7 +214,7 @@ def grouped_rac_selection(scores: jax.Array, amax: jax.Array, finite: jax.Array,
         raise ValueError(f"grouped_rac_selection: row_valid {row_valid.shape} must be [R] = "
                          f"[{r_rows}]")
     m, e = rows.shape[0], group_sizes.shape[0]
-    ep = _pow2(e)
+    ep = pow2_at_least(e)
     n_keep = rac.kept_blocks(ratio, nb)  # rac.select_blocks' count
     br = min(config.block_rows, 1 << (m.bit_length() - 1))  # a window fits in [0, M)
     gs = group_sizes.astype(jnp.int32)

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.triton_grid import check_num_warps, check_pow2_fields, pow2_at_least
 from pallas_kernels.vma import varying_operands
 
 
@@ -50,15 +51,8 @@ class SlotSortConfig:
     num_warps: int = 4
 
     def __post_init__(self):
-        v = self.block
-        if not isinstance(v, int) or v < 1 or v & (v - 1):
-            raise ValueError(f"SlotSortConfig.block={v!r}: a power of two >= 1")
-        if self.num_warps not in (1, 2, 4, 8):
-            raise ValueError(f"SlotSortConfig.num_warps={self.num_warps}: one of 1, 2, 4, 8")
-
-
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+        check_pow2_fields(self, "block")
+        check_num_warps(self)
 
 
 MAX_SLOTS = 8192
@@ -74,7 +68,7 @@ def _experts_per_program(s: int, e: int, config: SlotSortConfig) -> int:
     ``S / block`` programs, covers ``[0, E)`` and divides ``E`` (so no slice's window crosses
     E's end; programs past the last slice write nothing)."""
     programs = s // _block(s, config)
-    return min(_pow2_at_least(-(-e // programs)), e & -e)
+    return min(pow2_at_least(-(-e // programs)), e & -e)
 
 
 def supports(s: int, e: int, config: SlotSortConfig = SlotSortConfig()) -> bool:

@@ -36,6 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.nvfp4_tiles_mgpu import ROW_ALIGN
+from pallas_kernels.triton_grid import check_num_warps, check_pow2_fields, pow2_at_least
 from pallas_kernels.vma import varying_operands
 
 
@@ -54,11 +55,8 @@ class TilePlanConfig:
     num_warps: int = 2
 
     def __post_init__(self):
-        b = self.block
-        if not isinstance(b, int) or b < 8 or b & (b - 1):
-            raise ValueError(f"TilePlanConfig.block={b!r}: a power of two >= 8")
-        if self.num_warps not in (1, 2, 4, 8):
-            raise ValueError(f"TilePlanConfig.num_warps={self.num_warps}: one of 1, 2, 4, 8")
+        check_pow2_fields(self, "block", minimum=8)
+        check_num_warps(self)
 
 
 def plan_config(on: bool, block: int, num_warps: int) -> TilePlanConfig | None:
@@ -77,10 +75,6 @@ def window_len(m: int, num_experts: int, block_m: int) -> int:
     a multiple of ``ROW_ALIGN``, and the last tile's window may run ``block_m`` rows past."""
     p = m + (ROW_ALIGN - 1) * min(num_experts, m) + block_m
     return -(-p // ROW_ALIGN) * ROW_ALIGN
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _kernel(gs_ref, row_index_ref, te_ref, nt_ref, row_slot_ref, row0_ref, window_ref,
@@ -160,7 +154,7 @@ def tile_plan_kernel(group_sizes: jax.Array, m: int, block_m: int, *,
     e = group_sizes.shape[0]
     t_max, p_len = num_tiles_bound(m, e, block_m), window_len(m, e, block_m)
     gs = group_sizes.astype(jnp.int32)
-    ep = _pow2(e)
+    ep = pow2_at_least(e)
     if ep != e:  # empty groups past E change no cumulative sum (the kernel clamps to E)
         gs = jnp.pad(gs, (0, ep - e))
     vary, (gs,) = varying_operands(gs)
