@@ -41,9 +41,11 @@
 #          (mma_overlap, stages, n_group, unchained) and ablations (no decode / one MMA / no
 #          compute), +-RAC, and our FP8 kernel on the same tiles (kernel_probe
 #          --grouped-ablations; about 3-4 minutes)
-#   gabl2  where the grouped W4A4 kernel's time goes at today's defaults (session 37: on the H200
-#          it reaches 0.60-0.63 of its bytes' floor against our FP8 kernel's 0.83-0.89): base,
-#          no decode, no compute (the pipeline alone), n_group 2, 2 stages (~2 minutes)
+#   gabl2  where the grouped W4A4 kernel's time goes at the rollout's defaults (stacked RAC
+#          operands, "signs_high" words, mma_k 256; session 37: on the H200 it reaches 0.60-0.63
+#          of its bytes' floor against our FP8 kernel's 0.83-0.89): default, no decode, no
+#          compute (the pipeline alone), mma_k 64 and one MMA per step (the tensor cores' share),
+#          n_group 2 (~3 minutes)
 #   stk    the grouped tile kernel with RAC's operands stacked on the wgmma N side
 #          (stack_operands), checked first, against base and mma_overlap (kernel_probe
 #          --grouped-ablations; ~2.5 minutes)
@@ -438,9 +440,9 @@ for step in "$@"; do
     gabl) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 280 python3 scripts/kernel_probe.py \
       --grouped-ablations --out "$OUT/gabl" > "$OUT/gabl.log" 2>&1
       echo "gabl rc $?"; grep -E "grouped|FAIL|floor" "$OUT/gabl.log" | cut -c1-130 ;;
-    gabl2) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 200 python3 scripts/kernel_probe.py \
+    gabl2) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 260 python3 scripts/kernel_probe.py \
       --grouped-ablations --out "$OUT/gabl2" \
-      --variants "base,ablate no_decode,ablate no_compute,n_group 2,stages 2" \
+      --variants "default,default no_decode,default no_compute,default mma_k 64,default one_mma,default n_group 2" \
       > "$OUT/gabl2.log" 2>&1
       echo "gabl2 rc $?"; grep -E "grouped|FAIL|floor" "$OUT/gabl2.log" | cut -c1-130 ;;
     stk) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 200 python3 scripts/kernel_probe.py \

@@ -616,6 +616,15 @@ GROUPED_VARIANTS = (
     ("ablate no_decode", dict(ablation="no_decode")),
     ("ablate one_mma", dict(ablation="one_mma", mma_k=64)),
     ("ablate no_compute", dict(ablation="no_compute")),
+    # The rollout's defaults (stacked RAC operands, "signs_high" words, mma_k 256) and the same
+    # with one part swapped out: where the default kernel's time goes (session 38).
+    ("default", dict(stack_operands=True, bits="signs_high")),
+    ("default no_decode", dict(stack_operands=True, bits="signs_high", ablation="no_decode")),
+    ("default no_compute", dict(stack_operands=True, bits="signs_high", ablation="no_compute")),
+    ("default mma_k 64", dict(stack_operands=True, bits="signs_high", mma_k=64)),
+    ("default one_mma", dict(stack_operands=True, bits="signs_high", mma_k=64,
+                             ablation="one_mma")),
+    ("default n_group 2", dict(stack_operands=True, bits="signs_high", n_group=2)),
 )
 
 
