@@ -542,8 +542,10 @@ def nvfp4_tile_gemm(
                         for j in range(n_group):
                             y = None
                             for a, s in enumerate(scales):
-                                term = acc_refs[j * num_acc + a][...] * lax.broadcast_in_dim(
-                                    s, (WG_ROWS, bn), (1,))
+                                acc = acc_refs[j * num_acc + a][...]
+                                if config.ablation == "no_compute":  # no wgmma fixes its layout
+                                    acc = plgpu.layout_cast(acc, plgpu.Layout.WGMMA)
+                                term = acc * lax.broadcast_in_dim(s, (WG_ROWS, bn), (1,))
                                 y = term if y is None else y + term
                             parts = column_halves(y)
                             y = parts[0] if halves == 1 else parts[0] + parts[1]

@@ -46,6 +46,9 @@
 #          of its bytes' floor against our FP8 kernel's 0.83-0.89): default, no decode, no
 #          compute (the pipeline alone), mma_k 64 and one MMA per step (the tensor cores' share),
 #          n_group 2 (~3 minutes)
+#   ptxas  the grouped tile kernel at the defaults compiled with Mosaic GPU's PTX and ptxas dumps
+#          ($OUT/dump): registers, spills, and whether ptxas serialized the wgmmas (C7515-style
+#          "Potential Performance Loss" notes), wgmma counts per PTX (session 38)
 #   stk    the grouped tile kernel with RAC's operands stacked on the wgmma N side
 #          (stack_operands), checked first, against base and mma_overlap (kernel_probe
 #          --grouped-ablations; ~2.5 minutes)
@@ -442,9 +445,18 @@ for step in "$@"; do
       echo "gabl rc $?"; grep -E "grouped|FAIL|floor" "$OUT/gabl.log" | cut -c1-130 ;;
     gabl2) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 260 python3 scripts/kernel_probe.py \
       --grouped-ablations --out "$OUT/gabl2" \
-      --variants "default,default no_decode,default no_compute,default mma_k 64,default one_mma,default n_group 2" \
+      --variants "${GABL2_VARIANTS:-default,default no_decode,default no_compute,default mma_k 64,default one_mma,default n_group 2}" \
       > "$OUT/gabl2.log" 2>&1
       echo "gabl2 rc $?"; grep -E "grouped|FAIL|floor" "$OUT/gabl2.log" | cut -c1-130 ;;
+    ptxas) MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO="$OUT/dump" \
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 150 python3 scripts/kernel_probe.py \
+      --grouped-ablations --out "$OUT/ptxask" --variants "default" > "$OUT/ptxas.log" 2>&1
+      echo "ptxas rc $?"; grep -E "grouped|Error" "$OUT/ptxas.log" | cut -c1-130
+      ls "$OUT/dump" | head -20; echo "dump files: $(ls "$OUT/dump" | wc -l)"
+      grep -rhoE "C75[0-9]+.{0,160}|[Ss]erializ.{0,120}" "$OUT/dump" | sort | uniq -c | head -20
+      grep -rhE "Used [0-9]+ registers|spill" "$OUT/dump" | sort | uniq -c | head -20
+      for f in "$OUT"/dump/*.ptx; do echo "$f: $(grep -c wgmma.mma_async "$f") mma_async, \
+        $(grep -c wgmma.wait_group "$f") wait_group, $(grep -c wgmma.fence "$f") fence"; done ;;
     stk) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 200 python3 scripts/kernel_probe.py \
       --grouped-ablations --out "$OUT/stk" --variants "base,mma_overlap=1,stacked,stacked overlap1" \
       --check-variants "stacked" > "$OUT/stk.log" 2>&1
