@@ -9,10 +9,14 @@ Kernel layout of a weight ``[..., N, K]`` (``...`` = nothing for dense, ``E`` fo
   contiguous 16 KB block (row-major, a step would read 128-byte pieces 2 KB apart). One nibble
   extraction over 16 consecutive words yields one whole 16-element scale block, and the 16-bit
   container keeps Mosaic GPU away from 8-bit shifts (which it rejects).
-* ``scales`` ``[E, Np // 128, Kp // 16, 128]`` in the MMA dtype: for each 128-row tile, the
-  block scales with the scale axis first, so that one step's ``16 x 128`` scales are one
-  contiguous 4 KB block and one SMEM row holds the scales of 128 consecutive weight rows. The
-  stored value is ``s * stored_scale_factor``.
+* ``scales`` ``[E, Np // 128, Kp // 16, 128]`` in the MMA dtype, or (float16 MMA only) as the
+  NVFP4 tensor's own E4M3 bytes (``scale_dtype="float8_e4m3fn"``; the kernel converts them to
+  f16 with ``cvt.rn.f16x2.e4m3x2``, exact): for each 128-row tile, the block scales with the
+  scale axis first, so that one step's ``16 x 128`` scales are one contiguous 4 KB (2 KB as
+  E4M3) block and one SMEM row holds the scales of 128 consecutive weight rows. The stored
+  value is ``s * stored_scale_factor``. E4M3 scales make the streamed bytes the format's own
+  0.5625 per weight instead of 0.625: in decode the kernels are bound by those bytes on the
+  H100 (session 38: the pipeline alone, no decode nor MMA, took 94 % of the kernel's time).
 * ``decode`` (static): how the kernel turns a 4-bit code into an f16 value.
   "normal" builds the exact f16 of ``e2m1(c)`` with integer ops (a select for the E2M1
   subnormal 0.5), so no f16 subnormal ever occurs. "subnormal" places the code bits straight into
@@ -49,6 +53,7 @@ from quads_jax.quant import nvfp4
 K_TILE = 256  # K columns per pipeline step: 64 uint16 words = one 128-byte swizzle row.
 N_TILE = 128  # weight rows per CTA tile: two compute warpgroups x 64 wgmma rows.
 MMA_DTYPES = ("float16", "bfloat16")
+E4M3 = "float8_e4m3fn"  # the scale dtype that keeps the format's bytes (float16 MMA only)
 DECODES = ("normal", "subnormal")
 BITS = ("nibbles", "signs_high")
 SIGNS_HIGH_SIGN_BIT = (14, 13, 12, 15)  # "signs_high": the sign bit of code i of a word
@@ -73,7 +78,8 @@ class W4A4Weights:
 
     Attributes:
       codes: uint16 ``[E, Np // 128, (Kp // 256) * 128, 64]`` (tile after tile).
-      scales: ``[E, Np // 128, Kp // 16, 128]`` float16 (``s``) or bfloat16 (``s * 2^14``).
+      scales: ``[E, Np // 128, Kp // 16, 128]`` float16 (``s``), bfloat16 (``s * 2^14``) or
+        float8_e4m3fn (``s``, for float16 MMA).
       global_scale: float32 ``[E]``.
       n: logical N (static); k: logical K (static); stacked: False for a dense ``[N, K]`` weight.
       decode: "normal" | "subnormal" (static; module docstring).
@@ -98,7 +104,9 @@ class W4A4Weights:
 
     @property
     def mma_dtype(self) -> str:
-        return jnp.dtype(self.scales.dtype).name
+        """The MMA dtype: the scales' dtype, float16 for E4M3 scales."""
+        name = jnp.dtype(self.scales.dtype).name
+        return "float16" if name == E4M3 else name
 
     @property
     def code_factor(self) -> float:
@@ -192,9 +200,18 @@ def untile_rows(a: jax.Array) -> jax.Array:
     return jnp.swapaxes(a, 2, 3).reshape(e, nt * N_TILE, (rows // N_TILE) * cols)
 
 
+def check_scale_dtype(scale_dtype: str | None, mma_dtype: str) -> None:
+    """E4M3 scales only where the stored value is the scale itself (float16 MMA: no factor)."""
+    if scale_dtype not in (None, mma_dtype, E4M3):
+        raise ValueError(f"scale_dtype={scale_dtype!r}: None, {mma_dtype!r} or {E4M3!r}")
+    if scale_dtype == E4M3 and mma_dtype != "float16":
+        raise ValueError(f"scale_dtype={E4M3!r} needs mma_dtype='float16' (got {mma_dtype!r}): "
+                         "the kernel converts E4M3 scales to f16 only")
+
+
 def prepare_w4a4_weights(
     w_q: nvfp4.NVFP4Tensor, *, mma_dtype: str = "float16", decode: str | None = None,
-    bits: str = "nibbles",
+    bits: str = "nibbles", scale_dtype: str | None = None,
 ) -> W4A4Weights:
     """Convert an ``NVFP4Tensor`` weight ``[N, K]`` or ``[E, N, K]`` to the kernel layout.
 
@@ -202,6 +219,8 @@ def prepare_w4a4_weights(
     all experts). Call this once at weight sync; inside a jitted forward it costs a full pass
     over the weight. ``decode`` None: "subnormal" for float16 MMA (where the kernel's fast PTX
     decode applies), "normal" for bfloat16. ``bits``: the words' bit layout (module docstring).
+    ``scale_dtype``: None (the MMA dtype) or "float8_e4m3fn" (float16 MMA only: the block
+    scales' own bytes).
     """
     _check_mma_dtype(mma_dtype)
     check_bits(bits)
@@ -209,6 +228,7 @@ def prepare_w4a4_weights(
         decode = "subnormal" if mma_dtype == "float16" else "normal"
     if decode not in DECODES:
         raise ValueError(f"decode={decode!r} is not one of {DECODES}")
+    check_scale_dtype(scale_dtype, mma_dtype)
     if not isinstance(w_q, nvfp4.NVFP4Tensor):
         raise ValueError(f"w_q: expected an NVFP4Tensor, got {type(w_q).__name__}")
     if w_q.ndim not in (2, 3):
@@ -235,7 +255,8 @@ def prepare_w4a4_weights(
     s = jnp.pad(s, ((0, 0), (0, n_pad - n), (0, (k_pad - k) // nvfp4.BLOCK_SIZE)))
     return W4A4Weights(
         codes=tile_rows(split_nibble_pack(codes, bits), K_TILE // 4),
-        scales=jnp.swapaxes(s.reshape(e, n_pad // N_TILE, N_TILE, -1), 2, 3).astype(mma_dtype),
+        scales=jnp.swapaxes(s.reshape(e, n_pad // N_TILE, N_TILE, -1), 2, 3).astype(
+            scale_dtype or mma_dtype),
         global_scale=g,
         n=n,
         k=k,

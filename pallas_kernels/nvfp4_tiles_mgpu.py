@@ -332,7 +332,7 @@ def _decode_chunk(w16: jax.Array, scales, rows, g: int, mma_dtype, decode: str,
     """Decode K columns [64g, 64g + 64) of a 64-row uint16 tile to ``[64, 64]`` MMA values.
 
     ``w16``: uint16 ``[64, 64]`` words of the step; ``scales``: SMEM ref ``[16, 128]`` of the
-    step's block scales, sliced at ``rows``.
+    step's block scales (the MMA dtype, or E4M3), sliced at ``rows``.
     """
     pieces = []
     words = w16[:, 16 * g : 16 * g + 16]
@@ -347,6 +347,8 @@ def _decode_chunk(w16: jax.Array, scales, rows, g: int, mma_dtype, decode: str,
         if mma_dtype != jnp.float16:
             v = v.astype(mma_dtype)
         s = scales[4 * g + i, rows]
+        if s.dtype != mma_dtype:  # E4M3 scales (float16 MMA): cvt.rn.f16x2.e4m3x2, exact
+            s = s.astype(mma_dtype)
         pieces.append(v * lax.broadcast_in_dim(s, (WG_ROWS, 16), (0,)))
     return jnp.concatenate(pieces, axis=1)
 
@@ -430,7 +432,8 @@ def nvfp4_tile_gemm(
                          f"{bn} exceeds 256")
     num_sms = config.num_sms or _num_sms()
     item = mma_dtype.itemsize
-    stage_bytes = (n_group * (N_TILE * KW_TILE * 2 + (K_TILE // 16) * N_TILE * item)
+    scale_item = jnp.dtype(w.scales.dtype).itemsize
+    stage_bytes = (n_group * (N_TILE * KW_TILE * 2 + (K_TILE // 16) * N_TILE * scale_item)
                    + num_acc * bn * K_TILE * item)
     # The interpreter cannot run a wgmma on the folded [2 * block_m, 256] view of the stacked
     # [2, block_m, 256] B tile that the device reads: it gets a 2-D copy (registers, then SMEM).

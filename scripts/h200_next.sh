@@ -49,6 +49,10 @@
 #   ptxas  the grouped tile kernel at the defaults compiled with Mosaic GPU's PTX and ptxas dumps
 #          ($OUT/dump): registers, spills, and whether ptxas serialized the wgmmas (C7515-style
 #          "Potential Performance Loss" notes), wgmma counts per PTX (session 38)
+#   e4m3   E4M3 block scales in the kernel layout (session 38: 0.5625 streamed bytes per weight
+#          instead of 0.625; on the H100 the grouped decode kernel's pipeline alone took 94 % of
+#          its time): GPU checks, the grouped kernel alone with f16 / E4M3 scales (+ no compute),
+#          then nvfp4_rac at batch 128 with each, same call (~6 minutes)
 #   stk    the grouped tile kernel with RAC's operands stacked on the wgmma N side
 #          (stack_operands), checked first, against base and mma_overlap (kernel_probe
 #          --grouped-ablations; ~2.5 minutes)
@@ -457,6 +461,15 @@ for step in "$@"; do
       grep -rhE "Used [0-9]+ registers|spill" "$OUT/dump" | sort | uniq -c | head -20
       for f in "$OUT"/dump/*.ptx; do echo "$f: $(grep -c wgmma.mma_async "$f") mma_async, \
         $(grep -c wgmma.wait_group "$f") wait_group, $(grep -c wgmma.fence "$f") fence"; done ;;
+    e4m3) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 170 python3 scripts/kernel_probe.py \
+      --grouped-ablations --out "$OUT/e4m3k" --check-variants "default e4m3" \
+      --variants "default,default e4m3,default no_compute,default e4m3 no_compute" \
+      > "$OUT/e4m3k.log" 2>&1
+      echo "e4m3k rc $?"; grep -E "grouped|FAIL|PASS|Error" "$OUT/e4m3k.log" | cut -c1-130
+      rollout e4m3 110 --quick --profile-steps 4 --precisions nvfp4_rac \
+      --w4a4-scales float8_e4m3fn --budget-s 90
+      rollout f16s 110 --quick --profile-steps 4 --precisions nvfp4_rac --w4a4-scales float16 \
+      --budget-s 90 ;;
     stk) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 200 python3 scripts/kernel_probe.py \
       --grouped-ablations --out "$OUT/stk" --variants "base,mma_overlap=1,stacked,stacked overlap1" \
       --check-variants "stacked" > "$OUT/stk.log" 2>&1

@@ -625,6 +625,10 @@ GROUPED_VARIANTS = (
     ("default one_mma", dict(stack_operands=True, bits="signs_high", mma_k=64,
                              ablation="one_mma")),
     ("default n_group 2", dict(stack_operands=True, bits="signs_high", n_group=2)),
+    # E4M3 block scales (layout.E4M3: the format's 0.5625 bytes per weight, not 0.625).
+    ("default e4m3", dict(stack_operands=True, bits="signs_high", scales="float8_e4m3fn")),
+    ("default e4m3 no_compute", dict(stack_operands=True, bits="signs_high",
+                                     scales="float8_e4m3fn", ablation="no_compute")),
 )
 
 
@@ -657,9 +661,13 @@ def run_grouped_ablations(tokens: int = 128, variants: tuple[str, ...] | None = 
     for v in checks:
         kw = dict(dict(GROUPED_VARIANTS)[v])
         bits = kw.pop("bits", "nibbles")
+        scales = kw.pop("scales", None)
         cfg = W4A4MatmulConfig(**kw)
         for n, k, name in ((2 * GN, GK, "gate_up"), (GK, GN, "down")):
             wq, ww = weights(940 + n, (GE, n, k), "subnormal", bits)
+            if scales is not None:
+                ww = prepare_w4a4_weights(wq, mma_dtype="float16", decode="subnormal", bits=bits,
+                                          scale_dtype=scales)
             x = bk.rand(941, (m, k), jnp.float32)  # f32 output: the check sees the f32 sums
             for r in (None, aq.RACConfig()):
                 bk.check(f"grouped {name} {v}{' +RAC' if r else ''} rows={m}",
@@ -676,7 +684,7 @@ def run_grouped_ablations(tokens: int = 128, variants: tuple[str, ...] | None = 
 
     for n, k, name in ((2 * GN, GK, "gate_up"), (GK, GN, "down")):
         wq, ww = weights(900 + n, (GE, n, k), "subnormal")
-        by_bits = {"nibbles": ww}
+        by_bits = {("nibbles", None): ww}
         b = [bk.rand(910 + a, (t_max, block_m, ww.k_pad), jnp.float16) for a in range(2)]
         cs = jnp.ones((t_max, 2, block_m), jnp.float32)
         nbytes = touched * n * k * 0.5625
@@ -684,11 +692,12 @@ def run_grouped_ablations(tokens: int = 128, variants: tuple[str, ...] | None = 
             if variants is not None and v not in variants:
                 continue
             kw = dict(kw)
-            bits = kw.pop("bits", "nibbles")
-            if bits not in by_bits:  # the same weight, its words in another bit layout
-                by_bits[bits] = prepare_w4a4_weights(wq, mma_dtype="float16",
-                                                     decode="subnormal", bits=bits)
-            ww = by_bits[bits]
+            layout = (kw.pop("bits", "nibbles"), kw.pop("scales", None))
+            if layout not in by_bits:  # the same weight, other word bits or scale dtype
+                by_bits[layout] = prepare_w4a4_weights(
+                    wq, mma_dtype="float16", decode="subnormal", bits=layout[0],
+                    scale_dtype=layout[1])
+            ww = by_bits[layout]
             for a in (1, 2):
                 ng = kw.get("n_group", 1)
                 ks = auto_k_splits(live * (ww.n_pad // N_TILE // ng), ww.k_pad // K_TILE, sms)

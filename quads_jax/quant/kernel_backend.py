@@ -24,7 +24,12 @@ import jax.numpy as jnp
 from pallas_kernels import bf16_grouped
 from pallas_kernels import nvfp4_quantize as aq
 from pallas_kernels.fp8_tiles_mgpu import FP8Weights
-from pallas_kernels.layout import W4A4Weights, check_bits, prepare_w4a4_weights
+from pallas_kernels.layout import (
+    W4A4Weights,
+    check_bits,
+    check_scale_dtype,
+    prepare_w4a4_weights,
+)
 from pallas_kernels.w4a4_grouped import w4a4_grouped_matmul
 from pallas_kernels.w4a4_matmul import W4A4MatmulConfig, w4a4_matmul
 from pallas_kernels.w4a16_matmul import w4a16_grouped_matmul, w4a16_matmul
@@ -59,6 +64,21 @@ def set_w4a4_bits(bits: str = DEFAULT_W4A4_BITS) -> None:
     nothing."""
     check_bits(bits)
     _W4A4_BITS[0] = bits
+
+
+# The block scales' dtype of the float16 NVFP4 weights ``prepare_weights`` makes
+# (``set_w4a4_scale_dtype``): None keeps them float16 (0.625 streamed bytes per weight),
+# "float8_e4m3fn" keeps the format's own E4M3 bytes (0.5625), converted to f16 in the kernel.
+DEFAULT_W4A4_SCALE_DTYPE = None
+_W4A4_SCALE_DTYPE = [DEFAULT_W4A4_SCALE_DTYPE]
+
+
+def set_w4a4_scale_dtype(scale_dtype: str | None = DEFAULT_W4A4_SCALE_DTYPE) -> None:
+    """The block scales' dtype of the float16 NVFP4 weights made from now on (at the next
+    weight sync): None (float16) or "float8_e4m3fn" (``pallas_kernels.layout``). bfloat16
+    layouts keep bfloat16 scales. A bad value raises ``ValueError`` and changes nothing."""
+    check_scale_dtype(scale_dtype, "float16")
+    _W4A4_SCALE_DTYPE[0] = scale_dtype
 
 
 def _set_overrides(store: dict, cls, fields: dict, fixed: set, name: str) -> None:
@@ -108,8 +128,9 @@ def prepare_weights(w, mode: str, recipe=None):
     if not isinstance(w, nvfp4.NVFP4Tensor):
         w = nvfp4.quantize(w, scale_mode="expert")
     mma_dtype = _mma_dtype(mode, recipe) if recipe else "float16"
-    bits = _W4A4_BITS[0] if mma_dtype == "float16" else "nibbles"
-    return prepare_w4a4_weights(w, mma_dtype=mma_dtype, bits=bits)
+    f16 = mma_dtype == "float16"
+    return prepare_w4a4_weights(w, mma_dtype=mma_dtype, bits=_W4A4_BITS[0] if f16 else "nibbles",
+                                scale_dtype=_W4A4_SCALE_DTYPE[0] if f16 else None)
 
 
 def _unpack(w, mode: str, recipe):

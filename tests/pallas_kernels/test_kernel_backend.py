@@ -96,6 +96,28 @@ def test_w4a4_bits_switch():
     assert kernel_backend.prepare_weights(w, "w4a4_nvfp4").bits == "signs_high"
 
 
+def test_w4a4_scale_dtype_switch():
+    """``set_w4a4_scale_dtype`` picks the block scales' dtype of the float16 weights made at
+    sync (bf16 layouts keep bf16 scales); a bad value raises and changes nothing."""
+    w = jax.random.normal(jax.random.key(4), (2, 128, 256))
+    default = jnp.dtype(kernel_backend.DEFAULT_W4A4_SCALE_DTYPE or "float16")
+    assert kernel_backend.prepare_weights(w, "w4a4_nvfp4").scales.dtype == default
+    try:
+        kernel_backend.set_w4a4_scale_dtype("float8_e4m3fn")
+        got = kernel_backend.prepare_weights(w, "w4a4_nvfp4")
+        assert got.scales.dtype == jnp.float8_e4m3fn and got.mma_dtype == "float16"
+        bf16 = kernel_backend.prepare_weights(w, "w4a16_nvfp4", QuantRecipe())
+        assert bf16.scales.dtype == jnp.bfloat16
+        with pytest.raises(ValueError, match="scale_dtype='int8'"):
+            kernel_backend.set_w4a4_scale_dtype("int8")
+        assert kernel_backend.prepare_weights(w, "w4a4_nvfp4").scales.dtype == jnp.float8_e4m3fn
+        kernel_backend.set_w4a4_scale_dtype(None)
+        assert kernel_backend.prepare_weights(w, "w4a4_nvfp4").scales.dtype == jnp.float16
+    finally:
+        kernel_backend.set_w4a4_scale_dtype()
+    assert kernel_backend.prepare_weights(w, "w4a4_nvfp4").scales.dtype == default
+
+
 
 def test_trainer_modes_run_the_bf16_grouped_kernel_with_gradients():
     """The trainer's expert matmuls run ``bf16_grouped`` under "interpret" (what "auto" does

@@ -70,15 +70,20 @@ def test_signs_high_device_decode_ops_on_every_word():
     assert all(_decode_asm(i, "nibbles").count(";") - 1 == 5 for i in range(4))
 
 
-@pytest.mark.parametrize("mma_dtype,decode,bits", [("float16", "normal", "nibbles"),
-                                                   ("bfloat16", "subnormal", "nibbles"),
-                                                   ("float16", "subnormal", "signs_high")])
+@pytest.mark.parametrize("mma_dtype,decode,bits,scales", [
+    ("float16", "normal", "nibbles", None), ("bfloat16", "subnormal", "nibbles", None),
+    ("float16", "subnormal", "signs_high", None),
+    ("float16", "subnormal", "signs_high", "float8_e4m3fn")])
 @pytest.mark.parametrize("shape", [(200, 304), (2, 130, 256)])
-def test_prepare_dequantizes_to_the_nvfp4_values(shape, mma_dtype, decode, bits):
+def test_prepare_dequantizes_to_the_nvfp4_values(shape, mma_dtype, decode, bits, scales):
     x = jax.random.normal(jax.random.key(1), shape) * 3
     q = nvfp4.quantize(x, scale_mode="expert" if len(shape) == 3 else "tensor")
-    w = prepare_w4a4_weights(q, mma_dtype=mma_dtype, decode=decode, bits=bits)
-    assert w.bits == bits
+    w = prepare_w4a4_weights(q, mma_dtype=mma_dtype, decode=decode, bits=bits,
+                             scale_dtype=scales)
+    assert w.bits == bits and w.mma_dtype == mma_dtype
+    assert w.scales.dtype == jnp.dtype(scales or mma_dtype)
+    # Streamed bytes per weight: the format's 0.5625 with E4M3 scales, 0.625 with 16-bit ones.
+    assert w.nbytes == w.codes.size * 2 + w.scales.size * (1 if scales else 2)
     assert isinstance(w, W4A4Weights) and w.shape == shape and w.stacked == (len(shape) == 3)
     assert w.n_pad % 128 == 0 and w.k_pad % 256 == 0 and w.n_pad >= shape[-2]  # padded to tiles
     assert w.codes.shape == w.codes.shape[:1] + (w.n_pad // 128, w.k_pad // 256 * 128, 64)
@@ -101,6 +106,11 @@ def test_prepare_rejects_bad_weights():
         prepare_w4a4_weights(nvfp4.quantize(x[0]), decode="fast")
     with pytest.raises(ValueError, match=r"bits='bytes' is not one of \('nibbles', 'signs_high'\)"):
         prepare_w4a4_weights(nvfp4.quantize(x[0]), bits="bytes")
+    with pytest.raises(ValueError, match=r"scale_dtype='float8_e4m3fn' needs mma_dtype='float16'"):
+        prepare_w4a4_weights(nvfp4.quantize(x[0]), mma_dtype="bfloat16",
+                             scale_dtype="float8_e4m3fn")
+    with pytest.raises(ValueError, match=r"scale_dtype='float32': None, 'float16' or"):
+        prepare_w4a4_weights(nvfp4.quantize(x[0]), scale_dtype="float32")
 
 
 def test_tile_rows_stores_each_kernel_tile_contiguously():
