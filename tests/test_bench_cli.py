@@ -45,7 +45,8 @@ def test_bench_rollout_runs_with_kernel_overrides(tmp_path):
             "--share-prompt-cache", "--attention-prefix-mode", "per_group",
             "--attention-prefix-rows", "2", "--layers", "1", "--prng-impl", "rbg",
             "--sampler", "gumbel", "--w4a4-set", "rac_operand_block_rows=4",
-            "--w4a4-set", "operand_warps=2", "--out", str(tmp_path)]
+            "--w4a4-set", "operand_warps=2", "--w4a4-scales", "float8_e4m3fn",
+            "--out", str(tmp_path)]
     try:
         assert bench_rollout.main(argv) == 0
     finally:
@@ -53,8 +54,10 @@ def test_bench_rollout_runs_with_kernel_overrides(tmp_path):
         kernel_backend.set_fp8_overrides()
         kernel_backend.set_grouped_barrier()
         kernel_backend.set_w4a4_bits()
+        kernel_backend.set_w4a4_scale_dtype()
         layers.set_decode_attention("kernel")
     rows = [json.loads(line) for line in open(tmp_path / "rollout.jsonl")]
+    assert [r["w4a4_scales"] for r in rows if r["kind"] == "device"] == ["float8_e4m3fn"]
     assert [r["materialize_operands"] for r in rows if r["kind"] == "device"] == [False]
     assert [r["layers"] for r in rows if r["kind"] == "device"] == [1]  # --layers
     assert [r["rac_operand_kernel"] for r in rows if r["kind"] == "device"] == [False]
