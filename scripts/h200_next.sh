@@ -53,6 +53,8 @@
 #          instead of 0.625; on the H100 the grouped decode kernel's pipeline alone took 94 % of
 #          its time): GPU checks, the grouped kernel alone with f16 / E4M3 scales (+ no compute),
 #          then nvfp4_rac at batch 128 with each, same call (~6 minutes)
+#   e4m3s  e4m3 in under 4 minutes: the GPU checks, the grouped kernel alone with f16 / E4M3
+#          scales, then nvfp4_rac at batch 128 with E4M3 scales only
 #   stk    the grouped tile kernel with RAC's operands stacked on the wgmma N side
 #          (stack_operands), checked first, against base and mma_overlap (kernel_probe
 #          --grouped-ablations; ~2.5 minutes)
@@ -470,6 +472,12 @@ for step in "$@"; do
       --w4a4-scales float8_e4m3fn --budget-s 90
       rollout f16s 110 --quick --profile-steps 4 --precisions nvfp4_rac --w4a4-scales float16 \
       --budget-s 90 ;;
+    e4m3s) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 120 python3 scripts/kernel_probe.py \
+      --grouped-ablations --out "$OUT/e4m3k" --check-variants "default e4m3" \
+      --variants "default,default e4m3" > "$OUT/e4m3k.log" 2>&1
+      echo "e4m3k rc $?"; grep -E "grouped|FAIL|PASS|Error" "$OUT/e4m3k.log" | cut -c1-130
+      rollout e4m3 100 --quick --profile-steps 4 --precisions nvfp4_rac \
+      --w4a4-scales float8_e4m3fn --budget-s 80 ;;
     stk) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 200 python3 scripts/kernel_probe.py \
       --grouped-ablations --out "$OUT/stk" --variants "base,mma_overlap=1,stacked,stacked overlap1" \
       --check-variants "stacked" > "$OUT/stk.log" 2>&1
