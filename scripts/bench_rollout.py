@@ -599,10 +599,10 @@ def parse_args(argv):
                    help="the NVFP4 and FP8 kernels read token tiles as row windows (the "
                    "default) or as gathered tiles (W4A4MatmulConfig / W8A8MatmulConfig."
                    "windowed_operands)")
-    p.add_argument("--slot-sort-kernel", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--slot-sort-kernel", action=argparse.BooleanOptionalAction,
+                   default=models.moe.DEFAULT_SLOT_SORT_KERNEL,
                    help="the MoE slots' sort by expert in the Pallas kernel (pallas_kernels."
-                   "slot_sort; not yet run on a GPU) or in jnp (the default; "
-                   "moe.set_slot_sort_kernel)")
+                   "slot_sort; the default) or in jnp (moe.set_slot_sort_kernel)")
     p.add_argument("--rac-select-kernel", action=argparse.BooleanOptionalAction,
                    default=W4A4MatmulConfig.rac_select_kernel,
                    help="RAC's per-expert selection in the Triton kernel (pallas_kernels."
