@@ -62,7 +62,7 @@ def jit_forward():
 
     from quads_jax.models.transformer import forward
 
-    static = ("recipe", "return_router", "remat", "unroll_layers")
+    static = ("recipe", "return_router", "remat", "unroll_layers", "pack_layer_vectors")
     return jax.jit(forward, static_argnums=0, static_argnames=static)
 
 

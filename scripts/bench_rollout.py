@@ -298,6 +298,7 @@ def bench_case(params, cfg, recipe, batch, prompt, args, bandwidth, tag="") -> d
                               prefill_chunk=chunk, unroll_decode_layers=args.unroll_decode,
                               kv_cache_dtype=args.kv_cache_dtype,
                               share_prompt_cache=args.share_prompt_cache,
+                              pack_decode_layer_vectors=args.pack_layer_vectors,
                               sampler=args.sampler)
     prompts = jax.random.randint(jax.random.key(batch + prompt), (groups, prompt), 0,
                                  cfg.vocab_size)
@@ -648,6 +649,10 @@ def parse_args(argv):
     p.add_argument("--unroll-decode", action="store_true",
                    help="decode steps with the layers unrolled (SamplerConfig."
                    "unroll_decode_layers; an ablation: longer compile)")
+    p.add_argument("--pack-layer-vectors", action=argparse.BooleanOptionalAction,
+                   default=engine.SamplerConfig.pack_decode_layer_vectors,
+                   help="the decode step's layer scan slices the per-layer norm vectors and "
+                   "layer ids as one packed array (SamplerConfig.pack_decode_layer_vectors)")
     p.add_argument("--grouped-barrier", action=argparse.BooleanOptionalAction,
                    default=kernel_backend.DEFAULT_GROUPED_BARRIER,
                    help="an optimization barrier after the grouped kernels "
@@ -790,6 +795,7 @@ def main(argv=None) -> int:
                           grouped_barrier=args.grouped_barrier,
                           windowed_operands=args.windowed_operands,
                           unroll_decode=args.unroll_decode,
+                          pack_layer_vectors=args.pack_layer_vectors,
                           n_samples=args.n_samples, share_prompt_cache=args.share_prompt_cache,
                           copy_bandwidth_TBps=bandwidth / 1e12,
                           date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())))

@@ -46,6 +46,7 @@ def test_bench_rollout_runs_with_kernel_overrides(tmp_path):
             "--attention-prefix-rows", "2", "--layers", "1", "--prng-impl", "rbg",
             "--sampler", "gumbel", "--w4a4-set", "rac_operand_block_rows=4",
             "--w4a4-set", "operand_warps=2", "--w4a4-scales", "float8_e4m3fn",
+            "--pack-layer-vectors",
             "--out", str(tmp_path)]
     try:
         assert bench_rollout.main(argv) == 0
@@ -58,6 +59,7 @@ def test_bench_rollout_runs_with_kernel_overrides(tmp_path):
         layers.set_decode_attention("kernel")
     rows = [json.loads(line) for line in open(tmp_path / "rollout.jsonl")]
     assert [r["w4a4_scales"] for r in rows if r["kind"] == "device"] == ["float8_e4m3fn"]
+    assert [r["pack_layer_vectors"] for r in rows if r["kind"] == "device"] == [True]
     assert [r["materialize_operands"] for r in rows if r["kind"] == "device"] == [False]
     assert [r["layers"] for r in rows if r["kind"] == "device"] == [1]  # --layers
     assert [r["rac_operand_kernel"] for r in rows if r["kind"] == "device"] == [False]

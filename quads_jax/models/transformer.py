@@ -395,13 +395,67 @@ def _layer_body(config, kind, site_layer, rope, masks, token_mask, recipe):
     return body
 
 
-def _run_segment(config, kind, start, stop, group, h, kv, ctx, unroll, remat):
+# The per-layer vectors ``pack_layer_vectors`` packs (paths in a layer's params).
+LAYER_VECTORS = (("input_norm",), ("post_attn_norm",), ("attn", "q_norm"), ("attn", "k_norm"))
+
+
+def pack_layer_vectors(group: dict, layer_ids: jax.Array):
+    """A layer group's stacked per-layer vectors (``LAYER_VECTORS`` present as ``[L, d]``
+    arrays) and its layer ids as one float32 ``[L, 1 + sum d]`` array (the ids first; exact:
+    ids < 2^24, and the vectors' bf16 / f32 values are f32 values), the group with those
+    leaves set to None, and the static unpacking spec ``((path, d, dtype), ...)``.
+
+    Why: a ``lax.scan`` over layers slices each stacked leaf at the loop index; XLA:GPU copies
+    each small vector slice whose consumer (a Triton-emitted fusion) takes no dynamic slice,
+    one ``memcpy32_post`` kernel per vector and layer (five per layer in the decode step,
+    ~1.6 us each plus a launch gap). Packed, one slice serves them all."""
+    group = jax.tree.map(lambda x: x, group, is_leaf=lambda x: not isinstance(x, dict))
+    cols, specs = [layer_ids.astype(jnp.float32)[:, None]], []
+    for path in LAYER_VECTORS:
+        parent = group
+        for key in path[:-1]:
+            parent = parent.get(key) if isinstance(parent, dict) else None
+        leaf = parent.get(path[-1]) if isinstance(parent, dict) else None
+        if not isinstance(leaf, jax.Array) or leaf.ndim != 2:
+            continue
+        specs.append((path, int(leaf.shape[1]), leaf.dtype))
+        cols.append(leaf.astype(jnp.float32))
+        parent[path[-1]] = None
+    return group, jnp.concatenate(cols, axis=1), tuple(specs)
+
+
+def unpack_layer_vectors(p: dict, row: jax.Array, specs) -> tuple[dict, jax.Array]:
+    """One layer's params with its ``pack_layer_vectors`` leaves restored from ``row``
+    ``[1 + sum d]`` (static slices), and its int32 layer id."""
+    p = jax.tree.map(lambda x: x, p, is_leaf=lambda x: not isinstance(x, dict))
+    offset = 1
+    for path, d, dtype in specs:
+        parent = p
+        for key in path[:-1]:
+            parent = parent[key]
+        parent[path[-1]] = row[offset:offset + d].astype(dtype)
+        offset += d
+    return p, row[0].astype(jnp.int32)
+
+
+def _run_segment(config, kind, start, stop, group, h, kv, ctx, unroll, remat, pack=False):
     """Layers ``[start, stop)``: one ``lax.scan`` (or, with ``unroll``, a Python loop whose
-    layers carry their own site names); returns (h, kv, stacked per-layer router outputs)."""
+    layers carry their own site names); returns (h, kv, stacked per-layer router outputs).
+    ``pack``: the scan slices one packed array of the per-layer vectors and layer ids
+    (``pack_layer_vectors``) instead of one per vector; same numbers."""
     wrap = jax.checkpoint if remat else (lambda f: f)
     if not unroll:
         body = wrap(_layer_body(config, kind, start, *ctx))
         layer_ids = jnp.arange(start, stop, dtype=jnp.int32)
+        if pack:
+            group, packed, specs = pack_layer_vectors(group, layer_ids)
+            inner = body
+
+            def body(carry, xs):
+                return inner(carry, unpack_layer_vectors(xs[0], xs[1], specs))
+
+            (h, kv), ys = jax.lax.scan(body, (h, kv), (group, packed))
+            return h, kv, ys
         (h, kv), ys = jax.lax.scan(body, (h, kv), (group, layer_ids))
         return h, kv, ys
     outs = []
@@ -426,6 +480,7 @@ def forward(
     return_router: bool = False,
     remat: bool = False,
     unroll_layers: bool = False,
+    pack_layer_vectors: bool = False,
 ) -> ForwardOutput:
     """Logits of ``tokens`` (see ``ForwardOutput``).
 
@@ -442,6 +497,8 @@ def forward(
       remat: rematerialise each layer in the backward pass (``jax.checkpoint``), for training.
       unroll_layers: a Python loop over layers instead of ``lax.scan`` (each layer's matmuls
         then carry their own site names, e.g. for ``collect_site_inputs``); same numbers.
+      pack_layer_vectors: the layer scan slices the per-layer norm vectors and layer ids as
+        one packed array (module function ``pack_layer_vectors``); same numbers.
     """
     recipe = recipe or _BF16
     _check_inputs(config, tokens, attention_mask, positions, cache)
@@ -489,7 +546,7 @@ def forward(
     for kind, start, stop, group in segments:
         ctx = (rope, masks, token_mask, recipe)
         h, kv, ys = _run_segment(config, kind, start, stop, group, h, kv, ctx, unroll_layers,
-                                 remat)
+                                 remat, pack_layer_vectors)
         if ys is not None:
             expert_ids.append(ys[0])
             stats.append(ys[1])

@@ -71,6 +71,10 @@ class SamplerConfig:
         so no dynamic-slice offsets per layer, at the price of a program ~L times larger to
         compile. Off by default: the 48-layer 30B-shaped decode program did not compile within
         270 s on the H200 host (2026-12-03); fine for small models.
+      pack_decode_layer_vectors: the decode step's layer scan slices the per-layer norm vectors
+        and layer ids as one packed array (``models.forward(pack_layer_vectors=True)``), so
+        XLA:GPU copies one slice per layer instead of five (the ``memcpy32_post`` kernels,
+        ~1.6 us each). Same numbers. Off by default until timed on a GPU (session 38).
       prefill_chunk: prefill this many prompts per pass (0: all at once); must divide the
         batch. Bounds prefill memory (attention scores) for large batches of long prompts.
       share_prompt_cache: the ``n_samples`` rows of a prompt share one copy of its prompt's
@@ -94,6 +98,7 @@ class SamplerConfig:
     prefill_chunk: int = 0
     unroll_decode_layers: bool = False
     share_prompt_cache: bool = False
+    pack_decode_layer_vectors: bool = False
 
     def __post_init__(self) -> None:
         name = "SamplerConfig"
@@ -111,7 +116,7 @@ class SamplerConfig:
               "an int >= 0 (0: the whole batch at once)")
         check(name, "kv_cache_dtype", self.kv_cache_dtype, self.kv_cache_dtype in KV_CACHE_DTYPES,
               f"one of {list(KV_CACHE_DTYPES)}")
-        for flag in ("unroll_decode_layers", "share_prompt_cache"):
+        for flag in ("unroll_decode_layers", "share_prompt_cache", "pack_decode_layer_vectors"):
             check(name, flag, getattr(self, flag), isinstance(getattr(self, flag), bool),
                   "True or False")
 
@@ -386,7 +391,8 @@ def _decode_step(params, state: DecodeState, config, model_config, recipe,
     out = models.forward(model_config, params, state.last_token[:, None],
                          attention_mask=active[:, None], positions=positions, recipe=recipe,
                          cache=state.cache, return_router=config.return_expert_ids,
-                         unroll_layers=config.unroll_decode_layers)
+                         unroll_layers=config.unroll_decode_layers,
+                         pack_layer_vectors=config.pack_decode_layer_vectors)
     rng, key = jax.random.split(state.rng)
     token, logp = sample_tokens(key, out.logits[:, -1], config.sampling)
     token = jnp.where(active, token, config.pad_token_id)

@@ -306,3 +306,41 @@ def test_nnx_module_holds_the_same_tree():
     assert jax.tree.structure(fresh.pure_params()) == jax.tree.structure(p1)
     with pytest.raises(ValueError, match="rngs"):
         Qwen3MoeForCausalLM(one)
+
+
+def test_packed_layer_vectors_match_the_scan(params):
+    """``pack_layer_vectors``: the scan slices one packed array of the per-layer norm vectors
+    and layer ids instead of one per vector: the same logits and routing bit for bit, with a
+    KV cache (the layer id indexes it) and without; the scan's inputs lose the four vectors."""
+    from quads_jax.models.transformer import pack_layer_vectors, unpack_layer_vectors
+
+    _, tok, mask = _batch()
+    args = (CFG32, params, jnp.asarray(tok))
+    a = FWD(*args, attention_mask=jnp.asarray(mask), return_router=True)
+    b = FWD(*args, attention_mask=jnp.asarray(mask), return_router=True,
+            pack_layer_vectors=True)
+    np.testing.assert_array_equal(np.asarray(a.logits), np.asarray(b.logits))
+    np.testing.assert_array_equal(np.asarray(a.expert_ids), np.asarray(b.expert_ids))
+    cache = KVCache.init(CFG32, tok.shape[0], tok.shape[1] + 2)
+    a = FWD(*args, attention_mask=jnp.asarray(mask), cache=cache)
+    b = FWD(*args, attention_mask=jnp.asarray(mask), cache=cache, pack_layer_vectors=True)
+    np.testing.assert_array_equal(np.asarray(a.logits), np.asarray(b.logits))
+    np.testing.assert_array_equal(np.asarray(a.cache.k), np.asarray(b.cache.k))
+
+    group = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params["layers"][-1])
+    n = group["input_norm"].shape[0]
+    assert n == 2  # layers 2 and 3
+    packed_group, packed, specs = pack_layer_vectors(group, jnp.arange(3, 3 + n))
+    d, dq = CFG32.hidden_size, CFG32.head_dim
+    assert packed.shape == (n, 1 + 2 * d + 2 * dq) and packed.dtype == jnp.float32
+    assert [s[0] for s in specs] == [("input_norm",), ("post_attn_norm",), ("attn", "q_norm"),
+                                     ("attn", "k_norm")]
+    assert packed_group["input_norm"] is None and packed_group["attn"]["q_norm"] is None
+    assert group["input_norm"] is not None  # the caller's tree is not changed
+    layer = jax.tree.map(lambda x: x[1], packed_group)
+    restored, layer_id = unpack_layer_vectors(layer, packed[1], specs)
+    assert int(layer_id) == 4
+    want = jax.tree.map(lambda x: x[1], group)
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
+                 restored, want)
+    assert restored["attn"]["k_norm"].dtype == jnp.bfloat16

@@ -240,11 +240,11 @@ def test_rac_rollout_ignores_padding_and_finished_rows(model):
                                atol=1e-5)
 
 
-def test_unrolled_decode_layers_equal_the_scan(model, greedy):
+@pytest.mark.parametrize("flag", ["unroll_decode_layers", "pack_decode_layer_vectors"])
+def test_decode_layer_loop_variants_equal_the_scan(model, greedy, flag):
     cfg, params = model
     tokens, mask = engine.left_pad(PROMPTS)
-    sc = SamplerConfig(max_new_tokens=NEW, greedy=True, return_expert_ids=True,
-                       unroll_decode_layers=True)
+    sc = SamplerConfig(max_new_tokens=NEW, greedy=True, return_expert_ids=True, **{flag: True})
     out = engine.generate(params, tokens, jax.random.key(1), sc, model_config=cfg,
                           prompt_mask=mask)
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(greedy.tokens))
