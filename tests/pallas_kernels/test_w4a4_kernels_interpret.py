@@ -317,27 +317,27 @@ def test_mma_k_config_errors():
         W4A4MatmulConfig(mma_k=32)
 
 
-@pytest.mark.parametrize("rac", [False, True])
-def test_e4m3_scales_give_the_float16_scales_results(rac):
+def test_e4m3_scales_give_the_float16_scales_results():
     """Block scales kept as the format's E4M3 bytes (converted to f16 in the kernel) give the
-    same bits as float16 scales: dense (split-K) and grouped (stacked RAC operands)."""
-    racc = aq.RACConfig() if rac else None
-    x = jax.random.normal(jax.random.key(31), (9, 512)) * 2
-    wq = nvfp4.quantize(jax.random.normal(jax.random.key(32), (256, 512)))
-    cfg = W4A4MatmulConfig(k_splits=2, **CFG)
-    ys = [w4a4_matmul(x, prepare_w4a4_weights(wq, bits="signs_high", scale_dtype=sd), rac=racc,
-                      config=cfg, interpret=True) for sd in (None, "float8_e4m3fn")]
-    np.testing.assert_array_equal(np.asarray(ys[1]), np.asarray(ys[0]))
-    acts = aq.nvfp4_quantize(x, rac_config=racc)
-    assert _rel(ys[1], _f64_product(acts, wq)) < 1e-5
+    same bits as float16 scales: the tile kernel with stacked RAC operands and split K; and the
+    dense matmul with them equals the float64 product."""
+    from pallas_kernels.nvfp4_tiles_mgpu import TileGemmConfig, nvfp4_tile_gemm
 
-    gs = jnp.asarray([5, 0, 7], jnp.int32)
-    wq3 = nvfp4.quantize(jax.random.normal(jax.random.key(33), (3, 256, 256)), scale_mode="expert")
-    x3 = jax.random.normal(jax.random.key(34), (12, 256))
-    gcfg = W4A4MatmulConfig(block_m=8, stack_operands=True, **CFG)
-    ys = [w4a4_grouped_matmul(x3, prepare_w4a4_weights(wq3, scale_dtype=sd), gs, rac=racc,
-                              config=gcfg, interpret=True) for sd in (None, "float8_e4m3fn")]
+    t, bm, k, n = 2, 8, 512, 128
+    wq = nvfp4.quantize(jax.random.normal(jax.random.key(31), (2, n, k)), scale_mode="expert")
+    b = tuple(nvfp4.dequantize(nvfp4.quantize(
+        jax.random.normal(jax.random.key(32 + a), (t, bm, k))), jnp.float16) for a in range(2))
+    te, cs = jnp.array([1, 0], jnp.int32), jax.random.uniform(jax.random.key(35), (t, 2, bm))
+    cfg = TileGemmConfig(a_via_smem=True, num_sms=2, max_concurrent_steps=1, k_splits=2,
+                         stack_operands=True)
+    ys = [nvfp4_tile_gemm(b, prepare_w4a4_weights(wq, bits="signs_high", scale_dtype=sd), te,
+                          jnp.array([t], jnp.int32), config=cfg, col_scales=cs,
+                          out_dtype=jnp.float32, interpret=True)
+          for sd in (None, "float8_e4m3fn")]
     np.testing.assert_array_equal(np.asarray(ys[1]), np.asarray(ys[0]))
-    rexp = row_experts(gs, 12)
-    acts = aq.nvfp4_quantize(x3, rac_config=racc, row_expert=rexp, num_experts=3)
-    assert _rel(ys[1], _f64_product(acts, wq3, rexp)) < 1e-5
+
+    x = jax.random.normal(jax.random.key(36), (9, 256)) * 2
+    wq = nvfp4.quantize(jax.random.normal(jax.random.key(37), (128, 256)))
+    w = prepare_w4a4_weights(wq, scale_dtype="float8_e4m3fn")
+    y = w4a4_matmul(x, w, config=W4A4MatmulConfig(**CFG), interpret=True)
+    assert _rel(y, _f64_product(aq.nvfp4_quantize(x), wq)) < 1e-5
