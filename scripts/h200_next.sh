@@ -53,6 +53,9 @@
 #          instead of 0.625; on the H100 the grouped decode kernel's pipeline alone took 94 % of
 #          its time): GPU checks, the grouped kernel alone with f16 / E4M3 scales (+ no compute),
 #          then nvfp4_rac at batch 128 with each, same call (~6 minutes)
+#   s38    both of session 38's unmeasured changes in one call (~8 minutes): the E4M3-scale GPU
+#          checks and the grouped kernel alone with f16 / E4M3 scales, then nvfp4_rac at batch
+#          128 at the defaults, with E4M3 scales, and with E4M3 scales + packed layer vectors
 #   pack   nvfp4_rac and nvfp4 at batch 128, traced, with the decode step's per-layer norm
 #          vectors and layer ids sliced as one packed array (--pack-layer-vectors, session 38:
 #          one memcpy32_post per layer instead of five?) and without, same call (~5 minutes)
@@ -327,9 +330,9 @@
 # the last call (CPU-tested, lowered for cuda, never compiled by ptxas): E4M3 block scales in
 # the kernel layout (0.5625 streamed bytes per weight instead of 0.625; off by default) and
 # the decode step's per-layer vectors packed into one scan input (off by default). Next:
-# `e4m3` on any GPU (its check, kernel A/B and rollout A/B; `e4m3s` if under 4 minutes are
-# left), `pack` (also built after the last call), then on an H200 `gabl2` (the ablations
-# there), `ptxas`, `b128`; on an H100 `kdense`.
+# `s38` on any GPU (both in one call: checks, kernel A/B, three rollout runs; `e4m3s` if under
+# 4 minutes are left), then on an H200 `gabl2` (the ablations there), `ptxas`, `b128`; on an
+# H100 `kdense`.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
@@ -489,6 +492,15 @@ for step in "$@"; do
       --w4a4-scales float8_e4m3fn --budget-s 90
       rollout f16s 110 --quick --profile-steps 4 --precisions nvfp4_rac --w4a4-scales float16 \
       --budget-s 90 ;;
+    s38) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 150 python3 scripts/kernel_probe.py \
+      --grouped-ablations --out "$OUT/e4m3k" --check-variants "default e4m3" \
+      --variants "default,default e4m3" > "$OUT/e4m3k.log" 2>&1
+      echo "e4m3k rc $?"; grep -E "grouped|FAIL|PASS|Error" "$OUT/e4m3k.log" | cut -c1-130
+      rollout base38 110 --quick --profile-steps 4 --precisions nvfp4_rac --budget-s 90
+      rollout e4m3 110 --quick --profile-steps 4 --precisions nvfp4_rac \
+      --w4a4-scales float8_e4m3fn --budget-s 90
+      rollout e4m3pack 110 --quick --profile-steps 4 --precisions nvfp4_rac \
+      --w4a4-scales float8_e4m3fn --pack-layer-vectors --budget-s 90 ;;
     pack) rollout pack 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \
       --pack-layer-vectors --budget-s 110
       rollout nopack 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \
