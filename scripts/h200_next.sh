@@ -470,7 +470,8 @@ for step in "$@"; do
       --variants "${GABL2_VARIANTS:-default,default no_decode,default no_compute,default mma_k 64,default one_mma,default n_group 2}" \
       > "$OUT/gabl2.log" 2>&1
       echo "gabl2 rc $?"; grep -E "grouped|FAIL|floor" "$OUT/gabl2.log" | cut -c1-130 ;;
-    ptxas) MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO="$OUT/dump" \
+    ptxas) mkdir -p "$OUT/dump"  # session 38 had not made it: the dumps may need it to exist
+      MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO="$OUT/dump" \
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 150 python3 scripts/kernel_probe.py \
       --grouped-ablations --out "$OUT/ptxask" --variants "default" > /tmp/ptxas.log 2>&1
       # Session 38: the dumps went to the log (too big to come back), not to DUMP_TO: grep it
