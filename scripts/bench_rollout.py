@@ -589,9 +589,10 @@ def parse_args(argv):
     p.add_argument("--w4a4-bits", choices=("nibbles", "signs_high"), default="signs_high",
                    help="the float16 NVFP4 weights' code-word bit layout made at weight sync "
                    "(kernel_backend.set_w4a4_bits)")
-    p.add_argument("--w4a4-scales", choices=("float16", "float8_e4m3fn"), default=None,
+    p.add_argument("--w4a4-scales", choices=("float16", "float8_e4m3fn"),
+                   default=kernel_backend.DEFAULT_W4A4_SCALE_DTYPE or "float16",
                    help="the float16 NVFP4 weights' block-scale dtype made at weight sync "
-                   "(kernel_backend.set_w4a4_scale_dtype; default: kernel_backend's)")
+                   "(kernel_backend.set_w4a4_scale_dtype)")
     p.add_argument("--materialize-operands", action=argparse.BooleanOptionalAction,
                    default=True, help="with RAC, the NVFP4 kernels' distinct-row operands and "
                    "residual computed once before the row gathers (the default; "
@@ -744,8 +745,6 @@ def main(argv=None) -> int:
         kernel_backend.set_fp8_overrides(windowed_operands=args.windowed_operands, **plan)
         kernel_backend.set_grouped_barrier(args.grouped_barrier)
     kernel_backend.set_w4a4_bits(args.w4a4_bits)
-    if args.w4a4_scales is None:
-        args.w4a4_scales = kernel_backend.DEFAULT_W4A4_SCALE_DTYPE or "float16"
     kernel_backend.set_w4a4_scale_dtype(None if args.w4a4_scales == "float16"
                                         else args.w4a4_scales)
     models.moe.set_slot_sort_kernel(args.slot_sort_kernel)

@@ -62,12 +62,13 @@ E2E_VARIANTS = (
 )
 
 
-def weights(key, shape, decode, bits: str = "nibbles"):
-    """``(NVFP4Tensor, W4A4Weights)`` of a random weight, f16 MMA, the given decode and word
-    bit layout."""
+def weights(key, shape, decode, bits: str = "nibbles", scale_dtype: str | None = None):
+    """``(NVFP4Tensor, W4A4Weights)`` of a random weight, f16 MMA, the given decode, word bit
+    layout and block-scale dtype (None: float16)."""
     wq, ww = bk.nvfp4_weight(key, shape, "float16", decode)
-    if bits != ww.bits:
-        ww = prepare_w4a4_weights(wq, mma_dtype="float16", decode=decode, bits=bits)
+    if bits != ww.bits or scale_dtype is not None:
+        ww = prepare_w4a4_weights(wq, mma_dtype="float16", decode=decode, bits=bits,
+                                  scale_dtype=scale_dtype)
     return wq, ww
 
 
@@ -596,6 +597,9 @@ def run_trace_grouped(tokens: int = 128, prefill_shape: bool = False, top: int =
             bk.log(profiling.format_summary(summary))
 
 
+# The rollout's grouped-kernel settings beyond TileGemmConfig's defaults ("bits" and "scales"
+# pick the weight layout, the rest are TileGemmConfig fields).
+ROLLOUT_TILES = dict(stack_operands=True, bits="signs_high")
 # (name, TileGemmConfig overrides): the grouped tile kernel alone at the decode step's shapes.
 GROUPED_VARIANTS = (
     ("base", {}),
@@ -618,17 +622,16 @@ GROUPED_VARIANTS = (
     ("ablate no_compute", dict(ablation="no_compute")),
     # The rollout's defaults (stacked RAC operands, "signs_high" words, mma_k 256) and the same
     # with one part swapped out: where the default kernel's time goes (session 38).
-    ("default", dict(stack_operands=True, bits="signs_high")),
-    ("default no_decode", dict(stack_operands=True, bits="signs_high", ablation="no_decode")),
-    ("default no_compute", dict(stack_operands=True, bits="signs_high", ablation="no_compute")),
-    ("default mma_k 64", dict(stack_operands=True, bits="signs_high", mma_k=64)),
-    ("default one_mma", dict(stack_operands=True, bits="signs_high", mma_k=64,
-                             ablation="one_mma")),
-    ("default n_group 2", dict(stack_operands=True, bits="signs_high", n_group=2)),
+    ("default", ROLLOUT_TILES),
+    ("default no_decode", dict(ROLLOUT_TILES, ablation="no_decode")),
+    ("default no_compute", dict(ROLLOUT_TILES, ablation="no_compute")),
+    ("default mma_k 64", dict(ROLLOUT_TILES, mma_k=64)),
+    ("default one_mma", dict(ROLLOUT_TILES, mma_k=64, ablation="one_mma")),
+    ("default n_group 2", dict(ROLLOUT_TILES, n_group=2)),
     # E4M3 block scales (layout.E4M3: the format's 0.5625 bytes per weight, not 0.625).
-    ("default e4m3", dict(stack_operands=True, bits="signs_high", scales="float8_e4m3fn")),
-    ("default e4m3 no_compute", dict(stack_operands=True, bits="signs_high",
-                                     scales="float8_e4m3fn", ablation="no_compute")),
+    ("default e4m3", dict(ROLLOUT_TILES, scales="float8_e4m3fn")),
+    ("default e4m3 no_compute", dict(ROLLOUT_TILES, scales="float8_e4m3fn",
+                                     ablation="no_compute")),
 )
 
 
@@ -639,8 +642,8 @@ def run_grouped_ablations(tokens: int = 128, variants: tuple[str, ...] | None = 
     time per call, for each ``GROUPED_VARIANTS`` entry with and without RAC's second operand,
     gate_up (N=1536, K=2048) and down (N=2048, K=768); our FP8 kernel on the same tiles first,
     as the reference (same schedule, no decode, 1.78x the streamed bytes): each W4A4 row's note
-    gives "vs fp8 rate", the format's bytes at the FP8 kernel's streaming rate over its time. The ablations' results are
-    wrong by design (time attribution only). ``variants``: the names to time (None: all);
+    gives "vs fp8 rate", the format's bytes at the FP8 kernel's streaming rate over its time.
+    The ablations' results are wrong by design (time attribution only). ``variants``: the names to time (None: all);
     ``checks``: variants whose whole grouped matmul is first checked on fresh inputs against
     the float64 product of the dequantized operands (``bench_kernels.check``)."""
     from pallas_kernels.fp8_tiles_mgpu import FP8GemmConfig, fp8_tile_gemm
@@ -661,14 +664,10 @@ def run_grouped_ablations(tokens: int = 128, variants: tuple[str, ...] | None = 
 
     for v in checks:
         kw = dict(dict(GROUPED_VARIANTS)[v])
-        bits = kw.pop("bits", "nibbles")
-        scales = kw.pop("scales", None)
+        bits, scales = kw.pop("bits", "nibbles"), kw.pop("scales", None)
         cfg = W4A4MatmulConfig(**kw)
         for n, k, name in ((2 * GN, GK, "gate_up"), (GK, GN, "down")):
-            wq, ww = weights(940 + n, (GE, n, k), "subnormal", bits)
-            if scales is not None:
-                ww = prepare_w4a4_weights(wq, mma_dtype="float16", decode="subnormal", bits=bits,
-                                          scale_dtype=scales)
+            wq, ww = weights(940 + n, (GE, n, k), "subnormal", bits, scales)
             x = bk.rand(941, (m, k), jnp.float32)  # f32 output: the check sees the f32 sums
             for r in (None, aq.RACConfig()):
                 bk.check(f"grouped {name} {v}{' +RAC' if r else ''} rows={m}",

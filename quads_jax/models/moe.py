@@ -121,7 +121,7 @@ def moe_block(
 PAIRWISE_SORT_LIMIT = 1 << 22
 # Whether ``_experts`` sorts a decode step's slots with the Pallas kernel where the expert
 # matmuls are kernels (``set_slot_sort_kernel``; bench_rollout's --slot-sort-kernel). On by
-# default since session 38: on an H100 (ce718ae, ``h200_next.sh ssort``) its order, inverse and
+# default since session 38: on an H100 (398e556, ``h200_next.sh ssort``) its order, inverse and
 # counts equal the jnp path's (128 / 256 tokens x top-8, uniform and skewed routing) in
 # 2.5-3.7 us against the jnp path's five kernels' 5.7-7.6 us; the nvfp4_rac decode step at
 # batch 128 ran 72 kernels fewer, busy -0.08 ms (8.80 against 8.82 ms).

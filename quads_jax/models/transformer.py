@@ -409,13 +409,11 @@ def pack_layer_vectors(group: dict, layer_ids: jax.Array):
     each small vector slice whose consumer (a Triton-emitted fusion) takes no dynamic slice,
     one ``memcpy32_post`` kernel per vector and layer (five per layer in the decode step,
     ~1.6 us each plus a launch gap). Packed, one slice serves them all."""
-    group = jax.tree.map(lambda x: x, group, is_leaf=lambda x: not isinstance(x, dict))
+    group = _copy_dicts(group)
     cols, specs = [layer_ids.astype(jnp.float32)[:, None]], []
     for path in LAYER_VECTORS:
-        parent = group
-        for key in path[:-1]:
-            parent = parent.get(key) if isinstance(parent, dict) else None
-        leaf = parent.get(path[-1]) if isinstance(parent, dict) else None
+        parent = _parent(group, path)
+        leaf = None if parent is None else parent.get(path[-1])
         if not isinstance(leaf, jax.Array) or leaf.ndim != 2:
             continue
         specs.append((path, int(leaf.shape[1]), leaf.dtype))
@@ -427,15 +425,24 @@ def pack_layer_vectors(group: dict, layer_ids: jax.Array):
 def unpack_layer_vectors(p: dict, row: jax.Array, specs) -> tuple[dict, jax.Array]:
     """One layer's params with its ``pack_layer_vectors`` leaves restored from ``row``
     ``[1 + sum d]`` (static slices), and its int32 layer id."""
-    p = jax.tree.map(lambda x: x, p, is_leaf=lambda x: not isinstance(x, dict))
+    p = _copy_dicts(p)
     offset = 1
     for path, d, dtype in specs:
-        parent = p
-        for key in path[:-1]:
-            parent = parent[key]
-        parent[path[-1]] = row[offset:offset + d].astype(dtype)
+        _parent(p, path)[path[-1]] = row[offset:offset + d].astype(dtype)
         offset += d
     return p, row[0].astype(jnp.int32)
+
+
+def _copy_dicts(tree: dict) -> dict:
+    """``tree`` with every nested dict copied (the leaves shared), so leaves can be swapped."""
+    return jax.tree.map(lambda x: x, tree, is_leaf=lambda x: not isinstance(x, dict))
+
+
+def _parent(tree: dict, path: tuple[str, ...]) -> dict | None:
+    """The dict holding ``path``'s last key, or None where the path leaves the dicts."""
+    for key in path[:-1]:
+        tree = tree.get(key) if isinstance(tree, dict) else None
+    return tree if isinstance(tree, dict) else None
 
 
 def _run_segment(config, kind, start, stop, group, h, kv, ctx, unroll, remat, pack=False):
