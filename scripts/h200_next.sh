@@ -353,6 +353,12 @@ if [ -n "$GPU_MIB" ] && [ "$GPU_MIB" -lt 100000 ]; then
   echo "GPU memory $GPU_MIB MiB: the rollout steps run ${LAYERS[*]}"
 fi
 
+e4m3_probe() {  # e4m3_probe SECONDS VARIANTS: the E4M3-scale GPU checks, then VARIANTS timed
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout "$1" python3 scripts/kernel_probe.py \
+    --grouped-ablations --out "$OUT/e4m3k" --check-variants "default e4m3" --variants "$2" \
+    > "$OUT/e4m3k.log" 2>&1
+  echo "e4m3k rc $?"; grep -E "grouped|FAIL|PASS|Error" "$OUT/e4m3k.log" | cut -c1-130
+}
 rollout() {  # rollout TAG SECONDS ARGS...
   local tag=$1 limit=$2; shift 2
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -k 15 "$limit" python3 scripts/bench_rollout.py \
@@ -484,19 +490,12 @@ for step in "$@"; do
         | sort | uniq -c | head -20
       for pat in wgmma.mma_async wgmma.wait_group wgmma.fence cvt.rn.f16x2.e4m3x2; do
         echo "$pat: $(grep -c "$pat" /tmp/ptxas.log)"; done ;;
-    e4m3) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 170 python3 scripts/kernel_probe.py \
-      --grouped-ablations --out "$OUT/e4m3k" --check-variants "default e4m3" \
-      --variants "default,default e4m3,default no_compute,default e4m3 no_compute" \
-      > "$OUT/e4m3k.log" 2>&1
-      echo "e4m3k rc $?"; grep -E "grouped|FAIL|PASS|Error" "$OUT/e4m3k.log" | cut -c1-130
+    e4m3) e4m3_probe 170 "default,default e4m3,default no_compute,default e4m3 no_compute"
       rollout e4m3 110 --quick --profile-steps 4 --precisions nvfp4_rac \
       --w4a4-scales float8_e4m3fn --budget-s 90
       rollout f16s 110 --quick --profile-steps 4 --precisions nvfp4_rac --w4a4-scales float16 \
       --budget-s 90 ;;
-    s38) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 150 python3 scripts/kernel_probe.py \
-      --grouped-ablations --out "$OUT/e4m3k" --check-variants "default e4m3" \
-      --variants "default,default e4m3" > "$OUT/e4m3k.log" 2>&1
-      echo "e4m3k rc $?"; grep -E "grouped|FAIL|PASS|Error" "$OUT/e4m3k.log" | cut -c1-130
+    s38) e4m3_probe 150 "default,default e4m3"
       rollout base38 110 --quick --profile-steps 4 --precisions nvfp4_rac --budget-s 90
       rollout e4m3 110 --quick --profile-steps 4 --precisions nvfp4_rac \
       --w4a4-scales float8_e4m3fn --budget-s 90
@@ -506,10 +505,7 @@ for step in "$@"; do
       --pack-layer-vectors --budget-s 110
       rollout nopack 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \
       --no-pack-layer-vectors --budget-s 110 ;;
-    e4m3s) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 120 python3 scripts/kernel_probe.py \
-      --grouped-ablations --out "$OUT/e4m3k" --check-variants "default e4m3" \
-      --variants "default,default e4m3" > "$OUT/e4m3k.log" 2>&1
-      echo "e4m3k rc $?"; grep -E "grouped|FAIL|PASS|Error" "$OUT/e4m3k.log" | cut -c1-130
+    e4m3s) e4m3_probe 120 "default,default e4m3"
       rollout e4m3 100 --quick --profile-steps 4 --precisions nvfp4_rac \
       --w4a4-scales float8_e4m3fn --budget-s 80 ;;
     stk) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 200 python3 scripts/kernel_probe.py \
