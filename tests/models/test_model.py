@@ -319,6 +319,12 @@ def test_packed_layer_vectors_match_the_scan(params):
     a = FWD(*args, attention_mask=jnp.asarray(mask), return_router=True)
     b = FWD(*args, attention_mask=jnp.asarray(mask), return_router=True,
             pack_layer_vectors=True)
+    # The scan of layers 2-3 really slices one packed float32 [2, 1 + 2H + 2D] input.
+    width = 1 + 2 * CFG32.hidden_size + 2 * CFG32.head_dim
+    jaxprs = [str(jax.make_jaxpr(lambda p, t, pack=pack: forward(
+        CFG32, p, t, pack_layer_vectors=pack).logits)(params, jnp.asarray(tok)))
+        for pack in (False, True)]
+    assert f"f32[2,{width}]" in jaxprs[1] and f"f32[2,{width}]" not in jaxprs[0]
     np.testing.assert_array_equal(np.asarray(a.logits), np.asarray(b.logits))
     np.testing.assert_array_equal(np.asarray(a.expert_ids), np.asarray(b.expert_ids))
     cache = KVCache.init(CFG32, tok.shape[0], tok.shape[1] + 2)

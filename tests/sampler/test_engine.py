@@ -241,12 +241,19 @@ def test_rac_rollout_ignores_padding_and_finished_rows(model):
 
 
 @pytest.mark.parametrize("flag", ["unroll_decode_layers", "pack_decode_layer_vectors"])
-def test_decode_layer_loop_variants_equal_the_scan(model, greedy, flag):
+def test_decode_layer_loop_variants_equal_the_scan(model, greedy, flag, monkeypatch):
+    from quads_jax.models import transformer
+
     cfg, params = model
     tokens, mask = engine.left_pad(PROMPTS)
+    packed = []  # the decode step really packs (the flag reaches the layer scan)
+    pack = transformer.pack_layer_vectors
+    monkeypatch.setattr(transformer, "pack_layer_vectors",
+                        lambda *a: packed.append(1) or pack(*a))
     sc = SamplerConfig(max_new_tokens=NEW, greedy=True, return_expert_ids=True, **{flag: True})
     out = engine.generate(params, tokens, jax.random.key(1), sc, model_config=cfg,
                           prompt_mask=mask)
+    assert bool(packed) == (flag == "pack_decode_layer_vectors")
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(greedy.tokens))
     np.testing.assert_array_equal(np.asarray(out.expert_ids), np.asarray(greedy.expert_ids))
     np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(greedy.logprobs), atol=1e-5)
