@@ -265,24 +265,27 @@ def test_kernel_layout_leaves_pass_the_check_and_corruption_is_caught(model, nam
         check_sync(params, rollout, recipe, model_config=cfg)
 
 
-def test_e4m3_scale_layout_passes_the_check_and_a_corrupt_scale_is_caught(model):
-    """Weights synced with E4M3 block scales in the kernel layout
+@pytest.mark.parametrize("scale_dtype", ["float8_e4m3fn", None])
+def test_kernel_scale_layouts_pass_the_check_and_a_corrupt_scale_is_caught(model, scale_dtype):
+    """Weights synced with E4M3 (the default) or float16 block scales in the kernel layout
     (``kernel_backend.set_w4a4_scale_dtype``) dequantize to the trainer's values; one scale
-    byte changed is caught."""
+    changed by one unit in its last place is caught."""
     from quads_jax.quant import kernel_backend
 
     cfg, params = model
     recipe = get_recipe("rollout_nvfp4")
     try:
-        kernel_backend.set_w4a4_scale_dtype("float8_e4m3fn")
+        kernel_backend.set_w4a4_scale_dtype(scale_dtype)
         rollout = sync(params, recipe, model_config=cfg, kernel_layout=True)
     finally:
         kernel_backend.set_w4a4_scale_dtype()
     leaf = rollout["layers"][-1]["mlp"]["experts"]["down"]
-    assert leaf.scales.dtype == jnp.float8_e4m3fn and leaf.mma_dtype == "float16"
+    assert leaf.scales.dtype == jnp.dtype(scale_dtype or "float16")
+    assert leaf.mma_dtype == "float16"
     check_sync(params, rollout, recipe, model_config=cfg, full=True)
-    bits = jax.lax.bitcast_convert_type(leaf.scales, jnp.uint8)
-    bad = jax.lax.bitcast_convert_type(bits.at[1, 2, 0, 0, 3].add(1), jnp.float8_e4m3fn)
+    word = jnp.uint8 if leaf.scales.dtype.itemsize == 1 else jnp.uint16
+    bits = jax.lax.bitcast_convert_type(leaf.scales, word)
+    bad = jax.lax.bitcast_convert_type(bits.at[1, 2, 0, 0, 3].add(1), leaf.scales.dtype)
     rollout["layers"][-1]["mlp"]["experts"]["down"] = dataclasses.replace(leaf, scales=bad)
     with pytest.raises(SyncMismatchError, match=r"layers\.2\.mlp\.experts\.down"):
         check_sync(params, rollout, recipe, model_config=cfg)
