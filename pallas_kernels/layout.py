@@ -16,7 +16,9 @@ Kernel layout of a weight ``[..., N, K]`` (``...`` = nothing for dense, ``E`` fo
   E4M3) block and one SMEM row holds the scales of 128 consecutive weight rows. The stored
   value is ``s * stored_scale_factor``. E4M3 scales make the streamed bytes the format's own
   0.5625 per weight instead of 0.625: in decode the kernels are bound by those bytes on the
-  H100 (session 38: the pipeline alone, no decode nor MMA, took 94 % of the kernel's time).
+  H100 (session 38: the pipeline alone, no decode nor MMA, took 94 % of the kernel's time;
+  session 39, E4M3 against float16 scales: the decode step's grouped kernels 3-4 % faster).
+  The rollout's default (``kernel_backend.DEFAULT_W4A4_SCALE_DTYPE``).
 * ``decode`` (static): how the kernel turns a 4-bit code into an f16 value.
   "normal" builds the exact f16 of ``e2m1(c)`` with integer ops (a select for the E2M1
   subnormal 0.5), so no f16 subnormal ever occurs. "subnormal" places the code bits straight into

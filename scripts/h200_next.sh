@@ -56,6 +56,8 @@
 #   s38    session 38's two changes (on by default since session 39) in one call (~8 minutes):
 #          the GPU checks at the defaults and the grouped kernel alone with f16 / E4M3 scales,
 #          then nvfp4_rac at batch 128 with f16 scales unpacked, E4M3 unpacked, E4M3 packed
+#   s39h   s38 without its middle arm (~5.5 minutes): the checks, the kernel with f16 / E4M3
+#          scales, nvfp4_rac at batch 128 with f16 scales unpacked and at the defaults
 #   pack   nvfp4_rac and nvfp4 at batch 128, traced, with the decode step's per-layer norm
 #          vectors and layer ids sliced as one packed array (--pack-layer-vectors, session 38:
 #          one memcpy32_post per layer instead of five?) and without, same call (~5 minutes)
@@ -505,6 +507,10 @@ for step in "$@"; do
       --w4a4-scales float8_e4m3fn --no-pack-layer-vectors --budget-s 90
       rollout e4m3pack 110 --quick --profile-steps 4 --precisions nvfp4_rac \
       --w4a4-scales float8_e4m3fn --pack-layer-vectors --budget-s 90 ;;
+    s39h) e4m3_probe 120 "default f16 scales,default"  # s38 in ~5.5 minutes (the H200)
+      rollout f16s 110 --quick --profile-steps 4 --precisions nvfp4_rac \
+      --w4a4-scales float16 --no-pack-layer-vectors --budget-s 90
+      rollout defaults 110 --quick --profile-steps 4 --precisions nvfp4_rac --budget-s 90 ;;
     pack) rollout pack 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \
       --pack-layer-vectors --budget-s 110
       rollout nopack 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \
