@@ -336,10 +336,11 @@
 # the kernel layout (0.5625 streamed bytes per weight instead of 0.625; off by default) and
 # the decode step's per-layer vectors packed into one scan input (off by default).
 # Session 39: `s38` on an H100 (ca9aabb: E4M3 checks PASS, gate_up 95.7 -> 91.6 us, nvfp4_rac
-# at batch 128 8.67 -> 8.48 -> 8.40 ms): both on by default since a7082ac. Next: on an H200
-# `s38` (does the E4M3 scales' conversion cost more than their bytes save where the decode
-# bounds the kernel?), `gabl2`, `ptxas`, `b128`; on an H100 `b128` (the four arms at the new
-# defaults), `ptxas`, `kdense`.
+# at batch 128 8.67 -> 8.48 -> 8.40 ms): both on by default since a7082ac; then `ptxas b128`
+# and `b32 b256` (the four arms at the new defaults, H100). Next: on an H100 `ng2` (n_group 2
+# now that E4M3 scales fit its stages 4 deep), `kdense`; on an H200 `s39h` (does the E4M3
+# scales' conversion cost more than their bytes save where the decode bounds the kernel?),
+# `ng2`, `gabl2`, `b128`.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
