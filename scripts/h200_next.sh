@@ -60,7 +60,8 @@
 #          scales, nvfp4_rac at batch 128 with f16 scales unpacked and at the defaults
 #   ng2    two weight-row tiles per work item (n_group 2) at the defaults (~5.5 minutes): with
 #          float16 scales its 56 KB stages left 2 of them for gate_up (session 38: no gain on
-#          the H100), E4M3 scales fit 4; GPU checks, the kernel alone, nvfp4_rac at batch 128
+#          the H100), E4M3 scales fit 4; GPU checks, the kernel alone (and n_group 4: 2 stages
+#          for gate_up, 1 for down), nvfp4_rac at batch 128 at n_group 2 and 1
 #   pack   nvfp4_rac and nvfp4 at batch 128, traced, with the decode step's per-layer norm
 #          vectors and layer ids sliced as one packed array (--pack-layer-vectors, session 38:
 #          one memcpy32_post per layer instead of five?) and without, same call (~5 minutes)
@@ -515,9 +516,9 @@ for step in "$@"; do
       rollout f16s 110 --quick --profile-steps 4 --precisions nvfp4_rac \
       --w4a4-scales float16 --no-pack-layer-vectors --budget-s 90
       rollout defaults 110 --quick --profile-steps 4 --precisions nvfp4_rac --budget-s 90 ;;
-    ng2) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 130 python3 scripts/kernel_probe.py \
+    ng2) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 150 python3 scripts/kernel_probe.py \
       --grouped-ablations --out "$OUT/ng2k" --check-variants "default n_group 2" \
-      --variants "default,default n_group 2" > "$OUT/ng2k.log" 2>&1
+      --variants "default,default n_group 2,default n_group 4" > "$OUT/ng2k.log" 2>&1
       echo "ng2k rc $?"; grep -E "grouped|FAIL|PASS|Error" "$OUT/ng2k.log" | cut -c1-130
       rollout ng2 100 --quick --profile-steps 4 --precisions nvfp4_rac --w4a4-n-group 2 \
       --budget-s 80

@@ -629,6 +629,7 @@ GROUPED_VARIANTS = (
     ("default mma_k 64", dict(ROLLOUT_TILES, mma_k=64)),
     ("default one_mma", dict(ROLLOUT_TILES, mma_k=64, ablation="one_mma")),
     ("default n_group 2", dict(ROLLOUT_TILES, n_group=2)),
+    ("default n_group 4", dict(ROLLOUT_TILES, n_group=4)),
     # float16 block scales (0.625 streamed bytes per weight; the default until session 39,
     # which made the format's E4M3 bytes, 0.5625, the default: layout.E4M3).
     ("default f16 scales", dict(ROLLOUT_TILES, scales=None)),

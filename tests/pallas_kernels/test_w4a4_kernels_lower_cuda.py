@@ -54,7 +54,9 @@ def test_dense_lowers_for_cuda(mma, decode, a_via_smem, rac, block_m):
     (128, 1, False, 64, "nibbles", None), (512, 4, False, 64, "nibbles", None),
     (256, 1, True, 64, "nibbles", None), (128, 1, False, 256, "nibbles", None),
     (256, 1, True, 128, "nibbles", None), (256, 1, True, 256, "signs_high", None),
-    (256, 1, True, 256, "signs_high", "float8_e4m3fn")])
+    (256, 1, True, 256, "signs_high", "float8_e4m3fn"),
+    # h200_next.sh ng2: the rollout's defaults with 2 weight-row tiles per work item
+    (512, 2, True, 256, "signs_high", "float8_e4m3fn")])
 def test_grouped_lowers_for_cuda(n, n_group, stack, mma_k, bits, scales):
     wq = nvfp4.quantize(jax.random.normal(jax.random.key(1), (4, n, 256)), scale_mode="expert")
     w = prepare_w4a4_weights(wq, bits=bits, scale_dtype=scales)
