@@ -84,6 +84,12 @@ def set_w4a4_scale_dtype(scale_dtype: str | None = DEFAULT_W4A4_SCALE_DTYPE) -> 
     _W4A4_SCALE_DTYPE[0] = scale_dtype
 
 
+def layout_settings() -> tuple:
+    """The settings ``prepare_weights`` reads (``set_w4a4_bits``, ``set_w4a4_scale_dtype``),
+    hashable: a jitted caller that prepares weights keys its cache on them."""
+    return (_W4A4_BITS[0], _W4A4_SCALE_DTYPE[0])
+
+
 def _set_overrides(store: dict, cls, fields: dict, fixed: set, name: str) -> None:
     names = {f.name for f in dataclasses.fields(cls)} - fixed
     if unknown := sorted(set(fields) - names):

@@ -127,8 +127,11 @@ def _convert(leaf, action: str, recipe: QuantRecipe, dtype, layout: bool, stacke
     return _per_layer(one, stacked)(leaf)
 
 
-@functools.partial(jax.jit, static_argnames=("plan", "recipe", "dtype"))
-def _convert_all(leaves, *, plan, recipe, dtype):
+@functools.partial(jax.jit, static_argnames=("plan", "recipe", "dtype", "layout_settings"))
+def _convert_all(leaves, *, plan, recipe, dtype, layout_settings):
+    # layout_settings (``kernel_backend.layout_settings()``, read by ``prepare_weights`` at
+    # trace time) keys the jit cache: a setting changed between two syncs must be traced anew.
+    del layout_settings
     return [_convert(x, a, recipe, dtype, layout, stacked)
             for x, (a, layout, stacked) in zip(leaves, plan, strict=True)]
 
@@ -193,7 +196,9 @@ def sync(params: dict, recipe: QuantRecipe, *, model_config,
     params = models.split_layer_groups(model_config, params, recipe)
     leaves, treedef = jax.tree.flatten(params)
     plan = _plan(params, recipe, model_config, kernel_layout)
-    out = _convert_all(leaves, plan=plan, recipe=recipe, dtype=jnp.dtype(model_config.dtype))
+    settings = _kernel_backend().layout_settings() if any(p[1] for p in plan) else None
+    out = _convert_all(leaves, plan=plan, recipe=recipe, dtype=jnp.dtype(model_config.dtype),
+                       layout_settings=settings)
     if calibration is not None:
         sites = jax.tree.leaves(models.param_sites(model_config, params),
                                 is_leaf=lambda x: isinstance(x, str | tuple))

@@ -269,12 +269,18 @@ def test_kernel_layout_leaves_pass_the_check_and_corruption_is_caught(model, nam
 def test_kernel_scale_layouts_pass_the_check_and_a_corrupt_scale_is_caught(model, scale_dtype):
     """Weights synced with E4M3 (the default) or float16 block scales in the kernel layout
     (``kernel_backend.set_w4a4_scale_dtype``) dequantize to the trainer's values; one scale
-    changed by one unit in its last place is caught."""
+    changed by one unit in its last place is caught. The setting takes effect at the next
+    sync, also after a sync at another setting in the same process (its jitted conversion)."""
     from quads_jax.quant import kernel_backend
 
     cfg, params = model
     recipe = get_recipe("rollout_nvfp4")
+    other = None if scale_dtype else "float8_e4m3fn"
     try:
+        kernel_backend.set_w4a4_scale_dtype(other)
+        first = sync(params, recipe, model_config=cfg, kernel_layout=True)
+        assert first["layers"][-1]["mlp"]["experts"]["down"].scales.dtype == jnp.dtype(
+            other or "float16")
         kernel_backend.set_w4a4_scale_dtype(scale_dtype)
         rollout = sync(params, recipe, model_config=cfg, kernel_layout=True)
     finally:
