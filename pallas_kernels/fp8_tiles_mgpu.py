@@ -39,8 +39,8 @@ from pallas_kernels.nvfp4_tiles_mgpu import (
     check_col_scales,
     check_schedule,
     pipeline_stages,
+    ring_store,
     run_work_items,
-    store_transposed,
     work_item,
 )
 from pallas_kernels.token_tiles import TokenTiles
@@ -134,12 +134,14 @@ class FP8GemmConfig:
       max_concurrent_steps: pipeline depth (SMEM stages of weights + activations).
       num_sms: persistent CTAs; None = the device's SM count.
       chain_items: chain the work items' pipelines (``nvfp4_tiles_mgpu.run_work_items``).
+      store_buffers: how the epilogue's copies wait (``TileGemmConfig.store_buffers``).
     """
 
     k_splits: int = 1
     max_concurrent_steps: int = 4
     num_sms: int | None = None
     chain_items: bool = True
+    store_buffers: int = 0
 
     def __post_init__(self):
         check_schedule(self)
@@ -195,8 +197,10 @@ def fp8_tile_gemm(
     out_dtype = jnp.dtype(out_dtype)
     check_col_scales(col_scales, (t_max, 1, block_m))
     stage_bytes = N_TILE * K_TILE + block_m * K_TILE
+    slots = max(config.store_buffers, 1)  # the epilogue's SMEM staging tiles
     stages = pipeline_stages(config.max_concurrent_steps, k_steps,
-                             (SMEM_BYTES - N_TILE * block_m * out_dtype.itemsize) // stage_bytes)
+                             (SMEM_BYTES - slots * N_TILE * block_m * out_dtype.itemsize)
+                             // stage_bytes)
 
     in_specs = [
         plgpu.BlockSpec((N_TILE, K_TILE), lambda k: (k, 0), transforms=_swizzled()),
@@ -220,7 +224,7 @@ def fp8_tile_gemm(
             collective_axes="wg",
         )
         def _pipeline_scope(pipeline_allocs):
-            def work_body(idx):
+            def work_body(idx, local):
                 split, ni, t = work_item(idx, config.k_splits, n_tiles)
                 expert = tile_expert_gmem[t]
 
@@ -236,11 +240,9 @@ def fp8_tile_gemm(
                         shape = (N_TILE, block_m)
                         y = (acc_ref[...] * lax.broadcast_in_dim(row_s, shape, (0,))
                              * lax.broadcast_in_dim(col_s, shape, (1,)))
-                        store_transposed(out_smem, y.astype(out_dtype))
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(
-                            out_smem, out_gmem.at[t, split, 0, :, pl.ds(ni * N_TILE, N_TILE)])
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        ring_store(out_smem, y.astype(out_dtype),
+                                   out_gmem.at[t, split, 0, :, pl.ds(ni * N_TILE, N_TILE)],
+                                   local, config.store_buffers)
 
                     pl.run_scoped(acc_scope, plgpu.ACC((N_TILE, block_m), jnp.float32))
 
@@ -268,7 +270,7 @@ def fp8_tile_gemm(
         num_threads=2,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        scratch_types=[plgpu.SMEM((block_m, N_TILE), out_dtype)],
+        scratch_types=[plgpu.SMEM((slots, block_m, N_TILE), out_dtype)],
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
     return call(tile_expert, num_tiles, tiles.row0, w.data, w.scale, col_scales, b)

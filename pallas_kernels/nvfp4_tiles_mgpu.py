@@ -57,6 +57,7 @@ DECODE_IMPLS = ("auto", "jnp", "ptx")
 ABLATIONS = (None, "no_decode", "one_mma", "no_compute")
 N_GROUPS = (1, 2, 4)
 MMA_KS = (64, 128, 256)  # K columns per wgmma group (TileGemmConfig.mma_k)
+STORE_BUFFERS = (0, 1, 2)  # the epilogue's output copies left in flight (store_buffers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +105,12 @@ class TileGemmConfig:
         (2026-12-03, the decode step's grouped calls alone, ``kernel_probe
         --grouped-ablations``) RAC's second wgmma per chunk cost more than its second
         activation tile: +22 us on gate_up's 93, of which +13 remained without the decode.
+      store_buffers: how the epilogue's copies to global memory wait (``ring_store``). 0: each
+        waits until the copy engine has read its SMEM tile, before the next work item starts
+        (in decode 12-16 items of 3-8 K steps per SM, each then pays the copy's latency).
+        1 or 2: SMEM staging buffers per compute warpgroup, and a copy is waited for only when
+        its buffer is next written (a work item later, with one epilogue copy per item), so
+        the wait overlaps the next item's K loop. Same results; 0 until timed on a GPU.
     """
 
     k_splits: int = 1
@@ -117,6 +124,7 @@ class TileGemmConfig:
     n_group: int = 1
     chain_items: bool = True
     stack_operands: bool = False
+    store_buffers: int = 0
 
     def __post_init__(self):
         check_schedule(self)
@@ -150,6 +158,8 @@ def check_schedule(config) -> None:
         raise ValueError(f"{name}.max_concurrent_steps={steps!r}: need 1..8")
     if config.num_sms is not None and (not isinstance(config.num_sms, int) or config.num_sms < 1):
         raise ValueError(f"{name}.num_sms={config.num_sms!r}: need None or an int >= 1")
+    if config.store_buffers not in STORE_BUFFERS:
+        raise ValueError(f"{name}.store_buffers={config.store_buffers!r}: one of {STORE_BUFFERS}")
 
 
 def check_n_group(n_group: int, n_pad: int) -> None:
@@ -169,7 +179,8 @@ def run_work_items(make_pipeline, allocations, num_live_work, chain: bool, work_
     """The persistent work loop over the ``num_live_work`` live items (a run-time count, so
     tiles past ``num_tiles`` cost nothing), each item one pipeline over its K steps.
 
-    ``work_body(idx) -> (gmem refs, body, compute_context)`` for item ``idx``;
+    ``work_body(idx, local) -> (gmem refs, body, compute_context)`` for item ``idx``, the
+    ``local``-th (int32, from 0) of its SM's items;
     ``make_pipeline(body, compute_context, state)`` emits the pipeline. With ``chain`` an SM's
     pipelines are chained (``pipeline_state`` START / STEADY / STOP): the copy warpgroup runs
     on into the next item's first K steps while the compute warpgroups finish the current one,
@@ -179,7 +190,7 @@ def run_work_items(make_pipeline, allocations, num_live_work, chain: bool, work_
 
     @plgpu.nd_loop((num_live_work,), collective_axes="sm")
     def _work_loop(loop_info: plgpu.NDLoopInfo):
-        refs, body, context = work_body(loop_info.index[0])
+        refs, body, context = work_body(loop_info.index[0], loop_info.local_index)
         if not chain:
             make_pipeline(body, context, None)(*refs, allocations=allocations)
             return
@@ -209,6 +220,24 @@ def store_transposed(smem_ref, value: jax.Array) -> None:
     the layout cast to WGMMA_TRANSPOSED is one shuffle between lane pairs, after which each
     thread's pair of values is contiguous along ``rows`` of the transposed view."""
     smem_ref.T[...] = plgpu.layout_cast(value, plgpu.Layout.WGMMA_TRANSPOSED)
+
+
+def ring_store(slots_ref, value: jax.Array, dst_ref, seq, buffers: int) -> None:
+    """The epilogue's copy of a WGMMA-layout ``[rows, cols]`` value to ``dst_ref`` ``[cols,
+    rows]`` through SMEM: ``slots_ref`` ``[max(buffers, 1), cols, rows]``; ``seq`` (int32)
+    counts the warpgroup's earlier calls. ``buffers`` 0: stage in slot 0, copy, and wait
+    until the copy has read it. ``buffers`` S >= 1: first wait until at most ``S - 1`` of the
+    warpgroup's copies still read SMEM (so slot ``seq % S``'s previous copy, ``S`` calls ago,
+    is done with it), then stage there and copy without waiting: the kernel must wait for
+    the copies before it ends (``wait_smem_to_gmem(0)``)."""
+    if buffers:
+        plgpu.wait_smem_to_gmem(buffers - 1, wait_read_only=True)
+    slot = slots_ref.at[lax.rem(seq, buffers)] if buffers > 1 else slots_ref.at[0]
+    store_transposed(slot, value)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(slot, dst_ref)
+    if not buffers:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def _num_sms() -> int:
@@ -414,6 +443,7 @@ def nvfp4_tile_gemm(
     else:
         out_dtype, num_out = jnp.dtype(out_dtype), 1
         check_col_scales(col_scales, (t_max, num_ops, block_m))
+    stores_per_item = n_group * num_out  # epilogue copies per work item and warpgroup
     # halves: operands stacked along the wgmma N side (bn = halves * block_m columns per
     # accumulator); num_acc: accumulators (and B tiles) per weight-row tile.
     # Stacked operands are one array [2, R, Kp]: a window [2, block_m, 256] of it lands in SMEM
@@ -438,7 +468,8 @@ def nvfp4_tile_gemm(
     # The interpreter cannot run a wgmma on the folded [2 * block_m, 256] view of the stacked
     # [2, block_m, 256] B tile that the device reads: it gets a 2-D copy (registers, then SMEM).
     b_copy = interpret and halves == 2
-    fixed = (NUM_COMPUTE_WGS * WG_ROWS * (block_m * out_dtype.itemsize
+    slots = max(config.store_buffers, 1)  # the epilogue's SMEM staging tiles per warpgroup
+    fixed = (NUM_COMPUTE_WGS * WG_ROWS * (slots * block_m * out_dtype.itemsize
                                           + (config.mma_k * item if config.a_via_smem else 0))
              + (NUM_COMPUTE_WGS * bn * K_TILE * item if b_copy else 0))
     stages = pipeline_stages(config.max_concurrent_steps, k_steps,
@@ -515,17 +546,16 @@ def nvfp4_tile_gemm(
                     return [v]
                 return [v[:, h * block_m:(h + 1) * block_m] for h in range(halves)]
 
-            def work_body(idx):
+            def work_body(idx, local):
                 split, gi, t = work_item(idx, config.k_splits, n_items)
                 expert = tile_expert_gmem[t]
 
                 def store(value, j: int, a: int):
                     row0 = (gi * n_group + j) * N_TILE + wg * WG_ROWS
-                    store_transposed(out_smem.at[wg], value)
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(
-                        out_smem.at[wg], out_gmem.at[t, split, a, :, pl.ds(row0, WG_ROWS)])
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    seq = local * stores_per_item + j * num_out + a  # this WG's store count
+                    ring_store(out_smem.at[wg], value,
+                               out_gmem.at[t, split, a, :, pl.ds(row0, WG_ROWS)], seq,
+                               config.store_buffers)
 
                 def compute_context(eval_pipeline):
                     def acc_scope(*acc_refs):  # acc_refs[j * num_acc + a]
@@ -619,7 +649,7 @@ def nvfp4_tile_gemm(
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    scratch = [plgpu.SMEM((NUM_COMPUTE_WGS, block_m, WG_ROWS), out_dtype)]
+    scratch = [plgpu.SMEM((NUM_COMPUTE_WGS, slots, block_m, WG_ROWS), out_dtype)]
     if config.a_via_smem:
         scratch.append(
             plgpu.SMEM((NUM_COMPUTE_WGS, WG_ROWS, config.mma_k), mma_dtype,

@@ -62,6 +62,7 @@ class W8A8MatmulConfig:
       max_concurrent_steps: pipeline depth; num_sms: persistent CTAs (None: the device's).
       windowed_operands, tile_plan_kernel, tile_plan_block, tile_plan_warps: as
         ``W4A4MatmulConfig``.
+      store_buffers: ``FP8GemmConfig.store_buffers``.
     """
 
     block_m: int | None = None
@@ -73,14 +74,20 @@ class W8A8MatmulConfig:
     tile_plan_kernel: bool = True
     tile_plan_block: int = 8
     tile_plan_warps: int = 2
+    store_buffers: int = 0
 
     def __post_init__(self):
         bm = self.block_m
         if bm is not None and (not isinstance(bm, int) or bm % 8 or not 8 <= bm <= 256):
             raise ValueError(f"W8A8MatmulConfig.block_m={bm!r}: None or a multiple of 8 in [8, 256]")
-        FP8GemmConfig(self.k_splits or 1, self.max_concurrent_steps, self.num_sms)
+        self.gemm_config(self.k_splits or 1, self.num_sms)
         self.tile_plan_config()
 
+
+    def gemm_config(self, k_splits: int, num_sms: int | None) -> FP8GemmConfig:
+        """The tile kernel's config for a call with ``k_splits`` on ``num_sms`` SMs."""
+        return FP8GemmConfig(k_splits, self.max_concurrent_steps, num_sms,
+                             store_buffers=self.store_buffers)
 
     def tile_plan_config(self):
         """The ``tile_plan`` kernel's config (``tile_plan_block`` entries per program,
@@ -135,7 +142,7 @@ def _run(qx: fp8.FP8Tensor, w, plan, config, interpret, out_dtype,
     k_splits = config.k_splits or auto_k_splits(
         (live_tiles or row_index.shape[0]) * (w.n_pad // N_TILE), w.k_pad // K_TILE, num_sms,
         good_efficiency=FP8_GOOD_WAVE_EFFICIENCY)
-    cfg = FP8GemmConfig(k_splits, config.max_concurrent_steps, num_sms)
+    cfg = config.gemm_config(k_splits, num_sms)
     out = fp8_tile_gemm(tiles, w, tile_expert, num_tiles, config=cfg, interpret=interpret,
                         col_scales=act[:, None],  # [T, 1, block_m]
                         out_dtype=stored_dtype(out_dtype, k_splits))

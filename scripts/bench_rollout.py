@@ -643,6 +643,9 @@ def parse_args(argv):
                    help="any W4A4MatmulConfig field for every NVFP4 kernel call (repeatable; "
                    "the value parsed as YAML, e.g. rac_operand_block_rows=4), after the "
                    "dedicated flags")
+    p.add_argument("--fp8-set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="any W8A8MatmulConfig field for every FP8 kernel call (repeatable; the "
+                   "value parsed as YAML, e.g. store_buffers=2), after the dedicated flags")
     p.add_argument("--n-samples", type=int, default=1,
                    help="rows per prompt (a GRPO group); the batch counts rows")
     p.add_argument("--share-prompt-cache", action="store_true",
@@ -684,14 +687,15 @@ def parse_args(argv):
     return args
 
 
-def w4a4_set_fields(items: list[str]) -> dict:
-    """``--w4a4-set FIELD=VALUE`` items -> ``{field: value}`` (values parsed as YAML; the
-    fields and values are checked by ``kernel_backend.set_w4a4_overrides``)."""
+def set_fields(items: list[str], flag: str = "--w4a4-set") -> dict:
+    """``--w4a4-set`` / ``--fp8-set`` ``FIELD=VALUE`` items -> ``{field: value}`` (values
+    parsed as YAML; the fields and values are checked by ``kernel_backend.set_w4a4_overrides``
+    / ``set_fp8_overrides``)."""
     fields = {}
     for item in items:
         key, value = cfglib.parse_override(item)
         if len(key) != 1:
-            raise ValueError(f"--w4a4-set {item!r}: one W4A4MatmulConfig field, not a dotted key")
+            raise ValueError(f"{flag} {item!r}: one config field, not a dotted key")
         fields[key[0]] = value
     return fields
 
@@ -741,8 +745,11 @@ def main(argv=None) -> int:
                                           rac_select_kernel=args.rac_select_kernel,
                                           rac_select_block_rows=args.rac_select_block_rows,
                                           windowed_operands=args.windowed_operands,
-                                          **{**operand_kernel, **w4a4_set_fields(args.w4a4_set)})
-        kernel_backend.set_fp8_overrides(windowed_operands=args.windowed_operands, **plan)
+                                          **{**operand_kernel, **set_fields(args.w4a4_set)})
+        kernel_backend.set_fp8_overrides(windowed_operands=args.windowed_operands, **plan,
+                                         **set_fields(args.fp8_set, "--fp8-set"))
+    elif args.fp8_set:
+        kernel_backend.set_fp8_overrides(**set_fields(args.fp8_set, "--fp8-set"))
         kernel_backend.set_grouped_barrier(args.grouped_barrier)
     kernel_backend.set_w4a4_bits(args.w4a4_bits)
     kernel_backend.set_w4a4_scale_dtype(None if args.w4a4_scales == "float16"
@@ -766,6 +773,7 @@ def main(argv=None) -> int:
                           w4a4_bits=args.w4a4_bits, w4a4_scales=args.w4a4_scales,
                           kv_cache_dtype=args.kv_cache_dtype, prng_impl=args.prng_impl,
                           sampler=args.sampler, w4a4_set=args.w4a4_set,
+                          fp8_set=args.fp8_set,
                           attention_slot_splits=args.attention_slot_splits,
                           attention_prefix_mode=attention.prefix_mode,
                           attention_prefix_rows=attention.prefix_rows,

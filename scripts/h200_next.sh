@@ -62,6 +62,9 @@
 #          float16 scales its 56 KB stages left 2 of them for gate_up (session 38: no gain on
 #          the H100), E4M3 scales fit 4; GPU checks, the kernel alone (and n_group 4: 2 stages
 #          for gate_up, 1 for down), nvfp4_rac at batch 128 at n_group 2 and 1
+#   store  the epilogue's output copies waited for when their staging buffer is next written
+#          (store_buffers 1 / 2, session 39) instead of at once: GPU checks, the grouped W4A4
+#          and FP8 kernels alone, then nvfp4_rac and fp8 at batch 128 with 2 and 0 (~8 minutes)
 #   pack   nvfp4_rac and nvfp4 at batch 128, traced, with the decode step's per-layer norm
 #          vectors and layer ids sliced as one packed array (--pack-layer-vectors, session 38:
 #          one memcpy32_post per layer instead of five?) and without, same call (~5 minutes)
@@ -338,10 +341,11 @@
 # the decode step's per-layer vectors packed into one scan input (off by default).
 # Session 39: `s38` on an H100 (ca9aabb: E4M3 checks PASS, gate_up 95.7 -> 91.6 us, nvfp4_rac
 # at batch 128 8.67 -> 8.48 -> 8.40 ms): both on by default since a7082ac; then `ptxas b128`
-# and `b32 b256` (the four arms at the new defaults, H100). Next: on an H100 `ng2` (n_group 2
-# now that E4M3 scales fit its stages 4 deep), `kdense`; on an H200 `s39h` (does the E4M3
-# scales' conversion cost more than their bytes save where the decode bounds the kernel?),
-# `ng2`, `gabl2`, `b128`.
+# and `b32 b256` (the four arms at the new defaults, H100). Built after the last call: the
+# epilogue's copies waited for a work item later (`store_buffers`, off). Next: on an H100
+# `store`, `ng2` (n_group 2 now that E4M3 scales fit its stages 4 deep), `kdense`; on an H200
+# `s39h` (does the E4M3 scales' conversion cost more than their bytes save where the decode
+# bounds the kernel?), `store`, `ng2`, `gabl2`, `b128`.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
@@ -523,6 +527,13 @@ for step in "$@"; do
       rollout ng2 100 --quick --profile-steps 4 --precisions nvfp4_rac --w4a4-n-group 2 \
       --budget-s 80
       rollout ng1 100 --quick --profile-steps 4 --precisions nvfp4_rac --budget-s 80 ;;
+    store) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 170 python3 scripts/kernel_probe.py \
+      --grouped-ablations --out "$OUT/storek" --check-variants "default store2" \
+      --variants "default,default store1,default store2,fp8 store2" > "$OUT/storek.log" 2>&1
+      echo "storek rc $?"; grep -E "grouped|FAIL|PASS|Error" "$OUT/storek.log" | cut -c1-130
+      rollout store 150 --quick --profile-steps 4 --precisions nvfp4_rac,fp8 \
+      --w4a4-set store_buffers=2 --fp8-set store_buffers=2 --budget-s 120
+      rollout store0 150 --quick --profile-steps 4 --precisions nvfp4_rac,fp8 --budget-s 120 ;;
     pack) rollout pack 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \
       --pack-layer-vectors --budget-s 110
       rollout nopack 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \

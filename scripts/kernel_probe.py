@@ -630,6 +630,11 @@ GROUPED_VARIANTS = (
     ("default one_mma", dict(ROLLOUT_TILES, mma_k=64, ablation="one_mma")),
     ("default n_group 2", dict(ROLLOUT_TILES, n_group=2)),
     ("default n_group 4", dict(ROLLOUT_TILES, n_group=4)),
+    # The epilogue's copies waited for when their staging buffer is next written (one or two
+    # buffers), not at once (session 39).
+    ("default store1", dict(ROLLOUT_TILES, store_buffers=1)),
+    ("default store2", dict(ROLLOUT_TILES, store_buffers=2)),
+    ("default n_group 2 store2", dict(ROLLOUT_TILES, n_group=2, store_buffers=2)),
     # float16 block scales (0.625 streamed bytes per weight; the default until session 39,
     # which made the format's E4M3 bytes, 0.5625, the default: layout.E4M3).
     ("default f16 scales", dict(ROLLOUT_TILES, scales=None)),
@@ -645,7 +650,8 @@ def run_grouped_ablations(tokens: int = 128, variants: tuple[str, ...] | None = 
     gate_up (N=1536, K=2048) and down (N=2048, K=768); our FP8 kernel on the same tiles first,
     as the reference (same schedule, no decode, 1.78x the streamed bytes): each W4A4 row's note
     gives "vs fp8 rate", the format's bytes at the FP8 kernel's streaming rate over its time.
-    The ablations' results are wrong by design (time attribution only). ``variants``: the names to time (None: all);
+    The ablations' results are wrong by design (time attribution only). ``variants``: the names to time (None: all;
+    "fp8 store2" adds our FP8 kernel with ``store_buffers=2``);
     ``checks``: variants whose whole grouped matmul is first checked on fresh inputs against
     the float64 product of the dequantized operands (``bench_kernels.check``)."""
     from pallas_kernels.fp8_tiles_mgpu import FP8GemmConfig, fp8_tile_gemm
@@ -654,6 +660,9 @@ def run_grouped_ablations(tokens: int = 128, variants: tuple[str, ...] | None = 
     from pallas_kernels.w4a4_matmul import auto_k_splits
     from quads_jax.quant import fp8
 
+    known = {v for v, _ in GROUPED_VARIANTS} | {"fp8 store2"}
+    if unknown := sorted(set(variants or ()) - known) + sorted(set(checks) - known):
+        raise ValueError(f"unknown grouped variant(s) {unknown}; one of {sorted(known)}")
     gs = bk.routing(128, tokens, GE, 8)
     m = int(gs.sum())
     touched = int((np.asarray(gs) > 0).sum())
@@ -684,21 +693,24 @@ def run_grouped_ablations(tokens: int = 128, variants: tuple[str, ...] | None = 
         jax.block_until_ready(f(*args))
         return traced_kernels(lambda: run(), tag=tag)
 
-    def fp8_rate(n: int, k: int, name: str, cs) -> float | None:
+    def fp8_rate(n: int, k: int, name: str, cs, buffers: int = 0) -> float | None:
         """Our FP8 kernel on the same tiles: its streamed bytes per second (the achievable
         rate of this machine in this call; the untraced GEMV probe read 1.6-1.7 TB/s on the
-        session-38 H100s, so it is no floor), or None if it failed."""
+        session-38 H100s, so it is no floor), or None if it failed. ``buffers``: its
+        ``store_buffers``."""
         try:
             w8 = bk.our_fp8_weight(fp8.quantize(bk.rand(920 + n, (GE, n, k), jnp.float32),
                                                 granularity="channel"))
             ks = auto_k_splits(live * (w8.n_pad // N_TILE), w8.k_pad // 128, sms)
             b8 = bk.rand(930, (t_max, block_m, w8.k_pad)).astype(jnp.float8_e4m3fn)
             f = jax.jit(lambda bt, w, ks=ks, sc=cs[:, :1]: fp8_tile_gemm(
-                (bt,), w, te, nt, config=FP8GemmConfig(k_splits=ks), col_scales=sc,
+                (bt,), w, te, nt, config=FP8GemmConfig(k_splits=ks, store_buffers=buffers),
+                col_scales=sc,
                 out_dtype=jnp.bfloat16 if ks == 1 else jnp.float32))
             us, count, busy = traced(f, b8, w8, tag=f"{name}_fp8")
             rate = touched * n * k / (us * 1e-6)
-            bk.record(f"grouped {name} FP8 tile kernel ks={ks}", us * 1e-6, count,
+            tag = f" store_buffers={buffers}" if buffers else ""
+            bk.record(f"grouped {name} FP8 tile kernel ks={ks}{tag}", us * 1e-6, count,
                       bytes_=touched * n * k, note=f"busy {busy:.2f} {rate / 1e12:.2f} TB/s")
             return rate
         except Exception as err:  # noqa: BLE001
@@ -709,6 +721,8 @@ def run_grouped_ablations(tokens: int = 128, variants: tuple[str, ...] | None = 
     for n, k, name in ((2 * GN, GK, "gate_up"), (GK, GN, "down")):
         cs = jnp.ones((t_max, 2, block_m), jnp.float32)
         rate = fp8_rate(n, k, name, cs)
+        if variants is not None and "fp8 store2" in variants:  # our FP8 kernel, store_buffers 2
+            fp8_rate(n, k, name, cs, buffers=2)
         wq, ww = weights(900 + n, (GE, n, k), "subnormal")
         by_bits = {("nibbles", None): ww}
         b = [bk.rand(910 + a, (t_max, block_m, ww.k_pad), jnp.float16) for a in range(2)]

@@ -46,7 +46,7 @@ def test_bench_rollout_runs_with_kernel_overrides(tmp_path):
             "--attention-prefix-rows", "2", "--layers", "1", "--prng-impl", "rbg",
             "--sampler", "gumbel", "--w4a4-set", "rac_operand_block_rows=4",
             "--w4a4-set", "operand_warps=2", "--w4a4-scales", "float8_e4m3fn",
-            "--pack-layer-vectors",
+            "--pack-layer-vectors", "--fp8-set", "store_buffers=2",
             "--out", str(tmp_path)]
     try:
         assert bench_rollout.main(argv) == 0
@@ -67,8 +67,9 @@ def test_bench_rollout_runs_with_kernel_overrides(tmp_path):
     assert [(r["tile_plan_kernel"], r["act_operand_kernel"], r["tile_plan_block"])
             for r in rows if r["kind"] == "device"] == [(True, True, 8)]
     assert [r["rac_placed_values"] for r in rows if r["kind"] == "device"] == [True]
-    assert [(r["sampler"], r["w4a4_set"]) for r in rows if r["kind"] == "device"] == [
-        ("gumbel", ["rac_operand_block_rows=4", "operand_warps=2"])]
+    assert [(r["sampler"], r["w4a4_set"], r["fp8_set"]) for r in rows
+            if r["kind"] == "device"] == [
+        ("gumbel", ["rac_operand_block_rows=4", "operand_warps=2"], ["store_buffers=2"])]
     assert [r["prng_impl"] for r in rows if r["kind"] == "device"] == ["rbg"]  # the engine
     # samples with an RngBitGenerator key as with a threefry one
     assert [(r["attention_prefix_mode"], r["attention_prefix_rows"], r["attention_prefix_splits"])
@@ -86,16 +87,18 @@ def test_bench_rollout_refuses_a_bad_w4a4_field():
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
     import bench_rollout
 
-    assert bench_rollout.w4a4_set_fields(["mma_k=128", "rac_placed_values=false"]) == {
+    assert bench_rollout.set_fields(["mma_k=128", "rac_placed_values=false"]) == {
         "mma_k": 128, "rac_placed_values": False}
     with pytest.raises(ValueError, match="dotted"):
-        bench_rollout.w4a4_set_fields(["a.b=1"])
+        bench_rollout.set_fields(["a.b=1"])
     with pytest.raises(ValueError, match="dotted.key=value"):
-        bench_rollout.w4a4_set_fields(["mma_k"])
+        bench_rollout.set_fields(["mma_k"])
     from quads_jax.quant import kernel_backend
 
     with pytest.raises(ValueError, match="unknown field"):
-        kernel_backend.set_w4a4_overrides(**bench_rollout.w4a4_set_fields(["no_such=1"]))
+        kernel_backend.set_w4a4_overrides(**bench_rollout.set_fields(["no_such=1"]))
+    with pytest.raises(ValueError, match="store_buffers=3"):
+        kernel_backend.set_fp8_overrides(**bench_rollout.set_fields(["store_buffers=3"]))
 
 
 def test_bench_rollout_multiples_pair_each_case_with_its_baselines():

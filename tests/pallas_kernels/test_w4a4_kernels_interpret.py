@@ -317,6 +317,30 @@ def test_mma_k_config_errors():
         W4A4MatmulConfig(mma_k=32)
 
 
+def test_tile_gemm_store_buffers_give_the_same_bits():
+    """The epilogue's copies waited for at once (``store_buffers=0``), when their one buffer is
+    next written (1), or through two buffers (2): the same output bits, with several work
+    items per SM (2 on 1 SM) and several copies per item (n_group 2; raw: one per operand and
+    tile, 4 per item)."""
+    from pallas_kernels.nvfp4_tiles_mgpu import TileGemmConfig, nvfp4_tile_gemm
+
+    t, bm, k, n = 2, 8, 256, 256
+    wq = nvfp4.quantize(jax.random.normal(jax.random.key(41), (2, n, k)), scale_mode="expert")
+    w = prepare_w4a4_weights(wq, bits="signs_high", scale_dtype="float8_e4m3fn")
+    b = tuple(nvfp4.dequantize(nvfp4.quantize(
+        jax.random.normal(jax.random.key(42 + a), (t, bm, k))), jnp.float16) for a in range(2))
+    te = jnp.array([1, 0], jnp.int32)
+    ys = [nvfp4_tile_gemm(b, w, te, jnp.array([t], jnp.int32), interpret=True,
+                          config=TileGemmConfig(a_via_smem=True, num_sms=1, n_group=2,
+                                                max_concurrent_steps=1, store_buffers=sb))
+          for sb in (0, 1, 2)]
+    assert ys[0].shape == (t, 1, 2, bm, n)
+    for y in ys[1:]:
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(ys[0]))
+    with pytest.raises(ValueError, match="store_buffers=3"):
+        TileGemmConfig(store_buffers=3)
+
+
 def test_e4m3_scales_give_the_float16_scales_results():
     """Block scales kept as the format's E4M3 bytes (converted to f16 in the kernel) give the
     same bits as float16 scales: the tile kernel with stacked RAC operands and split K; and the

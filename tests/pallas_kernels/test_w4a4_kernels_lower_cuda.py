@@ -50,19 +50,21 @@ def test_dense_lowers_for_cuda(mma, decode, a_via_smem, rac, block_m):
     _export(lambda x, w: w4a4_matmul(x, w, rac=racc, config=cfg), x, w)
 
 
-@pytest.mark.parametrize("n,n_group,stack,mma_k,bits,scales", [
-    (128, 1, False, 64, "nibbles", None), (512, 4, False, 64, "nibbles", None),
-    (256, 1, True, 64, "nibbles", None), (128, 1, False, 256, "nibbles", None),
-    (256, 1, True, 128, "nibbles", None), (256, 1, True, 256, "signs_high", None),
-    (256, 1, True, 256, "signs_high", "float8_e4m3fn"),
-    # h200_next.sh ng2: the rollout's defaults with 2 weight-row tiles per work item
-    (512, 2, True, 256, "signs_high", "float8_e4m3fn")])
-def test_grouped_lowers_for_cuda(n, n_group, stack, mma_k, bits, scales):
+@pytest.mark.parametrize("n,n_group,stack,mma_k,bits,scales,buffers", [
+    (128, 1, False, 64, "nibbles", None, 0), (512, 4, False, 64, "nibbles", None, 0),
+    (256, 1, True, 64, "nibbles", None, 0), (128, 1, False, 256, "nibbles", None, 0),
+    (256, 1, True, 128, "nibbles", None, 0), (256, 1, True, 256, "signs_high", None, 0),
+    (256, 1, True, 256, "signs_high", "float8_e4m3fn", 0),
+    # the rollout's defaults with 2 weight-row tiles per work item (h200_next.sh ng2) and
+    # the epilogue's copies through two staging buffers (store_buffers, its dynamic slot)
+    (512, 2, True, 256, "signs_high", "float8_e4m3fn", 2)])
+def test_grouped_lowers_for_cuda(n, n_group, stack, mma_k, bits, scales, buffers):
     wq = nvfp4.quantize(jax.random.normal(jax.random.key(1), (4, n, 256)), scale_mode="expert")
     w = prepare_w4a4_weights(wq, bits=bits, scale_dtype=scales)
     x = jnp.ones((24, 256), jnp.bfloat16)
     gs = jnp.asarray([8, 0, 10, 6], jnp.int32)
-    cfg = W4A4MatmulConfig(n_group=n_group, stack_operands=stack, mma_k=mma_k)
+    cfg = W4A4MatmulConfig(n_group=n_group, stack_operands=stack, mma_k=mma_k,
+                           store_buffers=buffers)
     _export(lambda x, w, gs: w4a4_grouped_matmul(x, w, gs, rac=aq.RACConfig(), config=cfg),
             x, w, gs)
 

@@ -59,6 +59,19 @@ def test_grouped_interpret_matches_reference_with_empty_and_uneven_groups():
     np.testing.assert_array_equal(np.asarray(y2), np.asarray(y)[np.asarray(perm)])
 
 
+def test_grouped_store_buffers_give_the_same_bits():
+    """The epilogue's copies waited for at once or through two buffers (``store_buffers``):
+    the same output bits (4 work items on 1 SM)."""
+    w = fp8.quantize(jax.random.normal(jax.random.key(6), (3, 128, 256)), granularity="channel")
+    gs = jnp.asarray([10, 0, 9], jnp.int32)
+    x = jax.random.normal(jax.random.key(7), (19, 256), jnp.float32)
+    ys = [w8a8_grouped_matmul(x, w, gs, interpret=True, config=W8A8MatmulConfig(
+        num_sms=1, block_m=8, store_buffers=sb)) for sb in (0, 2)]
+    for y in ys[1:]:
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(ys[0]))
+    assert _rel(ys[0], w8a8_reference(x, w, gs)) < 1e-5
+
+
 @pytest.mark.parametrize("act", ["token", "tensor"])
 def test_grouped_source_rows_equal_the_gathered_rows(act):
     """Distinct rows plus ``source_rows`` (a MoE token's slots): the same result, bit for bit."""
@@ -84,6 +97,8 @@ def test_fp8_kernels_lower_for_cuda():
 
     w = prepare_fp8_weights(fp8.quantize(jnp.ones((256, 512)), granularity="channel"))
     lower(lambda x, w: w8a8_matmul(x, w), jnp.ones((16, 512), jnp.bfloat16), w)
+    lower(lambda x, w: w8a8_matmul(x, w, config=W8A8MatmulConfig(store_buffers=2)),
+          jnp.ones((16, 512), jnp.bfloat16), w)
     we = prepare_fp8_weights(fp8.quantize(jnp.ones((4, 128, 256)), granularity="channel"))
     text = lower(lambda x, w, gs: w8a8_grouped_matmul(x, w, gs), jnp.ones((24, 256),
                                                                          jnp.bfloat16), we,
