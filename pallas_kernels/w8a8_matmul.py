@@ -83,7 +83,6 @@ class W8A8MatmulConfig:
         self.gemm_config(self.k_splits or 1, self.num_sms)
         self.tile_plan_config()
 
-
     def gemm_config(self, k_splits: int, num_sms: int | None) -> FP8GemmConfig:
         """The tile kernel's config for a call with ``k_splits`` on ``num_sms`` SMs."""
         return FP8GemmConfig(k_splits, self.max_concurrent_steps, num_sms,

@@ -78,8 +78,9 @@ _W4A4_SCALE_DTYPE = [DEFAULT_W4A4_SCALE_DTYPE]
 
 def set_w4a4_scale_dtype(scale_dtype: str | None = DEFAULT_W4A4_SCALE_DTYPE) -> None:
     """The block scales' dtype of the float16 NVFP4 weights made from now on (at the next
-    weight sync): "float8_e4m3fn" (the default) or None (float16; ``pallas_kernels.layout``). bfloat16
-    layouts keep bfloat16 scales. A bad value raises ``ValueError`` and changes nothing."""
+    weight sync): "float8_e4m3fn" (the default) or None (float16); ``pallas_kernels.layout``.
+    bfloat16 layouts keep bfloat16 scales. A bad value raises ``ValueError`` and changes
+    nothing."""
     check_scale_dtype(scale_dtype, "float16")
     _W4A4_SCALE_DTYPE[0] = scale_dtype
 
