@@ -650,10 +650,11 @@ def run_grouped_ablations(tokens: int = 128, variants: tuple[str, ...] | None = 
     gate_up (N=1536, K=2048) and down (N=2048, K=768); our FP8 kernel on the same tiles first,
     as the reference (same schedule, no decode, 1.78x the streamed bytes): each W4A4 row's note
     gives "vs fp8 rate", the format's bytes at the FP8 kernel's streaming rate over its time.
-    The ablations' results are wrong by design (time attribution only). ``variants``: the names to time (None: all;
-    "fp8 store2" adds our FP8 kernel with ``store_buffers=2``);
+    The ablations' results are wrong by design (time attribution only). ``variants``: the
+    names to time (None: all; "fp8 store2" adds our FP8 kernel with ``store_buffers=2``);
     ``checks``: variants whose whole grouped matmul is first checked on fresh inputs against
-    the float64 product of the dequantized operands (``bench_kernels.check``)."""
+    the float64 product of the dequantized operands (``bench_kernels.check``). An unknown
+    name raises ``ValueError`` before anything runs."""
     from pallas_kernels.fp8_tiles_mgpu import FP8GemmConfig, fp8_tile_gemm
     from pallas_kernels.nvfp4_tiles_mgpu import K_TILE, N_TILE, _num_sms
     from pallas_kernels.w4a4_grouped import expected_tiles, grouped_block_m, tile_plan
