@@ -13,6 +13,10 @@
 #   b128   the four arms at batch 128 / prompt 256, traced (the reference row)
 #   b32    the four arms at batch 32 / prompt 256
 #   b256   the four arms at batch 256 / prompt 256 (rows still missing in docs/BENCHMARKS.md)
+#   b256r  nvfp4_rac at batch 256 with the grouped GEMMs' prefill paths from 4 096 rows
+#          instead of 2 048 (`prefill_min_rows`: the decode step's 2 048 expert rows at batch
+#          256 take them; RAC over nvfp4 +11.9 % there against +5.2 % at 128, session 39),
+#          then nvfp4_rac and nvfp4 at the defaults (~5 minutes)
 #   p1024  nvfp4_rac and bf16 at batch 128 / prompt 1024
 #   prof   the four arms at batch 128, traced with the top 120 kernels per arm, and
 #          the decode programs' optimized HLO ($OUT/hlo.tgz) to name each fusion of the trace
@@ -420,6 +424,10 @@ for step in "$@"; do
       --prng-impl rbg --budget-s 170 ;;
     b32) rollout b32 220 --batches 32 --prompts 256 $short --precisions $ALL --budget-s 170 ;;
     b256) rollout b256 280 --batches 256 --prompts 256 $short --precisions $ALL --budget-s 220 ;;
+    b256r) rollout b256r 150 --batches 256 --prompts 256 $short --precisions nvfp4_rac \
+      --w4a4-set prefill_min_rows=4096 --budget-s 110
+      rollout b256d 150 --batches 256 --prompts 256 $short --precisions nvfp4_rac,nvfp4 \
+      --budget-s 110 ;;
     p1024) rollout p1024 220 --batches 128 --prompts 1024 $short --precisions nvfp4_rac,bf16 \
       --budget-s 170 ;;
     prof) XLA_FLAGS="--xla_dump_to=/tmp/hlo_prof --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
