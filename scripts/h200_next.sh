@@ -495,7 +495,7 @@ for step in "$@"; do
       echo "gabl rc $?"; grep -E "grouped|FAIL|floor" "$OUT/gabl.log" | cut -c1-130 ;;
     gabl2) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 260 python3 scripts/kernel_probe.py \
       --grouped-ablations --out "$OUT/gabl2" \
-      --variants "${GABL2_VARIANTS:-default,default no_decode,default no_compute,default mma_k 64,default one_mma,default n_group 2}" \
+      --variants "${GABL2_VARIANTS:-default,default no_decode,default no_compute,default mma_k 64,default one_mma,default n_group 2,default store1,default n_group 2 store2}" \
       > "$OUT/gabl2.log" 2>&1
       echo "gabl2 rc $?"; grep -E "grouped|FAIL|floor" "$OUT/gabl2.log" | cut -c1-130 ;;
     ptxas) mkdir -p "$OUT/dump"  # session 38 had not made it: the dumps may need it to exist
