@@ -46,10 +46,10 @@
 #          compute), +-RAC, and our FP8 kernel on the same tiles (kernel_probe
 #          --grouped-ablations; about 3-4 minutes)
 #   gabl2  where the grouped W4A4 kernel's time goes at the rollout's defaults (stacked RAC
-#          operands, "signs_high" words, mma_k 256; session 37: on the H200 it reaches 0.60-0.63
-#          of its bytes' floor against our FP8 kernel's 0.83-0.89): default, no decode, no
-#          compute (the pipeline alone), mma_k 64 and one MMA per step (the tensor cores' share),
-#          n_group 2 (~3 minutes)
+#          operands, "signs_high" words, E4M3 scales, mma_k 256; session 37: on the H200 it
+#          reaches 0.60-0.63 of its bytes' floor against our FP8 kernel's 0.83-0.89): default,
+#          no decode, no compute (the pipeline alone), mma_k 64 and one MMA per step (the tensor
+#          cores' share), n_group 2, store_buffers 1, n_group 2 + store_buffers 2 (~4 minutes)
 #   ptxas  the grouped tile kernel at the defaults compiled with Mosaic GPU's PTX and ptxas dumps
 #          ($OUT/dump): registers, spills, and whether ptxas serialized the wgmmas (C7515-style
 #          "Potential Performance Loss" notes), wgmma counts per PTX (session 38)
