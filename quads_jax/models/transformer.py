@@ -453,17 +453,15 @@ def _run_segment(config, kind, start, stop, group, h, kv, ctx, unroll, remat, pa
     wrap = jax.checkpoint if remat else (lambda f: f)
     if not unroll:
         body = wrap(_layer_body(config, kind, start, *ctx))
-        layer_ids = jnp.arange(start, stop, dtype=jnp.int32)
+        per_layer = jnp.arange(start, stop, dtype=jnp.int32)  # the layer ids
         if pack:
-            group, packed, specs = pack_layer_vectors(group, layer_ids)
+            group, per_layer, specs = pack_layer_vectors(group, per_layer)
             inner = body
 
             def body(carry, xs):
-                return inner(carry, unpack_layer_vectors(xs[0], xs[1], specs))
+                return inner(carry, unpack_layer_vectors(*xs, specs))
 
-            (h, kv), ys = jax.lax.scan(body, (h, kv), (group, packed))
-            return h, kv, ys
-        (h, kv), ys = jax.lax.scan(body, (h, kv), (group, layer_ids))
+        (h, kv), ys = jax.lax.scan(body, (h, kv), (group, per_layer))
         return h, kv, ys
     outs = []
     for j in range(stop - start):
