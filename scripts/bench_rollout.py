@@ -723,7 +723,8 @@ def main(argv=None) -> int:
             or args.tile_plan_kernel is not None or args.act_operand_kernel is not None
             or args.rac_row_kernel is not None or args.rac_placed_values is not None
             or args.tile_plan_block != W4A4MatmulConfig.tile_plan_block
-            or args.tile_plan_warps != W4A4MatmulConfig.tile_plan_warps or args.w4a4_set):
+            or args.tile_plan_warps != W4A4MatmulConfig.tile_plan_warps or args.w4a4_set
+            or args.fp8_set):
         operand_kernel = ({} if args.rac_operand_kernel is None
                           else dict(rac_operand_kernel=args.rac_operand_kernel))
         operand_kernel["rac_operand_padding"] = args.rac_operand_padding
@@ -748,8 +749,6 @@ def main(argv=None) -> int:
                                           **{**operand_kernel, **set_fields(args.w4a4_set)})
         kernel_backend.set_fp8_overrides(windowed_operands=args.windowed_operands, **plan,
                                          **set_fields(args.fp8_set, "--fp8-set"))
-    elif args.fp8_set:
-        kernel_backend.set_fp8_overrides(**set_fields(args.fp8_set, "--fp8-set"))
         kernel_backend.set_grouped_barrier(args.grouped_barrier)
     kernel_backend.set_w4a4_bits(args.w4a4_bits)
     kernel_backend.set_w4a4_scale_dtype(None if args.w4a4_scales == "float16"
