@@ -72,8 +72,6 @@
 #   pack   nvfp4_rac and nvfp4 at batch 128, traced, with the decode step's per-layer norm
 #          vectors and layer ids sliced as one packed array (--pack-layer-vectors, session 38:
 #          one memcpy32_post per layer instead of five?) and without, same call (~5 minutes)
-#   e4m3s  e4m3 in under 4 minutes: the GPU checks, the grouped kernel alone with f16 / E4M3
-#          scales, then nvfp4_rac at batch 128 with E4M3 scales only
 #   stk    the grouped tile kernel with RAC's operands stacked on the wgmma N side
 #          (stack_operands), checked first, against base and mma_overlap (kernel_probe
 #          --grouped-ablations; ~2.5 minutes)
@@ -546,9 +544,6 @@ for step in "$@"; do
       --pack-layer-vectors --budget-s 110
       rollout nopack 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \
       --no-pack-layer-vectors --budget-s 110 ;;
-    e4m3s) e4m3_probe 120 "default f16 scales,default"
-      rollout e4m3 100 --quick --profile-steps 4 --precisions nvfp4_rac \
-      --w4a4-scales float8_e4m3fn --budget-s 80 ;;
     stk) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 200 python3 scripts/kernel_probe.py \
       --grouped-ablations --out "$OUT/stk" --variants "base,mma_overlap=1,stacked,stacked overlap1" \
       --check-variants "stacked" > "$OUT/stk.log" 2>&1
