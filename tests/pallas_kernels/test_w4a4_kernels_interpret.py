@@ -330,11 +330,16 @@ def test_tile_gemm_store_buffers_give_the_same_bits():
     b = tuple(nvfp4.dequantize(nvfp4.quantize(
         jax.random.normal(jax.random.key(42 + a), (t, bm, k))), jnp.float16) for a in range(2))
     te = jnp.array([1, 0], jnp.int32)
-    ys = [nvfp4_tile_gemm(b, w, te, jnp.array([t], jnp.int32), interpret=True,
-                          config=TileGemmConfig(a_via_smem=True, num_sms=1, n_group=2,
-                                                max_concurrent_steps=1, store_buffers=sb))
-          for sb in (0, 1, 2)]
+    def run(sb):
+        return nvfp4_tile_gemm(b, w, te, jnp.array([t], jnp.int32), interpret=True,
+                               config=TileGemmConfig(a_via_smem=True, num_sms=1, n_group=2,
+                                                     max_concurrent_steps=1, store_buffers=sb))
+
+    ys = [run(sb) for sb in (0, 1, 2)]
     assert ys[0].shape == (t, 1, 2, bm, n)
+    # The setting reaches the kernel: its staging scratch [2 warpgroups, slots, bm, 64].
+    assert "f32[2,1,8,64]" in str(jax.make_jaxpr(lambda: run(0))())
+    assert "f32[2,2,8,64]" in str(jax.make_jaxpr(lambda: run(2))())
     for y in ys[1:]:
         np.testing.assert_array_equal(np.asarray(y), np.asarray(ys[0]))
     with pytest.raises(ValueError, match="store_buffers=3"):

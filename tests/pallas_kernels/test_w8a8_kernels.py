@@ -65,8 +65,14 @@ def test_grouped_store_buffers_give_the_same_bits():
     w = fp8.quantize(jax.random.normal(jax.random.key(6), (3, 128, 256)), granularity="channel")
     gs = jnp.asarray([10, 0, 9], jnp.int32)
     x = jax.random.normal(jax.random.key(7), (19, 256), jnp.float32)
-    ys = [w8a8_grouped_matmul(x, w, gs, interpret=True, config=W8A8MatmulConfig(
-        num_sms=1, block_m=8, store_buffers=sb)) for sb in (0, 2)]
+    def run(sb):
+        return w8a8_grouped_matmul(x, w, gs, interpret=True, config=W8A8MatmulConfig(
+            num_sms=1, block_m=8, store_buffers=sb))
+
+    ys = [run(sb) for sb in (0, 2)]
+    # The setting reaches the kernel: its staging scratch [slots, block_m, 128].
+    assert "[1,8,128]" in str(jax.make_jaxpr(lambda: run(0))())
+    assert "[2,8,128]" in str(jax.make_jaxpr(lambda: run(2))())
     for y in ys[1:]:
         np.testing.assert_array_equal(np.asarray(y), np.asarray(ys[0]))
     assert _rel(ys[0], w8a8_reference(x, w, gs)) < 1e-5
