@@ -45,7 +45,8 @@ from pallas_kernels.layout import K_TILE, N_TILE, W4A4Weights, code_bits, word_c
 from pallas_kernels.token_tiles import ROW_ALIGN, TokenTiles
 
 WG_ROWS = 64  # wgmma M per warpgroup
-NUM_COMPUTE_WGS = N_TILE // WG_ROWS
+NUM_COMPUTE_WGS = N_TILE // WG_ROWS  # the warpgroups that cover one weight-row tile
+COMPUTE_WGS = (2, 4)  # compute warpgroups per CTA (TileGemmConfig.compute_wgs)
 KW_TILE = K_TILE // 4  # uint16 words per row per step
 CHUNK = 64  # K columns per wgmma (128-byte swizzle of 16-bit values)
 SMEM_BYTES = 232448 - 4096  # H100/H200 per-block shared memory, minus barriers and slack
@@ -111,6 +112,14 @@ class TileGemmConfig:
         1 or 2: SMEM staging buffers per compute warpgroup, and a copy is waited for only when
         its buffer is next written (a work item later, with one epilogue copy per item), so
         the wait overlaps the next item's K loop. Same results; 0 until timed on a GPU.
+      compute_wgs: compute warpgroups per CTA. 2: both decode and multiply every weight-row
+        tile of the step (64 rows each). 4 (``n_group`` even): two pairs, each pair the
+        ``n_group / 2`` tiles of its half of the group, so twice the warps decode and issue
+        wgmmas on an SM and one warp's wait for its products can hide behind another's decode
+        (on the H200 the kernel is bound by that per-step work, not by its bytes; session 37).
+        The compute warpgroups then get 112 registers each instead of 232 (what the pipeline
+        leaves beside its copy warpgroup's 40): ``mma_k`` 64 or 128 keep the decoded step
+        smaller. Same results; 2 until timed on a GPU.
     """
 
     k_splits: int = 1
@@ -125,11 +134,13 @@ class TileGemmConfig:
     chain_items: bool = True
     stack_operands: bool = False
     store_buffers: int = 0
+    compute_wgs: int = 2
 
     def __post_init__(self):
         check_schedule(self)
         if self.n_group not in N_GROUPS:
             raise ValueError(f"TileGemmConfig.n_group={self.n_group!r}: one of {N_GROUPS}")
+        check_compute_wgs(self)
         if self.decode_impl not in DECODE_IMPLS:
             raise ValueError(f"TileGemmConfig.decode_impl={self.decode_impl!r}: one of {DECODE_IMPLS}")
         if self.mma_overlap not in (0, 1):
@@ -160,6 +171,19 @@ def check_schedule(config) -> None:
         raise ValueError(f"{name}.num_sms={config.num_sms!r}: need None or an int >= 1")
     if config.store_buffers not in STORE_BUFFERS:
         raise ValueError(f"{name}.store_buffers={config.store_buffers!r}: one of {STORE_BUFFERS}")
+
+
+def check_compute_wgs(config) -> None:
+    """``compute_wgs`` is one of ``COMPUTE_WGS``; 4 splits the work item's ``n_group`` tiles
+    between two warpgroup pairs, so it needs an even ``n_group``."""
+    name, wgs = type(config).__name__, config.compute_wgs
+    if wgs not in COMPUTE_WGS:
+        raise ValueError(f"{name}.compute_wgs={wgs!r}: one of {COMPUTE_WGS}")
+    pairs = wgs // NUM_COMPUTE_WGS
+    if config.n_group % pairs:
+        raise ValueError(f"{name}.compute_wgs={wgs} splits a work item's weight-row tiles "
+                         f"between {pairs} warpgroup pairs: n_group={config.n_group} must be "
+                         f"a multiple of {pairs} (n_group=2 or 4, or compute_wgs=2)")
 
 
 def check_n_group(n_group: int, n_pad: int) -> None:
@@ -443,7 +467,10 @@ def nvfp4_tile_gemm(
     else:
         out_dtype, num_out = jnp.dtype(out_dtype), 1
         check_col_scales(col_scales, (t_max, num_ops, block_m))
-    stores_per_item = n_group * num_out  # epilogue copies per work item and warpgroup
+    num_wgs = config.compute_wgs
+    # Each pair of compute warpgroups covers the 128 rows of tiles_per_wg of the item's tiles.
+    tiles_per_wg = n_group // (num_wgs // NUM_COMPUTE_WGS)
+    stores_per_item = tiles_per_wg * num_out  # epilogue copies per work item and warpgroup
     # halves: operands stacked along the wgmma N side (bn = halves * block_m columns per
     # accumulator); num_acc: accumulators (and B tiles) per weight-row tile.
     # Stacked operands are one array [2, R, Kp]: a window [2, block_m, 256] of it lands in SMEM
@@ -469,9 +496,9 @@ def nvfp4_tile_gemm(
     # [2, block_m, 256] B tile that the device reads: it gets a 2-D copy (registers, then SMEM).
     b_copy = interpret and halves == 2
     slots = max(config.store_buffers, 1)  # the epilogue's SMEM staging tiles per warpgroup
-    fixed = (NUM_COMPUTE_WGS * WG_ROWS * (slots * block_m * out_dtype.itemsize
-                                          + (config.mma_k * item if config.a_via_smem else 0))
-             + (NUM_COMPUTE_WGS * bn * K_TILE * item if b_copy else 0))
+    fixed = (num_wgs * WG_ROWS * (slots * block_m * out_dtype.itemsize
+                                  + (config.mma_k * item if config.a_via_smem else 0))
+             + (num_wgs * bn * K_TILE * item if b_copy else 0))
     stages = pipeline_stages(config.max_concurrent_steps, k_steps,
                              (SMEM_BYTES - fixed) // stage_bytes)
     if stages < 1:
@@ -501,9 +528,6 @@ def nvfp4_tile_gemm(
                      block_m)
         return b.at[:, rows, cols] if halves == 2 else b.at[rows, cols]
 
-    def group_tile(ref, j: int):
-        return ref if group is None else ref.at[j]
-
     def kernel(tile_expert_gmem, num_tiles_gmem, row0_gmem, codes_gmem, scales_gmem, *rest):
         if col_scales is not None:
             cs_gmem, rest = rest[0], rest[1:]
@@ -519,7 +543,7 @@ def nvfp4_tile_gemm(
                 memory_registers=40,
                 in_specs=in_specs,
                 wg_axis="wg",
-                num_compute_wgs=NUM_COMPUTE_WGS,
+                num_compute_wgs=num_wgs,
                 max_concurrent_steps=stages,
                 compute_context=compute_context,
                 pipeline_state=state,
@@ -538,7 +562,15 @@ def nvfp4_tile_gemm(
         )
         def _pipeline_scope(pipeline_allocs):
             wg = lax.axis_index("wg")
-            rows = pl.ds(wg * WG_ROWS, WG_ROWS)
+            pair_wg = wg if num_wgs == NUM_COMPUTE_WGS else lax.rem(wg, NUM_COMPUTE_WGS)
+            rows = pl.ds(pair_wg * WG_ROWS, WG_ROWS)
+            # This warpgroup's first tile of the item's group (a static 0 with one pair).
+            first_tile = (0 if num_wgs == NUM_COMPUTE_WGS
+                          else lax.div(wg, NUM_COMPUTE_WGS) * tiles_per_wg)
+
+            def wg_tile(ref, j: int):
+                """This warpgroup's ``j``-th weight-row tile of the step's group."""
+                return ref if group is None else ref.at[first_tile + j]
 
             def column_halves(v):
                 """A ``[64, bn]`` accumulator value as its operands' ``[64, block_m]`` parts."""
@@ -551,7 +583,8 @@ def nvfp4_tile_gemm(
                 expert = tile_expert_gmem[t]
 
                 def store(value, j: int, a: int):
-                    row0 = (gi * n_group + j) * N_TILE + wg * WG_ROWS
+                    row0 = ((gi * n_group + first_tile + j) * N_TILE
+                            + pair_wg * WG_ROWS)
                     seq = local * stores_per_item + j * num_out + a  # this WG's store count
                     ring_store(out_smem.at[wg], value,
                                out_gmem.at[t, split, a, :, pl.ds(row0, WG_ROWS)], seq,
@@ -572,7 +605,7 @@ def nvfp4_tile_gemm(
                         scales = [plgpu.load(cs_gmem.at[t, a], layout=col, optimized=False)
                                   for a in range(num_acc)]
                         eval_pipeline(acc_refs)
-                        for j in range(n_group):
+                        for j in range(tiles_per_wg):
                             y = None
                             for a, s in enumerate(scales):
                                 acc = acc_refs[j * num_acc + a][...]
@@ -587,7 +620,7 @@ def nvfp4_tile_gemm(
                     pl.run_scoped(
                         acc_scope,
                         *[plgpu.ACC((WG_ROWS, bn), jnp.float32)
-                          for _ in range(n_group * num_acc)],
+                          for _ in range(tiles_per_wg * num_acc)],
                     )
 
                 def mma_body(idx, w_smem, s_smem, *refs):
@@ -595,8 +628,8 @@ def nvfp4_tile_gemm(
                     if config.ablation == "no_compute":
                         return accs
                     del idx
-                    for j in range(n_group):
-                        tile_mma(group_tile(w_smem, j), group_tile(s_smem, j), b_smems,
+                    for j in range(tiles_per_wg):
+                        tile_mma(wg_tile(w_smem, j), wg_tile(s_smem, j), b_smems,
                                  accs[j * num_acc:(j + 1) * num_acc])
                     return accs
 
@@ -649,21 +682,21 @@ def nvfp4_tile_gemm(
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    scratch = [plgpu.SMEM((NUM_COMPUTE_WGS, slots, block_m, WG_ROWS), out_dtype)]
+    scratch = [plgpu.SMEM((num_wgs, slots, block_m, WG_ROWS), out_dtype)]
     if config.a_via_smem:
         scratch.append(
-            plgpu.SMEM((NUM_COMPUTE_WGS, WG_ROWS, config.mma_k), mma_dtype,
+            plgpu.SMEM((num_wgs, WG_ROWS, config.mma_k), mma_dtype,
                        transforms=_swizzled(mma_dtype))
         )
     if b_copy:
-        scratch.append(plgpu.SMEM((NUM_COMPUTE_WGS, bn, K_TILE), mma_dtype,
+        scratch.append(plgpu.SMEM((num_wgs, bn, K_TILE), mma_dtype,
                                   transforms=_swizzled(mma_dtype)))
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((t_max, config.k_splits, num_out, block_m, n_pad), out_dtype),
         grid=(num_sms,),
         grid_names=("sm",),
-        num_threads=NUM_COMPUTE_WGS + 1,
+        num_threads=num_wgs + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         scratch_types=scratch,

@@ -78,8 +78,8 @@ class W4A4MatmulConfig:
       tile_plan_kernel: grouped GEMMs compute their token-tile plan in
         ``pallas_kernels.tile_plan`` (one kernel) instead of jnp (same arrays);
         tile_plan_block / tile_plan_warps: its ``TilePlanConfig``.
-      decode_impl, mma_overlap, mma_k, chain_items, stack_operands, store_buffers: see
-        ``nvfp4_tiles_mgpu.TileGemmConfig``.
+      decode_impl, mma_overlap, mma_k, chain_items, stack_operands, store_buffers,
+        compute_wgs: see ``nvfp4_tiles_mgpu.TileGemmConfig``.
       n_group: weight-row tiles per work item (``TileGemmConfig.n_group``). 1 by default: on
         the H200 (2026-12-03, decode step of 128 sequences) 2 left the expert kernels' time in
         the rollout unchanged (90.5 vs 90.9 us per call). (The earlier version, one pipeline
@@ -182,6 +182,7 @@ class W4A4MatmulConfig:
     tile_plan_block: int = 8
     tile_plan_warps: int = 2
     store_buffers: int = 0
+    compute_wgs: int = 2
 
     def __post_init__(self):
         bm = self.block_m
@@ -255,7 +256,8 @@ class W4A4MatmulConfig:
             a_via_smem=self.a_via_smem, num_sms=num_sms, decode_impl=self.decode_impl,
             mma_overlap=self.mma_overlap, mma_k=self.mma_k, n_group=n_group,
             chain_items=self.chain_items,
-            stack_operands=self.stack_operands, store_buffers=self.store_buffers)
+            stack_operands=self.stack_operands, store_buffers=self.store_buffers,
+            compute_wgs=self.compute_wgs)
 
 
 def _round_up(v: int, m: int) -> int:

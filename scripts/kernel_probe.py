@@ -635,6 +635,13 @@ GROUPED_VARIANTS = (
     ("default store1", dict(ROLLOUT_TILES, store_buffers=1)),
     ("default store2", dict(ROLLOUT_TILES, store_buffers=2)),
     ("default n_group 2 store2", dict(ROLLOUT_TILES, n_group=2, store_buffers=2)),
+    # Two compute warpgroup pairs, one per weight-row tile of a 2-tile item (session 40): twice
+    # the warps decoding and issuing wgmmas per SM, 112 registers each (mma_k 256 holds the
+    # decoded step in 64 of them; 128 / 64 in 32 / 16).
+    ("default wg4", dict(ROLLOUT_TILES, n_group=2, compute_wgs=4)),
+    ("default wg4 mma_k 128", dict(ROLLOUT_TILES, n_group=2, compute_wgs=4, mma_k=128)),
+    ("default wg4 mma_k 64", dict(ROLLOUT_TILES, n_group=2, compute_wgs=4, mma_k=64)),
+    ("default wg4 n_group 4", dict(ROLLOUT_TILES, n_group=4, compute_wgs=4, mma_k=128)),
     # float16 block scales (0.625 streamed bytes per weight; the default until session 39,
     # which made the format's E4M3 bytes, 0.5625, the default: layout.E4M3).
     ("default f16 scales", dict(ROLLOUT_TILES, scales=None)),

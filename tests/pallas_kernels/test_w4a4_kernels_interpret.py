@@ -346,6 +346,47 @@ def test_tile_gemm_store_buffers_give_the_same_bits():
         TileGemmConfig(store_buffers=3)
 
 
+@pytest.mark.parametrize("n_group,stack", [(2, True), (4, False)])
+def test_tile_gemm_four_compute_warpgroups_give_the_same_bits(n_group, stack):
+    """Two warpgroup pairs, each on its half of the work item's weight-row tiles
+    (``compute_wgs=4``), give the bits of one pair doing every tile: with RAC's operands
+    stacked or as two accumulators, epilogue scales or raw partial sums, several items per SM
+    and store buffers."""
+    from pallas_kernels.nvfp4_tiles_mgpu import TileGemmConfig, nvfp4_tile_gemm
+
+    t, bm, k, n = 2, 8, 256, 128 * n_group * 2
+    wq = nvfp4.quantize(jax.random.normal(jax.random.key(51), (2, n, k)), scale_mode="expert")
+    w = prepare_w4a4_weights(wq, bits="signs_high", scale_dtype="float8_e4m3fn")
+    b = tuple(nvfp4.dequantize(nvfp4.quantize(
+        jax.random.normal(jax.random.key(52 + a), (t, bm, k))), jnp.float16) for a in range(2))
+    te = jnp.array([1, 0], jnp.int32)
+    cs = jax.random.uniform(jax.random.key(55), (t, 2, bm)) + 0.5
+
+    def run(wgs, scaled):
+        cfg = TileGemmConfig(a_via_smem=True, num_sms=1, n_group=n_group, mma_k=128,
+                             stack_operands=stack, store_buffers=2, compute_wgs=wgs)
+        return nvfp4_tile_gemm(b, w, te, jnp.array([t], jnp.int32), interpret=True,
+                               config=cfg, col_scales=cs if scaled else None)
+
+    for scaled in (True, False):
+        y2, y4 = run(2, scaled), run(4, scaled)
+        np.testing.assert_array_equal(np.asarray(y4), np.asarray(y2))
+    # The setting reaches the kernel: its staging scratch [warpgroups, slots, bm, 64].
+    assert "f32[4,2,8,64]" in str(jax.make_jaxpr(lambda: run(4, False))())
+
+
+def test_compute_wgs_config_errors():
+    from pallas_kernels.nvfp4_tiles_mgpu import TileGemmConfig
+
+    with pytest.raises(ValueError, match=r"compute_wgs=3: one of \(2, 4\)"):
+        TileGemmConfig(compute_wgs=3)
+    with pytest.raises(ValueError, match="n_group=1 must be a multiple of 2"):
+        TileGemmConfig(compute_wgs=4)
+    with pytest.raises(ValueError, match="compute_wgs=4"):
+        W4A4MatmulConfig(compute_wgs=4, n_group=1)
+    TileGemmConfig(compute_wgs=4, n_group=2)
+
+
 def test_e4m3_scales_give_the_float16_scales_results():
     """Block scales kept as the format's E4M3 bytes (converted to f16 in the kernel) give the
     same bits as float16 scales: the tile kernel with stacked RAC operands and split K; and the

@@ -69,6 +69,19 @@ def test_grouped_lowers_for_cuda(n, n_group, stack, mma_k, bits, scales, buffers
             x, w, gs)
 
 
+@pytest.mark.parametrize("mma_k", [128, 256])
+def test_grouped_four_compute_warpgroups_lower_for_cuda(mma_k):
+    """Two warpgroup pairs, one per weight-row tile of the item (``compute_wgs=4``: a dynamic
+    tile index into the step's SMEM tiles, 5 warpgroups), at the rollout's defaults."""
+    wq = nvfp4.quantize(jax.random.normal(jax.random.key(2), (4, 512, 256)), scale_mode="expert")
+    w = prepare_w4a4_weights(wq, bits="signs_high", scale_dtype="float8_e4m3fn")
+    x = jnp.ones((24, 256), jnp.bfloat16)
+    gs = jnp.asarray([8, 0, 10, 6], jnp.int32)
+    cfg = W4A4MatmulConfig(n_group=2, mma_k=mma_k, compute_wgs=4)
+    _export(lambda x, w, gs: w4a4_grouped_matmul(x, w, gs, rac=aq.RACConfig(), config=cfg),
+            x, w, gs)
+
+
 def test_expert_parallel_moe_block_lowers_for_cuda(monkeypatch):
     """The MoE block's expert-parallel shard_map around the W4A4 + RAC grouped kernels, for 4
     H200s along ``expert``: the kernels lower with the local experts' shapes (2 of 8)."""
