@@ -27,6 +27,7 @@ step). Partial sums of K splits are summed outside.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -184,6 +185,38 @@ def check_compute_wgs(config) -> None:
         raise ValueError(f"{name}.compute_wgs={wgs} splits a work item's weight-row tiles "
                          f"between {pairs} warpgroup pairs: n_group={config.n_group} must be "
                          f"a multiple of {pairs} (n_group=2 or 4, or compute_wgs=2)")
+
+
+REGISTER_FILE = 65536  # 32-bit registers per SM (H100 / H200)
+
+
+def compute_registers(memory_registers: int, num_compute_wgs: int) -> int:
+    """Registers per thread a compute warpgroup can raise itself to (``setmaxnreg.inc``) in a
+    warp-specialized pipeline whose copy warpgroup lowers itself to ``memory_registers``.
+
+    A CTA of ``n + 1`` warpgroups launches with ``REGISTER_FILE / (128 (n + 1))`` registers
+    per thread, rounded down to 8; the increases can only take what the decrease freed, or
+    ``setmaxnreg.inc`` waits forever. jax 0.11.2's pipeline gives ``(512 - memory) / n``: the
+    same for 2 or 3 compute warpgroups (232, 152 with 40), but 112 for 4, where the launch's
+    96 plus 56 / 4 freed is 110: the first GPU run of ``compute_wgs=4`` hung (session 40).
+    """
+    launch = REGISTER_FILE // (128 * (num_compute_wgs + 1)) // 8 * 8
+    fitted = launch + (launch - memory_registers) // num_compute_wgs
+    return min(256, (512 - memory_registers) // num_compute_wgs, fitted) // 8 * 8
+
+
+@contextlib.contextmanager
+def _fitted_compute_registers():
+    """Trace a warp-specialized pipeline with ``compute_registers`` in place of jax's
+    ``_compute_registers`` (module-private, so the patch is scoped to this trace)."""
+    from jax._src.pallas.mosaic_gpu import pipeline as mgpu_pipeline
+
+    original = mgpu_pipeline._compute_registers
+    mgpu_pipeline._compute_registers = compute_registers
+    try:
+        yield
+    finally:
+        mgpu_pipeline._compute_registers = original
 
 
 def check_n_group(n_group: int, n_pad: int) -> None:
@@ -703,7 +736,10 @@ def nvfp4_tile_gemm(
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
     scaled = () if col_scales is None else (col_scales,)
-    return call(tile_expert, num_tiles, tiles.row0, w.codes, w.scales, *scaled, *b_arrays)
+    # jax's register split for 4 compute warpgroups deadlocks (compute_registers).
+    fitted = _fitted_compute_registers() if num_wgs != NUM_COMPUTE_WGS else contextlib.nullcontext()
+    with fitted:
+        return call(tile_expert, num_tiles, tiles.row0, w.codes, w.scales, *scaled, *b_arrays)
 
 
 def tile_gemm_reference(

@@ -371,8 +371,29 @@ def test_tile_gemm_four_compute_warpgroups_give_the_same_bits(n_group, stack):
     for scaled in (True, False):
         y2, y4 = run(2, scaled), run(4, scaled)
         np.testing.assert_array_equal(np.asarray(y4), np.asarray(y2))
-    # The setting reaches the kernel: its staging scratch [warpgroups, slots, bm, 64].
-    assert "f32[4,2,8,64]" in str(jax.make_jaxpr(lambda: run(4, False))())
+    # The setting reaches the kernel: its staging scratch [warpgroups, slots, bm, 64], and the
+    # compute warpgroups ask for no more registers than the copy warpgroup frees
+    # (``compute_registers``: 104, where jax's split, 112, hung on the GPU).
+    jaxprs = {wgs: str(jax.make_jaxpr(lambda wgs=wgs: run(wgs, False))()) for wgs in (2, 4)}
+    assert "f32[4,2,8,64]" in jaxprs[4]
+    assert "set_max_registers_p[action=increase n=104]" in jaxprs[4]
+    assert "set_max_registers_p[action=increase n=232]" in jaxprs[2]
+
+
+def test_compute_registers_fit_the_launch_allocation():
+    """What the copy warpgroup frees (launch registers minus 40) covers the compute
+    warpgroups' increases; with 2 or 3 compute warpgroups the split is jax's own."""
+    from jax._src.pallas.mosaic_gpu import pipeline as mgpu_pipeline
+
+    from pallas_kernels.nvfp4_tiles_mgpu import REGISTER_FILE, compute_registers
+
+    for n in (1, 2, 3, 4):
+        launch = REGISTER_FILE // (128 * (n + 1)) // 8 * 8
+        got = compute_registers(40, n)
+        assert got % 8 == 0 and n * (got - launch) <= launch - 40
+        if n < 4:
+            assert got == mgpu_pipeline._compute_registers(40, n)
+    assert compute_registers(40, 4) == 104
 
 
 def test_compute_wgs_config_errors():
