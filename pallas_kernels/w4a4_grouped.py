@@ -316,7 +316,8 @@ def w4a4_grouped_matmul(
                                 config.windowed_operands)
     return run_tiles(tiles, slot_g, output_row_slots(row_slot, output_rows), w, tile_expert,
                      num_tiles, config, interpret, x_sorted.dtype,
-                     live_tiles=expected_tiles(m, e, block_m))
+                     live_tiles=expected_tiles(m, e, block_m),
+                     wide=config.wide_plain_decode and not config.is_prefill(m))
 
 
 def w4a4_grouped_matmul_reference(

@@ -183,6 +183,15 @@ class W4A4MatmulConfig:
     tile_plan_warps: int = 2
     store_buffers: int = 0
     compute_wgs: int = 2
+    # Grouped decode calls without RAC (one B operand, fewer than prefill_min_rows rows) run two
+    # warpgroup pairs on work items of two weight-row tiles (compute_wgs 4, n_group >= 2; the
+    # fields above where the weight's row tiles do not pair up). On the H200 (2026-12-06,
+    # 191e654, the decode step's grouped calls alone at 128 sequences, top-8 of 128 experts,
+    # rollout defaults, `kernel_probe --grouped-ablations`): gate_up 85.3 -> 66.8 us, down 52.2
+    # -> 38.1 (0.66 / 0.63 -> 0.84 / 0.87 of the format's bytes at our FP8 kernel's streaming
+    # rate, 4.03 / 3.42 TB/s). With RAC's stacked operand gate_up was slower (89.9 -> 98.3 us,
+    # 93.8 at mma_k 128) and down faster (47.1 -> 41.6 at mma_k 128): RAC calls keep the fields.
+    wide_plain_decode: bool = True
 
     def __post_init__(self):
         bm = self.block_m
@@ -503,6 +512,7 @@ def run_tiles(
     interpret: bool,
     out_dtype,
     live_tiles: int | None = None,
+    wide: bool = False,
 ) -> jax.Array:
     """Run the kernel on token tiles, return the scaled rows ``[M, N]``.
 
@@ -512,15 +522,20 @@ def run_tiles(
     tile slot of each row (``T * block_m`` = a zero row), or an int M: the first M slots
     (``rows_from_tiles``). The kernel stores ``out_dtype`` when K is not split, float32 partial
     sums otherwise. ``live_tiles``: the tiles expected to hold rows (static; None: all ``T``),
-    what the split-K choice counts.
+    what the split-K choice counts. ``wide``: with one B operand, run two warpgroup pairs on
+    items of at least two weight-row tiles (``W4A4MatmulConfig.wide_plain_decode``) where the
+    weight's row tiles pair up.
     """
     num_sms = config.num_sms or _num_sms()
     check_n_group(config.n_group, w.n_pad)
+    n_group, wgs = config.n_group, config.compute_wgs
+    if wide and tiles.num_operands == 1 and (w.n_pad // N_TILE) % max(n_group, 2) == 0:
+        n_group, wgs = max(n_group, 2), 4
     tiles_used = live_tiles or tiles.num_tiles
     k_splits = config.k_splits or auto_k_splits(
-        tiles_used * (w.n_pad // N_TILE // config.n_group), w.k_pad // K_TILE, num_sms
+        tiles_used * (w.n_pad // N_TILE // n_group), w.k_pad // K_TILE, num_sms
     )
-    tcfg = config.tile_config(k_splits, num_sms, config.n_group)
+    tcfg = dataclasses.replace(config.tile_config(k_splits, num_sms, n_group), compute_wgs=wgs)
     out = nvfp4_tile_gemm(
         tiles, w, tile_expert, num_tiles, config=tcfg, interpret=interpret,
         col_scales=slot_scales(slot_g, tile_expert, w),

@@ -346,6 +346,32 @@ def test_tile_gemm_store_buffers_give_the_same_bits():
         TileGemmConfig(store_buffers=3)
 
 
+def test_grouped_plain_decode_runs_wide_with_the_same_bits():
+    """Grouped decode calls without RAC run two warpgroup pairs on 2-tile items
+    (``wide_plain_decode``, the default) where the weight's row tiles pair up: the bits of the
+    narrow schedule; odd tile counts, RAC calls and prefill-sized calls stay narrow."""
+    e, k = 3, 256
+    gs = jnp.asarray([5, 0, 9], jnp.int32)
+    x = jax.random.normal(jax.random.key(61), (14, k))
+    cfg = W4A4MatmulConfig(block_m=8, **CFG)
+    narrow = dataclasses.replace(cfg, wide_plain_decode=False)
+    prefill = dataclasses.replace(cfg, prefill_min_rows=8)  # a prefill-sized call
+
+    def run(c, wq, rac=None):
+        return w4a4_grouped_matmul(x, wq, gs, rac=rac, config=c, interpret=True)
+
+    def registers(c, wq, rac=None):  # the compute warpgroups' setmaxnreg.inc
+        text = str(jax.make_jaxpr(lambda: run(c, wq, rac))())
+        return int(text.split("set_max_registers_p[action=increase n=")[1].split("]")[0])
+
+    for n in (256, 384):  # 2 and 3 row tiles
+        wq = nvfp4.quantize(jax.random.normal(jax.random.key(n), (e, n, k)), scale_mode="expert")
+        np.testing.assert_array_equal(np.asarray(run(cfg, wq)), np.asarray(run(narrow, wq)))
+        assert registers(cfg, wq) == (104 if n == 256 else 232)  # 104: 4 compute warpgroups
+        assert registers(narrow, wq) == registers(prefill, wq) == 232
+        assert registers(cfg, wq, aq.RACConfig()) == 232
+
+
 @pytest.mark.parametrize("n_group,stack", [(2, True), (4, False)])
 def test_tile_gemm_four_compute_warpgroups_give_the_same_bits(n_group, stack):
     """Two warpgroup pairs, each on its half of the work item's weight-row tiles
