@@ -69,6 +69,11 @@
 #   store  the epilogue's output copies waited for when their staging buffer is next written
 #          (store_buffers 1 / 2, session 39) instead of at once: GPU checks, the grouped W4A4
 #          and FP8 kernels alone, then nvfp4_rac and fp8 at batch 128 with 2 and 0 (~8 minutes)
+#   wide   grouped decode without RAC on two warpgroup pairs (wide_plain_decode, on by default
+#          since session 40 after the kernel alone on the H200: gate_up 85.3 -> 66.8 us, down
+#          52.2 -> 38.1): GPU checks of the default path, the kernel alone (+ RAC variants on two
+#          pairs: unstacked, store2), then nvfp4 and nvfp4_rac at batch 128 with it and nvfp4
+#          without (~7.5 minutes)
 #   pack   nvfp4_rac and nvfp4 at batch 128, traced, with the decode step's per-layer norm
 #          vectors and layer ids sliced as one packed array (--pack-layer-vectors, session 38:
 #          one memcpy32_post per layer instead of five?) and without, same call (~5 minutes)
@@ -348,6 +353,13 @@
 # `store`, `ng2` (n_group 2 now that E4M3 scales fit its stages 4 deep), `kdense`; on an H200
 # `s39h` (does the E4M3 scales' conversion cost more than their bytes save where the decode
 # bounds the kernel?), `store`, `ng2`, `gabl2`, `b128`.
+# Session 40 (most asks got no machine or lost it mid-call): `b128` on an H100 (22802be:
+# nvfp4_rac 8.33 ms, 1.89x bf16, 1.17x fp8, RAC +2.0 %), and on an H200 the grouped kernel on
+# two warpgroup pairs (`compute_wgs=4`; its first run hung: jax's register split, fixed in
+# 191e654): plain calls 22-27 % faster, GPU-checked at mma_k 128, on by default for grouped
+# decode without RAC since (`wide_plain_decode`); RAC's gate_up slower. Next: `wide` (on an
+# H200 first: the default path's GPU check, RAC on two pairs unstacked, the rollout A/B), then
+# `b128`, `s39h`, `store`, `kgroup`; on an H100 `wide` too (its kernel is copy-bound there).
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
@@ -540,6 +552,14 @@ for step in "$@"; do
       rollout store 150 --quick --profile-steps 4 --precisions nvfp4_rac,fp8 \
       --w4a4-set store_buffers=2 --fp8-set store_buffers=2 --budget-s 120
       rollout store0 150 --quick --profile-steps 4 --precisions nvfp4_rac,fp8 --budget-s 120 ;;
+    wide) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 170 python3 scripts/kernel_probe.py \
+      --grouped-ablations --out "$OUT/widek" --check-variants "default,default wg4 mma_k 64" \
+      --variants "default,default wg4,default wg4 mma_k 128,default wg4 unstacked,default wg4 store2" \
+      > "$OUT/widek.log" 2>&1
+      echo "widek rc $?"; grep -E "grouped|FAIL|PASS|Error" "$OUT/widek.log" | cut -c1-130
+      rollout wide 150 --quick --profile-steps 4 --precisions nvfp4,nvfp4_rac --budget-s 120
+      rollout narrow 110 --quick --profile-steps 4 --precisions nvfp4 \
+      --w4a4-set wide_plain_decode=false --budget-s 90 ;;
     pack) rollout pack 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \
       --pack-layer-vectors --budget-s 110
       rollout nopack 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \

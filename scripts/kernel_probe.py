@@ -642,6 +642,13 @@ GROUPED_VARIANTS = (
     ("default wg4 mma_k 128", dict(ROLLOUT_TILES, n_group=2, compute_wgs=4, mma_k=128)),
     ("default wg4 mma_k 64", dict(ROLLOUT_TILES, n_group=2, compute_wgs=4, mma_k=64)),
     ("default wg4 n_group 4", dict(ROLLOUT_TILES, n_group=4, compute_wgs=4, mma_k=128)),
+    # RAC's gate_up was slower on two pairs (H200, 191e654: 89.9 -> 93.8 us at mma_k 128) while
+    # plain calls gained 22-27 %: its stacked N = 32 accumulator (16 registers of 104), or
+    # two N = 16 ones?
+    ("default wg4 unstacked", dict(ROLLOUT_TILES, n_group=2, compute_wgs=4, mma_k=128,
+                                   stack_operands=False)),
+    ("default wg4 store2", dict(ROLLOUT_TILES, n_group=2, compute_wgs=4, mma_k=128,
+                                store_buffers=2)),
     # float16 block scales (0.625 streamed bytes per weight; the default until session 39,
     # which made the format's E4M3 bytes, 0.5625, the default: layout.E4M3).
     ("default f16 scales", dict(ROLLOUT_TILES, scales=None)),
