@@ -55,8 +55,9 @@ DECODE_IMPLS = ("auto", "jnp", "ptx")
 # Time attribution only (scripts/kernel_probe.py): each ablation skips part of the work, so its
 # results are WRONG. no_decode: the raw code words bitcast to the MMA dtype; one_mma: the four
 # decoded chunks of a step summed and multiplied once; no_compute: the pipeline streams its
-# tiles and the body does nothing.
-ABLATIONS = (None, "no_decode", "one_mma", "no_compute")
+# tiles and the body does nothing; no_second_mma: with RAC's two operands unstacked, the
+# second one's wgmmas are not issued (what RAC's residual products cost on the tensor cores).
+ABLATIONS = (None, "no_decode", "one_mma", "no_compute", "no_second_mma")
 N_GROUPS = (1, 2, 4)
 MMA_KS = (64, 128, 256)  # K columns per wgmma group (TileGemmConfig.mma_k)
 STORE_BUFFERS = (0, 1, 2)  # the epilogue's output copies left in flight (store_buffers)
@@ -520,6 +521,9 @@ def nvfp4_tile_gemm(
     if bn > 256:
         raise ValueError(f"block_m={block_m} with stack_operands: the stacked wgmma N side "
                          f"{bn} exceeds 256")
+    if config.ablation == "no_second_mma" and halves == 2:
+        raise ValueError("ablation='no_second_mma' skips the second operand's wgmmas: needs "
+                         "the operands unstacked (stack_operands=False)")
     num_sms = config.num_sms or _num_sms()
     item = mma_dtype.itemsize
     scale_item = jnp.dtype(w.scales.dtype).itemsize
@@ -642,7 +646,9 @@ def nvfp4_tile_gemm(
                             y = None
                             for a, s in enumerate(scales):
                                 acc = acc_refs[j * num_acc + a][...]
-                                if config.ablation == "no_compute":  # no wgmma fixes its layout
+                                if config.ablation == "no_compute" or (
+                                        a and config.ablation == "no_second_mma"):
+                                    # no wgmma fixes the accumulator's layout
                                     acc = plgpu.layout_cast(acc, plgpu.Layout.WGMMA)
                                 term = acc * lax.broadcast_in_dim(s, (WG_ROWS, bn), (1,))
                                 y = term if y is None else y + term
@@ -695,7 +701,9 @@ def nvfp4_tile_gemm(
                             plgpu.commit_smem()
                             a = a_smem.at[wg]
                         cols = pl.ds(g * config.mma_k, config.mma_k)
-                        for b_smem, acc in zip(b_smems, accs, strict=True):
+                        for op, (b_smem, acc) in enumerate(zip(b_smems, accs, strict=True)):
+                            if op and config.ablation == "no_second_mma":
+                                continue
                             plgpu.wgmma(acc, a, b_smem.at[:, cols].T)
                         plgpu.wgmma_wait(0 if last or a_smem is not None
                                          else config.mma_overlap * num_acc)

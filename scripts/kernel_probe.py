@@ -649,6 +649,15 @@ GROUPED_VARIANTS = (
                                    stack_operands=False)),
     ("default wg4 store2", dict(ROLLOUT_TILES, n_group=2, compute_wgs=4, mma_k=128,
                                 store_buffers=2)),
+    # RAC's second operand's wgmmas left out (unstacked operands, wrong results): if they are
+    # what bounds RAC's calls, issuing them only for the expert's selected K blocks (half of
+    # them at ratio 0.5: the rest multiply zeros) would pay.
+    ("default unstacked", dict(ROLLOUT_TILES, stack_operands=False)),
+    ("default unstacked no_second_mma", dict(ROLLOUT_TILES, stack_operands=False,
+                                             ablation="no_second_mma")),
+    ("default wg4 unstacked no_second_mma", dict(ROLLOUT_TILES, n_group=2, compute_wgs=4,
+                                                 mma_k=128, stack_operands=False,
+                                                 ablation="no_second_mma")),
     # float16 block scales (0.625 streamed bytes per weight; the default until session 39,
     # which made the format's E4M3 bytes, 0.5625, the default: layout.E4M3).
     ("default f16 scales", dict(ROLLOUT_TILES, scales=None)),

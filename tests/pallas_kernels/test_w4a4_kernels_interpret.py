@@ -406,6 +406,30 @@ def test_tile_gemm_four_compute_warpgroups_give_the_same_bits(n_group, stack):
     assert "set_max_registers_p[action=increase n=232]" in jaxprs[2]
 
 
+def test_no_second_mma_ablation_multiplies_the_first_operand_only():
+    """The ``no_second_mma`` ablation (time attribution) leaves RAC's second operand's wgmmas
+    out: its result is the kernel's with that operand zero; stacked operands are refused."""
+    from pallas_kernels.nvfp4_tiles_mgpu import TileGemmConfig, nvfp4_tile_gemm
+
+    t, bm, k, n = 2, 8, 256, 128
+    wq = nvfp4.quantize(jax.random.normal(jax.random.key(71), (2, n, k)), scale_mode="expert")
+    w = prepare_w4a4_weights(wq, bits="signs_high", scale_dtype="float8_e4m3fn")
+    b0, b1 = (nvfp4.dequantize(nvfp4.quantize(jax.random.normal(jax.random.key(72 + a),
+                                                                (t, bm, k))), jnp.float16)
+              for a in range(2))
+    te, cs = jnp.array([1, 0], jnp.int32), jax.random.uniform(jax.random.key(75), (t, 2, bm))
+
+    def run(b, **kw):
+        cfg = TileGemmConfig(a_via_smem=True, num_sms=1, **kw)
+        return nvfp4_tile_gemm(b, w, te, jnp.array([t], jnp.int32), interpret=True,
+                               config=cfg, col_scales=cs)
+
+    np.testing.assert_array_equal(np.asarray(run((b0, b1), ablation="no_second_mma")),
+                                  np.asarray(run((b0, jnp.zeros_like(b1)))))
+    with pytest.raises(ValueError, match="needs the operands unstacked"):
+        run((b0, b1), ablation="no_second_mma", stack_operands=True)
+
+
 def test_compute_registers_fit_the_launch_allocation():
     """What the copy warpgroup frees (launch registers minus 40) covers the compute
     warpgroups' increases; with 2 or 3 compute warpgroups the split is jax's own."""

@@ -82,6 +82,22 @@ def test_grouped_four_compute_warpgroups_lower_for_cuda(mma_k):
             x, w, gs)
 
 
+@pytest.mark.parametrize("wgs", [2, 4])
+def test_tile_kernel_ablation_no_second_mma_lowers_for_cuda(wgs):
+    """kernel_probe's ``no_second_mma`` ablation (RAC's second wgmmas left out; its untouched
+    accumulator gets its layout by a cast) on one and two warpgroup pairs."""
+    from pallas_kernels.nvfp4_tiles_mgpu import TileGemmConfig, nvfp4_tile_gemm
+
+    wq = nvfp4.quantize(jax.random.normal(jax.random.key(3), (2, 256, 256)), scale_mode="expert")
+    w = prepare_w4a4_weights(wq, bits="signs_high", scale_dtype="float8_e4m3fn")
+    b = tuple(jnp.ones((2, 16, 256), jnp.float16) for _ in range(2))
+    te, nt = jnp.array([1, 0], jnp.int32), jnp.array([2], jnp.int32)
+    cfg = TileGemmConfig(ablation="no_second_mma", n_group=2, compute_wgs=wgs, mma_k=128)
+    _export(lambda b, w, cs: nvfp4_tile_gemm(b, w, te, nt, config=cfg, col_scales=cs,
+                                             out_dtype=jnp.bfloat16),
+            b, w, jnp.ones((2, 2, 16), jnp.float32))
+
+
 def test_expert_parallel_moe_block_lowers_for_cuda(monkeypatch):
     """The MoE block's expert-parallel shard_map around the W4A4 + RAC grouped kernels, for 4
     H200s along ``expert``: the kernels lower with the local experts' shapes (2 of 8)."""
