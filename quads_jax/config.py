@@ -166,6 +166,19 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     return parts, yaml.safe_load(raw) if raw.strip() else ""
 
 
+def field_overrides(items: Sequence[str], flag: str) -> dict[str, Any]:
+    """``FIELD=VALUE`` items of a command-line ``flag`` (``--w4a4-set``, ...) -> ``{field:
+    value}`` for one flat config dataclass (values parsed as YAML; the caller's dataclass
+    checks the fields and values)."""
+    fields = {}
+    for item in items:
+        key, value = parse_override(item)
+        if len(key) != 1:
+            raise ValueError(f"{flag} {item!r}: one config field, not a dotted key")
+        fields[key[0]] = value
+    return fields
+
+
 def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """Return a copy of ``data`` with each dotted ``key=value`` override set (keys checked later)."""
     out = _deep_copy(data)

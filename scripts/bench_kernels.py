@@ -20,6 +20,7 @@ Method (docs/DESIGN.md "Performance method"):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import gc
 import inspect
@@ -47,6 +48,7 @@ from pallas_kernels.w8a8_matmul import (
     w8a8_matmul,
     w8a8_reference,
 )
+from quads_jax import config as cfglib
 from quads_jax.quant import fp8, nvfp4
 from quads_jax.quant.kernel_backend import DEFAULT_W4A4_BITS
 
@@ -67,11 +69,27 @@ VARIANTS = (
      dict(decode_impl="jnp")),
 )
 BEST = {"layout": VARIANTS[0][1], "config": VARIANTS[0][2], "name": VARIANTS[0][0]}
+# --w4a4-set: W4A4MatmulConfig fields for every kcfg() config (recorded in the JSON).
+OVERRIDES: dict = {}
+
+
+def set_overrides(fields: dict) -> None:
+    """Check ``fields`` as W4A4MatmulConfig fields (a ValueError names a bad one) and use them
+    in every ``kcfg`` config from now on."""
+    known = {f.name for f in dataclasses.fields(W4A4MatmulConfig)}
+    if unknown := sorted(set(fields) - known):
+        raise ValueError(f"--w4a4-set: unknown W4A4MatmulConfig field(s) {unknown}; one of "
+                         f"{sorted(known)}")
+    W4A4MatmulConfig(**fields)  # the config's own value checks
+    OVERRIDES.clear()
+    OVERRIDES.update(fields)
+    RESULTS["w4a4_set"] = dict(fields)
 
 
 def kcfg(**kw) -> W4A4MatmulConfig:
-    """The chosen variant's kernel config, with overrides."""
-    return W4A4MatmulConfig(**{**BEST["config"], "mma_dtype": BEST["layout"]["mma_dtype"], **kw})
+    """The chosen variant's kernel config with the ``--w4a4-set`` fields, then ``kw``."""
+    return W4A4MatmulConfig(**{**BEST["config"], "mma_dtype": BEST["layout"]["mma_dtype"],
+                               **OVERRIDES, **kw})
 
 
 def log(*a):
@@ -869,12 +887,16 @@ def main(argv=None):
                    help="--part decode: comma-separated KxN shapes (default: all four)")
     p.add_argument("--tokens", default=None,
                    help="--part grouped: comma-separated token counts (default 1,16,64,256)")
+    p.add_argument("--w4a4-set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="a W4A4MatmulConfig field for every timed W4A4 call (repeatable; e.g. "
+                        "compute_wgs=4 with n_group=2: two warpgroup pairs per SM)")
     p.add_argument("--trace", action="store_true",
                    help="also record each timed row's device time (all kernels, and its "
                    "largest kernel) from one profiled run of its chain")
     args = p.parse_args(argv)
     global TRACE
     TRACE = args.trace
+    set_overrides(cfglib.field_overrides(args.w4a4_set, "--w4a4-set"))
     # `timeout` (h200_next.sh) ends a step with SIGTERM: exit through the `finally` below, so
     # the rows measured so far are still written (session 19 lost two tables' files that way).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))

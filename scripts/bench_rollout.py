@@ -688,16 +688,9 @@ def parse_args(argv):
 
 
 def set_fields(items: list[str], flag: str = "--w4a4-set") -> dict:
-    """``--w4a4-set`` / ``--fp8-set`` ``FIELD=VALUE`` items -> ``{field: value}`` (values
-    parsed as YAML; the fields and values are checked by ``kernel_backend.set_w4a4_overrides``
-    / ``set_fp8_overrides``)."""
-    fields = {}
-    for item in items:
-        key, value = cfglib.parse_override(item)
-        if len(key) != 1:
-            raise ValueError(f"{flag} {item!r}: one config field, not a dotted key")
-        fields[key[0]] = value
-    return fields
+    """``--w4a4-set`` / ``--fp8-set`` ``FIELD=VALUE`` items -> ``{field: value}`` (checked by
+    ``kernel_backend.set_w4a4_overrides`` / ``set_fp8_overrides``)."""
+    return cfglib.field_overrides(items, flag)
 
 
 def main(argv=None) -> int:

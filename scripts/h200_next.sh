@@ -33,7 +33,10 @@
 #   kdense the dense decode table of `kern` at K x N = 2048 x 768 and 2048 x 3072 (--part
 #          decode --trace: each row also with its traced device time and its largest kernel's;
 #          270 s; session 19's full table ran out of its 270 s after its first shape, 4096 x
-#          14336 with its 10 rows: that one alone is kdense0); kdense2: 4096 x 57344
+#          14336 with its 10 rows: that one alone is kdense0); kdense2: 4096 x 57344;
+#          kdensew: kdense0 on two warpgroup pairs per SM (`--w4a4-set compute_wgs=4
+#          --w4a4-set n_group=2`, RAC rows included; session 40: the grouped kernel gained
+#          22-27 % so on the H200; run with kdense0 in one call)
 #   kgroup the grouped table of `kern` at 1 and 16 tokens (--part grouped --trace; 270 s);
 #          kgroup2 at 64 and 256 tokens
 #   kpre   issue 4's prefill rows (bench_kernels --part prefill --trace: dense W4A4 +-RAC
@@ -360,7 +363,8 @@
 # 191e654): plain calls 22-27 % faster, GPU-checked at mma_k 128, on by default for grouped
 # decode without RAC since (`wide_plain_decode`); RAC's gate_up slower. Next: `wide` (on an
 # H200 first: the default path's GPU check, RAC on two pairs unstacked, the rollout A/B), then
-# `b128`, `s39h`, `store`, `kgroup`; on an H100 `wide` too (its kernel is copy-bound there).
+# `kdense0 kdensew` (the dense decode kernel on two pairs), `b128`, `s39h`, `kgroup`; on an
+# H100 `wide` too (its kernel is copy-bound there).
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
@@ -463,10 +467,12 @@ for step in "$@"; do
     kern) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 540 python3 scripts/bench_kernels.py \
       --part decode,grouped --out "$OUT/kern" > "$OUT/kern.log" 2>&1
       echo "kern rc $?"; tail -40 "$OUT/kern/bench_kernels.md" ;;
-    kdense|kdense2|kdense0) shapes=2048x768,2048x3072
+    kdense|kdense2|kdense0|kdensew) shapes=2048x768,2048x3072; wide=()
       [ $step = kdense2 ] && shapes=4096x57344; [ $step = kdense0 ] && shapes=4096x14336
+      [ $step = kdensew ] && { shapes=4096x14336; wide=(--w4a4-set compute_wgs=4 --w4a4-set n_group=2); }
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 270 python3 scripts/bench_kernels.py \
-      --part decode --dense-shapes $shapes --trace --out "$OUT/$step" > "$OUT/$step.log" 2>&1
+      --part decode --dense-shapes $shapes --trace ${wide[@]+"${wide[@]}"} --out "$OUT/$step" \
+      > "$OUT/$step.log" 2>&1
       echo "$step rc $?"; grep -E "M=|floor|bw" "$OUT/$step.log" | cut -c1-240 ;;
     kgroup|kgroup2) tokens=1,16; [ $step = kgroup2 ] && tokens=64,256
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 270 python3 scripts/bench_kernels.py \
@@ -783,6 +789,6 @@ warps 8" --out "$OUT/ropr$i" > "$OUT/ropr$i.log" 2>&1
       --budget-s 150 ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
-    *) echo "unknown step $step (kab tab samp rowk rcp ropr rop4 check gcheck mcheck kv8r rrows rrec b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 nobar1 ov rsel rsel2 win kdense0 kdense kdense2 kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop ropad hlo prof2 plan plan2 b128p cont contshare contgroup share pgroup kpre tgrouped train traindw trainprof)"; exit 2 ;;
+    *) echo "unknown step $step (kab tab samp rowk rcp ropr rop4 check gcheck mcheck kv8r rrows rrec b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 nobar1 ov rsel rsel2 win kdense0 kdense kdense2 kdensew wide kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop ropad hlo prof2 plan plan2 b128p cont contshare contgroup share pgroup kpre tgrouped train traindw trainprof)"; exit 2 ;;
   esac
 done

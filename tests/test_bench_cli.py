@@ -101,6 +101,36 @@ def test_bench_rollout_refuses_a_bad_w4a4_field():
         kernel_backend.set_fp8_overrides(**bench_rollout.set_fields(["store_buffers=3"]))
 
 
+def test_bench_kernels_w4a4_set_reaches_every_timed_config():
+    """``bench_kernels.py --w4a4-set``: the fields go into every ``kcfg`` config (after the
+    chosen variant's, before a row's own) and into the JSON; bad fields or values are refused
+    before anything runs."""
+    import pathlib
+    import sys
+
+    import pytest
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
+    import bench_kernels as bk
+
+    from quads_jax import config as cfglib
+
+    try:
+        bk.set_overrides(cfglib.field_overrides(["compute_wgs=4", "n_group=2"], "--w4a4-set"))
+        cfg = bk.kcfg(k_splits=2)
+        assert (cfg.compute_wgs, cfg.n_group, cfg.k_splits) == (4, 2, 2)
+        assert bk.kcfg(n_group=4).n_group == 4
+        assert bk.RESULTS["w4a4_set"] == {"compute_wgs": 4, "n_group": 2}
+        with pytest.raises(ValueError, match="unknown W4A4MatmulConfig field"):
+            bk.set_overrides({"no_such": 1})
+        with pytest.raises(ValueError, match="compute_wgs=4"):  # n_group 1 cannot pair
+            bk.set_overrides({"compute_wgs": 4})
+        assert bk.kcfg().compute_wgs == 4  # a refused set leaves the last one
+    finally:
+        bk.set_overrides({})
+    assert bk.kcfg().compute_wgs == 2
+
+
 def test_bench_rollout_multiples_pair_each_case_with_its_baselines():
     """The summary's multiples: step and floor ratios against bf16 and fp8 of the same case
     only (batch, prompt, samples, shared cache); a case without a baseline gets no line."""
