@@ -119,9 +119,12 @@ class TileGemmConfig:
         ``n_group / 2`` tiles of its half of the group, so twice the warps decode and issue
         wgmmas on an SM and one warp's wait for its products can hide behind another's decode
         (on the H200 the kernel is bound by that per-step work, not by its bytes; session 37).
-        The compute warpgroups then get 112 registers each instead of 232 (what the pipeline
-        leaves beside its copy warpgroup's 40): ``mma_k`` 64 or 128 keep the decoded step
-        smaller. Same results; 2 until timed on a GPU.
+        The compute warpgroups then get 104 registers each instead of 232
+        (``compute_registers``). Same results. On the H200 (2026-12-06, 191e654, the decode
+        step's grouped calls alone, n_group 2): plain gate_up 85.3 -> 66.8 us and down 52.2
+        -> 38.1 at mma_k 256 (128 / 64: 2-5 % slower); with RAC's stacked operand gate_up
+        89.9 -> 93.8 (mma_k 128) and down 47.1 -> 41.6. ``W4A4MatmulConfig.wide_plain_decode``
+        picks 4 for grouped decode calls without RAC.
     """
 
     k_splits: int = 1
