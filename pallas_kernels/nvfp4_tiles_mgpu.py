@@ -325,6 +325,31 @@ def _swizzled(dtype, stacked: bool = False) -> tuple:
     return (plgpu.TilingTransform((1, *tile) if stacked else tile), plgpu.SwizzleTransform(128))
 
 
+def _block_tiled(dtype) -> tuple:
+    """SMEM transforms of a wgmma operand sliced per 16-column K block (``residual_blocks``):
+    (8, 32-byte) tiles, 32-byte swizzle (a 128-byte swizzle's 64-column tiles cannot be
+    sliced at 16 columns for a wgmma)."""
+    return (plgpu.TilingTransform((8, 32 // jnp.dtype(dtype).itemsize)),
+            plgpu.SwizzleTransform(32))
+
+
+def check_residual_blocks(residual_blocks: jax.Array, w: W4A4Weights, num_ops: int,
+                          halves: int, config: TileGemmConfig) -> None:
+    """``residual_blocks`` must be int32 ``[E, ceil(Kp / 512)]`` for a call with two
+    unstacked B operands and no wgmma groups left in flight (``mma_overlap`` 0)."""
+    words = -(-w.k_pad // (16 * 32))
+    shape = (w.num_experts, words)
+    if residual_blocks.shape != shape or residual_blocks.dtype != jnp.int32:
+        raise ValueError(f"residual_blocks: {residual_blocks.dtype}{list(residual_blocks.shape)}; "
+                         f"need int32{list(shape)} (a bit per 16-column K block per matrix)")
+    if num_ops != 2 or halves != 1:
+        raise ValueError("residual_blocks selects the second B operand's K blocks: needs two "
+                         f"operands, unstacked (got {num_ops}, stacked={halves == 2})")
+    if config.mma_overlap:
+        raise ValueError("residual_blocks issues a varying number of wgmmas per step: needs "
+                         "mma_overlap=0")
+
+
 def _code_to_f16(c: jax.Array, decode: str) -> jax.Array:
     """uint16 E2M1 codes (0..15) -> float16 values (layout module docstring)."""
     u16 = jnp.uint16
@@ -453,6 +478,7 @@ def nvfp4_tile_gemm(
     col_scales: jax.Array | None = None,
     out_dtype=jnp.float32,
     interpret: bool = False,
+    residual_blocks: jax.Array | None = None,
 ) -> jax.Array:
     """Run the kernel.
 
@@ -467,6 +493,14 @@ def nvfp4_tile_gemm(
         are combined on chip, so the output is one array, not two) and stores it in
         ``out_dtype``.
       out_dtype: the stored dtype with ``col_scales`` (float32 without).
+      residual_blocks: None, or int32 ``[E, ceil(Kp / 512)]``: bit ``b % 32`` of word ``b //
+        32`` set where 16-column K block ``b`` of matrix ``e``'s second B operand (RAC's
+        residual, unstacked) may be nonzero; the second operand's wgmmas are issued for those
+        blocks only (one k16 wgmma per block, under a branch), the others multiply zeros
+        (RAC's per-expert selection keeps a fraction ``rac_ratio`` of the blocks). The second
+        operand's SMEM tiles then use a 32-byte swizzle (16-column tiles) so that a block can
+        be sliced for a wgmma. Results equal the kernel's without it when the operand is zero
+        outside the set blocks.
     Returns:
       ``[T, k_splits, A, block_m, Np]`` partial sums (see module docstring): float32 with
       ``A = len(b_tiles)`` without ``col_scales``; with them ``A = 1`` in ``out_dtype``.
@@ -527,6 +561,8 @@ def nvfp4_tile_gemm(
     if config.ablation == "no_second_mma" and halves == 2:
         raise ValueError("ablation='no_second_mma' skips the second operand's wgmmas: needs "
                          "the operands unstacked (stack_operands=False)")
+    if residual_blocks is not None:
+        check_residual_blocks(residual_blocks, w, num_ops, halves, config)
     num_sms = config.num_sms or _num_sms()
     item = mma_dtype.itemsize
     scale_item = jnp.dtype(w.scales.dtype).itemsize
@@ -558,8 +594,10 @@ def nvfp4_tile_gemm(
         plgpu.BlockSpec((2, block_m, K_TILE), lambda k: (0, 0, k),
                         transforms=_swizzled(mma_dtype, stacked=True))
         if halves == 2 else
-        plgpu.BlockSpec((block_m, K_TILE), lambda k: (0, k), transforms=_swizzled(mma_dtype))
-        for _ in range(num_acc)
+        plgpu.BlockSpec((block_m, K_TILE), lambda k: (0, k),
+                        transforms=(_block_tiled(mma_dtype) if a == 1 and residual_blocks
+                                    is not None else _swizzled(mma_dtype)))
+        for a in range(num_acc)
     ]
 
     def window(b, row0, cols):
@@ -571,6 +609,8 @@ def nvfp4_tile_gemm(
     def kernel(tile_expert_gmem, num_tiles_gmem, row0_gmem, codes_gmem, scales_gmem, *rest):
         if col_scales is not None:
             cs_gmem, rest = rest[0], rest[1:]
+        if residual_blocks is not None:
+            rb_gmem, rest = rest[0], rest[1:]
         b_gmems = rest[:num_acc]
         out_gmem, out_smem = rest[num_acc], rest[num_acc + 1]
         a_smem = rest[num_acc + 2] if config.a_via_smem else None
@@ -669,13 +709,30 @@ def nvfp4_tile_gemm(
                     b_smems, accs = refs[:num_acc], refs[num_acc]
                     if config.ablation == "no_compute":
                         return accs
-                    del idx
+                    step_bits = None
+                    if residual_blocks is not None:  # this K step's 16 block bits
+                        block0 = (split * k_steps + idx[0]) * (K_TILE // 16)
+                        word = rb_gmem[expert, lax.div(block0, 32)]
+                        step_bits = lax.shift_right_logical(word, lax.rem(block0, 32))
                     for j in range(tiles_per_wg):
                         tile_mma(wg_tile(w_smem, j), wg_tile(s_smem, j), b_smems,
-                                 accs[j * num_acc:(j + 1) * num_acc])
+                                 accs[j * num_acc:(j + 1) * num_acc], step_bits)
                     return accs
 
-                def tile_mma(w_smem, s_smem, b_smems, accs):
+                def selected_wgmmas(acc, a, b_smem, g: int, step_bits):
+                    """One k16 wgmma per 16-column block of wgmma group ``g`` whose bit is
+                    set in ``step_bits`` (``residual_blocks``)."""
+                    for i in range(config.mma_k // 16):
+                        bit = lax.shift_right_logical(step_bits, g * config.mma_k // 16 + i) & 1
+                        a_i = (a.at[:, pl.ds(16 * i, 16)] if a_smem is not None
+                               else a[:, 16 * i:16 * (i + 1)])
+                        b_i = b_smem.at[:, pl.ds(g * config.mma_k + 16 * i, 16)].T
+
+                        @pl.when(bit != 0)
+                        def _(a_i=a_i, b_i=b_i):
+                            plgpu.wgmma(acc, a_i, b_i)
+
+                def tile_mma(w_smem, s_smem, b_smems, accs, step_bits=None):
                     if halves == 2:  # [2, block_m, 256] -> the [2 * block_m, 256] operand
                         if b2_smem is None:
                             b_smems = [b.reshape(bn, K_TILE) for b in b_smems]
@@ -707,6 +764,9 @@ def nvfp4_tile_gemm(
                         for op, (b_smem, acc) in enumerate(zip(b_smems, accs, strict=True)):
                             if op and config.ablation == "no_second_mma":
                                 continue
+                            if op and step_bits is not None:
+                                selected_wgmmas(acc, a, b_smem, g, step_bits)
+                                continue
                             plgpu.wgmma(acc, a, b_smem.at[:, cols].T)
                         plgpu.wgmma_wait(0 if last or a_smem is not None
                                          else config.mma_overlap * num_acc)
@@ -730,7 +790,8 @@ def nvfp4_tile_gemm(
     if config.a_via_smem:
         scratch.append(
             plgpu.SMEM((num_wgs, WG_ROWS, config.mma_k), mma_dtype,
-                       transforms=_swizzled(mma_dtype))
+                       transforms=(_swizzled(mma_dtype) if residual_blocks is None
+                                   else _block_tiled(mma_dtype)))
         )
     if b_copy:
         scratch.append(plgpu.SMEM((num_wgs, bn, K_TILE), mma_dtype,
@@ -746,7 +807,8 @@ def nvfp4_tile_gemm(
         scratch_types=scratch,
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    scaled = () if col_scales is None else (col_scales,)
+    scaled = (() if col_scales is None else (col_scales,)) + (
+        () if residual_blocks is None else (residual_blocks,))
     # jax's register split for 4 compute warpgroups deadlocks (compute_registers).
     fitted = _fitted_compute_registers() if num_wgs != NUM_COMPUTE_WGS else contextlib.nullcontext()
     with fitted:

@@ -74,10 +74,11 @@
 #          and FP8 kernels alone, then nvfp4_rac and fp8 at batch 128 with 2 and 0 (~8 minutes)
 #   wide   grouped decode without RAC on two warpgroup pairs (wide_plain_decode, on by default
 #          since session 40 after the kernel alone on the H200: gate_up 85.3 -> 66.8 us, down
-#          52.2 -> 38.1): GPU checks of the default path, the kernel alone (+ RAC variants on two
-#          pairs: unstacked, store2; RAC's second wgmmas left out, on one and two pairs: do they
-#          bound RAC's calls?), then nvfp4 and nvfp4_rac at batch 128 with it and nvfp4 without
-#          (~8.5 minutes)
+#          52.2 -> 38.1): GPU checks of the default path, the kernel alone (RAC unstacked on
+#          one and two pairs: whole, without its second operand's wgmmas, and with them for a
+#          random half of the K blocks only, `residual_blocks`: do RAC's residual products
+#          bound its calls, and does issuing them per selected block pay?), then nvfp4 and
+#          nvfp4_rac at batch 128 with it and nvfp4 without (~8.5 minutes)
 #   pack   nvfp4_rac and nvfp4 at batch 128, traced, with the decode step's per-layer norm
 #          vectors and layer ids sliced as one packed array (--pack-layer-vectors, session 38:
 #          one memcpy32_post per layer instead of five?) and without, same call (~5 minutes)
@@ -559,9 +560,9 @@ for step in "$@"; do
       rollout store 150 --quick --profile-steps 4 --precisions nvfp4_rac,fp8 \
       --w4a4-set store_buffers=2 --fp8-set store_buffers=2 --budget-s 120
       rollout store0 150 --quick --profile-steps 4 --precisions nvfp4_rac,fp8 --budget-s 120 ;;
-    wide) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 230 python3 scripts/kernel_probe.py \
+    wide) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 250 python3 scripts/kernel_probe.py \
       --grouped-ablations --out "$OUT/widek" --check-variants "default,default wg4 mma_k 64" \
-      --variants "default,default wg4,default wg4 mma_k 128,default wg4 unstacked,default wg4 store2,default unstacked,default unstacked no_second_mma,default wg4 unstacked no_second_mma" \
+      --variants "default,default wg4,default unstacked,default wg4 unstacked,default unstacked no_second_mma,default wg4 unstacked no_second_mma,default unstacked keep50,default wg4 unstacked keep50" \
       > "$OUT/widek.log" 2>&1
       echo "widek rc $?"; grep -E "grouped|FAIL|PASS|Error" "$OUT/widek.log" | cut -c1-130
       rollout wide 150 --quick --profile-steps 4 --precisions nvfp4,nvfp4_rac --budget-s 120

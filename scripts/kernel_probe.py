@@ -658,11 +658,28 @@ GROUPED_VARIANTS = (
     ("default wg4 unstacked no_second_mma", dict(ROLLOUT_TILES, n_group=2, compute_wgs=4,
                                                  mma_k=128, stack_operands=False,
                                                  ablation="no_second_mma")),
+    # ... and issued only for a random half of each expert's K blocks (``residual_blocks``,
+    # RAC's selection at ratio 0.5; right results where the residual is zero elsewhere; the
+    # grouped matmul does not pass the selection to the kernel yet, so no GPU check).
+    ("default unstacked keep50", dict(ROLLOUT_TILES, stack_operands=False, rac_keep=0.5)),
+    ("default wg4 unstacked keep50", dict(ROLLOUT_TILES, n_group=2, compute_wgs=4, mma_k=128,
+                                          stack_operands=False, rac_keep=0.5)),
     # float16 block scales (0.625 streamed bytes per weight; the default until session 39,
     # which made the format's E4M3 bytes, 0.5625, the default: layout.E4M3).
     ("default f16 scales", dict(ROLLOUT_TILES, scales=None)),
     ("default f16 no_compute", dict(ROLLOUT_TILES, scales=None, ablation="no_compute")),
 )
+
+
+def residual_block_bits(experts: int, k_pad: int, fraction: float, seed: int) -> jax.Array:
+    """``nvfp4_tile_gemm``'s ``residual_blocks``: a random ``fraction`` of each matrix's
+    16-column K blocks, as int32 ``[experts, ceil(k_pad / 512)]`` bit words."""
+    blocks = k_pad // 16
+    words = -(-blocks // 32)
+    keep = np.zeros((experts, words * 32), bool)
+    keep[:, :blocks] = np.random.default_rng(seed).random((experts, blocks)) < fraction
+    bits = (keep.reshape(experts, words, 32) * (1 << np.arange(32, dtype=np.uint64))).sum(-1)
+    return jnp.asarray(bits.astype(np.uint32).view(np.int32))
 
 
 def run_grouped_ablations(tokens: int = 128, variants: tuple[str, ...] | None = None,
@@ -687,6 +704,9 @@ def run_grouped_ablations(tokens: int = 128, variants: tuple[str, ...] | None = 
     known = {v for v, _ in GROUPED_VARIANTS} | {"fp8 store2"}
     if unknown := sorted(set(variants or ()) - known) + sorted(set(checks) - known):
         raise ValueError(f"unknown grouped variant(s) {unknown}; one of {sorted(known)}")
+    if kernel_only := [v for v in checks if "rac_keep" in dict(GROUPED_VARIANTS)[v]]:
+        raise ValueError(f"grouped variant(s) {kernel_only}: the kernel alone (rac_keep), no "
+                         "grouped matmul to check")
     gs = bk.routing(128, tokens, GE, 8)
     m = int(gs.sum())
     touched = int((np.asarray(gs) > 0).sum())
@@ -757,6 +777,7 @@ def run_grouped_ablations(tokens: int = 128, variants: tuple[str, ...] | None = 
                 continue
             kw = dict(kw)
             layout = (kw.pop("bits", "nibbles"), kw.pop("scales", None))
+            keep = kw.pop("rac_keep", None)
             if layout not in by_bits:  # the same weight, other word bits or scale dtype
                 by_bits[layout] = prepare_w4a4_weights(
                     wq, mma_dtype="float16", decode="subnormal", bits=layout[0],
@@ -768,9 +789,12 @@ def run_grouped_ablations(tokens: int = 128, variants: tuple[str, ...] | None = 
                 label = f"grouped {name} tile kernel {v}{' +RAC' if a == 2 else ''} ks={ks}"
                 try:
                     cfg = TileGemmConfig(k_splits=ks, decode_impl="ptx", **kw)
-                    f = jax.jit(lambda bt, w, cfg=cfg, sc=cs[:, :a], ks=ks: nvfp4_tile_gemm(
-                        bt, w, te, nt, config=cfg, col_scales=sc,
-                        out_dtype=jnp.bfloat16 if ks == 1 else jnp.float32))
+                    rb = None if keep is None or a == 1 else residual_block_bits(
+                        GE, ww.k_pad, keep, seed=950 + n)
+                    f = jax.jit(lambda bt, w, cfg=cfg, sc=cs[:, :a], ks=ks, rb=rb:
+                                nvfp4_tile_gemm(bt, w, te, nt, config=cfg, col_scales=sc,
+                                                out_dtype=jnp.bfloat16 if ks == 1
+                                                else jnp.float32, residual_blocks=rb))
                     us, count, busy = traced(f, tuple(b[:a]), ww, tag=f"{name}_{a}")
                     # vs fp8: the format's bytes at our FP8 kernel's rate over this time.
                     vs = "" if rate is None else f" vs fp8 rate {nbytes / rate / (us * 1e-6):.2f}"

@@ -131,6 +131,28 @@ def test_bench_kernels_w4a4_set_reaches_every_timed_config():
     assert bk.kcfg().compute_wgs == 2
 
 
+def test_kernel_probe_residual_block_bits_and_kernel_only_variants():
+    """``kernel_probe``'s random ``residual_blocks``: one bit per real 16-column block (none
+    past K), about the asked fraction; the kernel-only variants cannot be GPU-checked."""
+    import pathlib
+    import sys
+
+    import numpy as np
+    import pytest
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
+    import kernel_probe
+
+    full = np.asarray(kernel_probe.residual_block_bits(2, 768, 1.0, seed=0))  # 48 blocks
+    assert full.shape == (2, 2) and full.dtype == np.int32
+    assert (full[:, 0] == -1).all() and (full[:, 1] == 0xFFFF).all()
+    half = np.asarray(kernel_probe.residual_block_bits(128, 2048, 0.5, seed=1)).view(np.uint32)
+    ones = sum(bin(int(v)).count("1") for v in half.ravel())
+    assert 0.45 < ones / (128 * 128) < 0.55
+    with pytest.raises(ValueError, match="the kernel alone"):
+        kernel_probe.run_grouped_ablations(variants=(), checks=("default unstacked keep50",))
+
+
 def test_bench_rollout_multiples_pair_each_case_with_its_baselines():
     """The summary's multiples: step and floor ratios against bf16 and fp8 of the same case
     only (batch, prompt, samples, shared cache); a case without a baseline gets no line."""

@@ -430,6 +430,45 @@ def test_no_second_mma_ablation_multiplies_the_first_operand_only():
         run((b0, b1), ablation="no_second_mma", stack_operands=True)
 
 
+@pytest.mark.parametrize("wgs,mma_k", [(2, 256), (4, 128)])
+def test_residual_blocks_issue_the_second_operands_selected_blocks_only(wgs, mma_k):
+    """``residual_blocks`` (one bit per 16-column K block per matrix): the second operand's
+    wgmmas run for the set blocks only; where the operand is zero outside them (RAC's
+    residual outside its expert's selection) the result is the kernel's without the mask, and
+    blocks left out are left out of the product."""
+    from pallas_kernels.nvfp4_tiles_mgpu import TileGemmConfig, nvfp4_tile_gemm, tile_gemm_reference
+
+    t, bm, k, n, e = 3, 8, 512, 256, 2
+    wq = nvfp4.quantize(jax.random.normal(jax.random.key(81), (e, n, k)), scale_mode="expert")
+    w = prepare_w4a4_weights(wq, bits="signs_high", scale_dtype="float8_e4m3fn")
+    b0, b1 = (nvfp4.dequantize(nvfp4.quantize(jax.random.normal(jax.random.key(82 + a),
+                                                                (t, bm, k))), jnp.float16)
+              for a in range(2))
+    te = jnp.array([1, 0, 1], jnp.int32)
+    keep = np.random.default_rng(83).random((e, k // 16)) < 0.5  # [E, 32 blocks]
+    words = jnp.asarray((keep * (1 << np.arange(32, dtype=np.int64))).sum(1).astype(np.uint32)
+                        .view(np.int32)[:, None])
+    cols = np.repeat(keep[np.asarray(te)], 16, axis=1)[:, None, :]  # [T, 1, K]
+    b1_sel = jnp.where(cols, b1, 0).astype(jnp.float16)
+    cs = jax.random.uniform(jax.random.key(85), (t, 2, bm)) + 0.5
+    cfg = TileGemmConfig(a_via_smem=True, num_sms=2, n_group=2, compute_wgs=wgs, mma_k=mma_k)
+
+    def run(b, blocks=None):
+        return nvfp4_tile_gemm(b, w, te, jnp.array([t], jnp.int32), config=cfg, col_scales=cs,
+                               interpret=True, residual_blocks=blocks)
+
+    plain = run((b0, b1_sel))
+    assert _rel(run((b0, b1_sel), words), plain) < 1e-6
+    # the unselected blocks of a full operand are left out: the product of the selected ones
+    assert _rel(run((b0, b1), words), tile_gemm_reference((b0, b1_sel), w, te, cs)) < 1e-5
+    with pytest.raises(ValueError, match=r"residual_blocks: int32\[2, 2\]; need int32\[2, 1\]"):
+        run((b0, b1), jnp.zeros((2, 2), jnp.int32))
+    with pytest.raises(ValueError, match="needs two operands, unstacked"):
+        nvfp4_tile_gemm((b0, b1), w, te, jnp.array([t], jnp.int32), interpret=True,
+                        config=dataclasses.replace(cfg, stack_operands=True), col_scales=cs,
+                        residual_blocks=words)
+
+
 def test_compute_registers_fit_the_launch_allocation():
     """What the copy warpgroup frees (launch registers minus 40) covers the compute
     warpgroups' increases; with 2 or 3 compute warpgroups the split is jax's own."""

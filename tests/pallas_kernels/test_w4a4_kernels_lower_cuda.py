@@ -98,6 +98,23 @@ def test_tile_kernel_ablation_no_second_mma_lowers_for_cuda(wgs):
             b, w, jnp.ones((2, 2, 16), jnp.float32))
 
 
+@pytest.mark.parametrize("wgs,mma_k", [(2, 256), (4, 128)])
+def test_tile_kernel_residual_blocks_lower_for_cuda(wgs, mma_k):
+    """The second operand's wgmmas per selected 16-column block (``residual_blocks``: A
+    sliced from registers, B from 32-byte-swizzled tiles, each under a branch)."""
+    from pallas_kernels.nvfp4_tiles_mgpu import TileGemmConfig, nvfp4_tile_gemm
+
+    wq = nvfp4.quantize(jax.random.normal(jax.random.key(4), (2, 256, 512)), scale_mode="expert")
+    w = prepare_w4a4_weights(wq, bits="signs_high", scale_dtype="float8_e4m3fn")
+    b = tuple(jnp.ones((2, 16, 512), jnp.float16) for _ in range(2))
+    te, nt = jnp.array([1, 0], jnp.int32), jnp.array([2], jnp.int32)
+    cfg = TileGemmConfig(n_group=2, compute_wgs=wgs, mma_k=mma_k)
+    _export(lambda b, w, cs, rb: nvfp4_tile_gemm(b, w, te, nt, config=cfg, col_scales=cs,
+                                                 out_dtype=jnp.bfloat16, residual_blocks=rb),
+            b, w, jnp.ones((2, 2, 16), jnp.float32), jnp.full((2, 1), 0x5555AAAA - 2**32,
+                                                              jnp.int32))
+
+
 def test_expert_parallel_moe_block_lowers_for_cuda(monkeypatch):
     """The MoE block's expert-parallel shard_map around the W4A4 + RAC grouped kernels, for 4
     H200s along ``expert``: the kernels lower with the local experts' shapes (2 of 8)."""
