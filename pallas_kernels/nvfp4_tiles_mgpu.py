@@ -333,12 +333,17 @@ def _block_tiled(dtype) -> tuple:
             plgpu.SwizzleTransform(32))
 
 
-def check_residual_blocks(residual_blocks: jax.Array, w: W4A4Weights, num_ops: int,
-                          halves: int, config: TileGemmConfig) -> None:
-    """``residual_blocks`` must be int32 ``[E, ceil(Kp / 512)]`` for a call with two
-    unstacked B operands and no wgmma groups left in flight (``mma_overlap`` 0)."""
-    words = -(-w.k_pad // (16 * 32))
-    shape = (w.num_experts, words)
+def block_words(k_pad: int) -> int:
+    """int32 words of one bit per 16-column K block (``residual_blocks``)."""
+    return -(-k_pad // (16 * 32))
+
+
+def check_residual_blocks(residual_blocks: jax.Array, w: W4A4Weights, num_tiles: int,
+                          num_ops: int, halves: int, config: TileGemmConfig) -> None:
+    """``residual_blocks`` must be int32 ``[T, ceil(Kp / 512)]`` for a call of ``T`` token
+    tiles with two unstacked B operands and no wgmma groups left in flight (``mma_overlap``
+    0)."""
+    shape = (num_tiles, block_words(w.k_pad))
     if residual_blocks.shape != shape or residual_blocks.dtype != jnp.int32:
         raise ValueError(f"residual_blocks: {residual_blocks.dtype}{list(residual_blocks.shape)}; "
                          f"need int32{list(shape)} (a bit per 16-column K block per matrix)")
@@ -493,8 +498,8 @@ def nvfp4_tile_gemm(
         are combined on chip, so the output is one array, not two) and stores it in
         ``out_dtype``.
       out_dtype: the stored dtype with ``col_scales`` (float32 without).
-      residual_blocks: None, or int32 ``[E, ceil(Kp / 512)]``: bit ``b % 32`` of word ``b //
-        32`` set where 16-column K block ``b`` of matrix ``e``'s second B operand (RAC's
+      residual_blocks: None, or int32 ``[T, ceil(Kp / 512)]``: bit ``b % 32`` of word ``b //
+        32`` set where 16-column K block ``b`` of tile ``t``'s second B operand (RAC's
         residual, unstacked) may be nonzero; the second operand's wgmmas are issued for those
         blocks only (one k16 wgmma per block, under a branch), the others multiply zeros
         (RAC's per-expert selection keeps a fraction ``rac_ratio`` of the blocks). The second
@@ -562,7 +567,7 @@ def nvfp4_tile_gemm(
         raise ValueError("ablation='no_second_mma' skips the second operand's wgmmas: needs "
                          "the operands unstacked (stack_operands=False)")
     if residual_blocks is not None:
-        check_residual_blocks(residual_blocks, w, num_ops, halves, config)
+        check_residual_blocks(residual_blocks, w, t_max, num_ops, halves, config)
     num_sms = config.num_sms or _num_sms()
     item = mma_dtype.itemsize
     scale_item = jnp.dtype(w.scales.dtype).itemsize
@@ -712,7 +717,7 @@ def nvfp4_tile_gemm(
                     step_bits = None
                     if residual_blocks is not None:  # this K step's 16 block bits
                         block0 = (split * k_steps + idx[0]) * (K_TILE // 16)
-                        word = rb_gmem[expert, lax.div(block0, 32)]
+                        word = rb_gmem[t, lax.div(block0, 32)]
                         step_bits = lax.shift_right_logical(word, lax.rem(block0, 32))
                     for j in range(tiles_per_wg):
                         tile_mma(wg_tile(w_smem, j), wg_tile(s_smem, j), b_smems,

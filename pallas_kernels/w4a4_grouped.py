@@ -31,6 +31,7 @@ from pallas_kernels.w4a4_matmul import (
     as_kernel_weights,
     operand_rows,
     run_tiles,
+    tile_block_bits,
     token_tiles,
 )
 from quads_jax.quant import nvfp4, ops
@@ -297,6 +298,7 @@ def w4a4_grouped_matmul(
     (row_index, tile_expert, num_tiles, row_slot, row0, window_rows,
      rexp) = plan_and_row_experts(gs, m, block_m, config.tile_plan_config(), interpret)
     plain = config.act_operands_config() if rac is None and act_scale_mode == "per_token" else None
+    residual_blocks = None
     if plain is not None:
         def operand_of(idx):
             return act_operand_rows(x_sorted, source_rows, idx, w.mma_dtype, w.k_pad, plain,
@@ -312,12 +314,16 @@ def w4a4_grouped_matmul(
         def operand_of(idx):
             return operand_rows(acts, idx, w.mma_dtype, w.k_pad, config.materialize_operands,
                                 config.rac_operands_config(config.is_prefill(m)), interpret)
+
+        if config.rac_selected_wgmmas and acts.mask is not None:
+            residual_blocks = tile_block_bits(acts.mask, row_index, w.k_pad)
     tiles, slot_g = token_tiles(operand_of, row_index, row0, window_rows,
                                 config.windowed_operands)
     return run_tiles(tiles, slot_g, output_row_slots(row_slot, output_rows), w, tile_expert,
                      num_tiles, config, interpret, x_sorted.dtype,
                      live_tiles=expected_tiles(m, e, block_m),
-                     wide=config.wide_plain_decode and not config.is_prefill(m))
+                     wide=config.wide_plain_decode and not config.is_prefill(m),
+                     residual_blocks=residual_blocks)
 
 
 def w4a4_grouped_matmul_reference(

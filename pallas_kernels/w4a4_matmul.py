@@ -22,6 +22,7 @@ from pallas_kernels.layout import K_TILE, N_TILE, W4A4Weights, prepare_w4a4_weig
 from pallas_kernels.nvfp4_tiles_mgpu import (
     TileGemmConfig,
     _num_sms,
+    block_words,
     check_n_group,
     nvfp4_tile_gemm,
 )
@@ -192,6 +193,11 @@ class W4A4MatmulConfig:
     # rate, 4.03 / 3.42 TB/s). With RAC's stacked operand gate_up was slower (89.9 -> 98.3 us,
     # 93.8 at mma_k 128) and down faster (47.1 -> 41.6 at mma_k 128): RAC calls keep the fields.
     wide_plain_decode: bool = True
+    # Grouped RAC calls with unstacked operands: the residual operand's wgmmas only for the K
+    # blocks selected in each token tile (``nvfp4_tile_gemm``'s ``residual_blocks``, from the
+    # selection's mask; the others multiply zeros): at ratio 0.5 half of them. Off until timed
+    # (session 40 built it after its last device call).
+    rac_selected_wgmmas: bool = False
 
     def __post_init__(self):
         bm = self.block_m
@@ -212,6 +218,10 @@ class W4A4MatmulConfig:
         p = self.prefill_min_rows
         if p is not None and (not isinstance(p, int) or p < 1):
             raise ValueError(f"W4A4MatmulConfig.prefill_min_rows={p!r}: None or an int >= 1")
+        if self.rac_selected_wgmmas and (self.stack_operands or self.mma_overlap):
+            raise ValueError("W4A4MatmulConfig.rac_selected_wgmmas issues the residual's "
+                             "wgmmas per selected block: needs stack_operands=False and "
+                             f"mma_overlap=0 (got {self.stack_operands}, {self.mma_overlap})")
 
     def is_prefill(self, m: int) -> bool:
         """A call of ``m`` GEMM rows runs the prefill paths (``prefill_min_rows``)."""
@@ -513,6 +523,7 @@ def run_tiles(
     out_dtype,
     live_tiles: int | None = None,
     wide: bool = False,
+    residual_blocks: jax.Array | None = None,
 ) -> jax.Array:
     """Run the kernel on token tiles, return the scaled rows ``[M, N]``.
 
@@ -524,7 +535,7 @@ def run_tiles(
     sums otherwise. ``live_tiles``: the tiles expected to hold rows (static; None: all ``T``),
     what the split-K choice counts. ``wide``: with one B operand, run two warpgroup pairs on
     items of at least two weight-row tiles (``W4A4MatmulConfig.wide_plain_decode``) where the
-    weight's row tiles pair up.
+    weight's row tiles pair up. ``residual_blocks``: the tile kernel's (``tile_block_bits``).
     """
     num_sms = config.num_sms or _num_sms()
     check_n_group(config.n_group, w.n_pad)
@@ -539,9 +550,21 @@ def run_tiles(
     out = nvfp4_tile_gemm(
         tiles, w, tile_expert, num_tiles, config=tcfg, interpret=interpret,
         col_scales=slot_scales(slot_g, tile_expert, w),
-        out_dtype=stored_dtype(out_dtype, k_splits),
+        out_dtype=stored_dtype(out_dtype, k_splits), residual_blocks=residual_blocks,
     )
     return rows_from_tiles(out, row_slot, w.n, out_dtype)
+
+
+def tile_block_bits(mask: jax.Array, row_index: jax.Array, k_pad: int) -> jax.Array:
+    """The tile kernel's ``residual_blocks``: int32 ``[T, ceil(Kp / 512)]``, bit ``b`` set
+    where any row of tile ``t`` (``row_index`` ``[T, block_m]``; indices past ``mask``'s rows
+    are padding) has 16-column block ``b`` selected in ``mask`` (bool ``[M, K/16]``)."""
+    t = row_index.shape[0]
+    sel = mask.at[row_index].get(mode="fill", fill_value=False).any(axis=1)  # [T, K/16]
+    words = block_words(k_pad)
+    sel = jnp.pad(sel, ((0, 0), (0, 32 * words - sel.shape[1])))
+    bits = sel.reshape(t, words, 32).astype(jnp.uint32) << jnp.arange(32, dtype=jnp.uint32)
+    return jax.lax.bitcast_convert_type(bits.sum(axis=-1, dtype=jnp.uint32), jnp.int32)
 
 
 def dense_plan(m: int, block_m: int | None):

@@ -79,6 +79,9 @@
 #          random half of the K blocks only, `residual_blocks`: do RAC's residual products
 #          bound its calls, and does issuing them per selected block pay?), then nvfp4 and
 #          nvfp4_rac at batch 128 with it and nvfp4 without (~8.5 minutes)
+#   selw   RAC's residual wgmmas only for each tile's selected K blocks (`rac_selected_wgmmas`,
+#          unstacked operands; session 40, never on a GPU): its GPU check, then nvfp4_rac at
+#          batch 128 with it, unstacked without it, and at the defaults (stacked) (~8 minutes)
 #   pack   nvfp4_rac and nvfp4 at batch 128, traced, with the decode step's per-layer norm
 #          vectors and layer ids sliced as one packed array (--pack-layer-vectors, session 38:
 #          one memcpy32_post per layer instead of five?) and without, same call (~5 minutes)
@@ -568,6 +571,15 @@ for step in "$@"; do
       rollout wide 150 --quick --profile-steps 4 --precisions nvfp4,nvfp4_rac --budget-s 120
       rollout narrow 110 --quick --profile-steps 4 --precisions nvfp4 \
       --w4a4-set wide_plain_decode=false --budget-s 90 ;;
+    selw) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 120 python3 scripts/kernel_probe.py \
+      --grouped-ablations --out "$OUT/selwk" --check-variants "default unstacked selected" \
+      --variants "default" > "$OUT/selwk.log" 2>&1
+      echo "selwk rc $?"; grep -E "grouped|FAIL|PASS|Error" "$OUT/selwk.log" | cut -c1-130
+      rollout selw 120 --quick --profile-steps 4 --precisions nvfp4_rac --w4a4-set \
+      stack_operands=false --w4a4-set rac_selected_wgmmas=true --budget-s 100
+      rollout unstk 120 --quick --profile-steps 4 --precisions nvfp4_rac --w4a4-set \
+      stack_operands=false --budget-s 100
+      rollout stk 120 --quick --profile-steps 4 --precisions nvfp4_rac --budget-s 100 ;;
     pack) rollout pack 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \
       --pack-layer-vectors --budget-s 110
       rollout nopack 150 --quick --profile-steps 4 --precisions nvfp4_rac,nvfp4 \
@@ -790,6 +802,6 @@ warps 8" --out "$OUT/ropr$i" > "$OUT/ropr$i.log" 2>&1
       --budget-s 150 ;;
     hlo) XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
       rollout hlo 200 --quick --precisions nvfp4 --budget-s 150 ;;
-    *) echo "unknown step $step (kab tab samp rowk rcp ropr rop4 check gcheck mcheck kv8r rrows rrec b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 nobar1 ov rsel rsel2 win kdense0 kdense kdense2 kdensew wide kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop ropad hlo prof2 plan plan2 b128p cont contshare contgroup share pgroup kpre tgrouped train traindw trainprof)"; exit 2 ;;
+    *) echo "unknown step $step (kab tab samp rowk rcp ropr rop4 check gcheck mcheck kv8r rrows rrec b128 b32 b256 p1024 prof nobar unroll kern cmdbuf gabl stk stk128 nobar1 ov rsel rsel2 win kdense0 kdense kdense2 kdensew wide selw kgroup kgroup2 mmak nomat fin bits kv8 attn kv8s static rop ropad hlo prof2 plan plan2 b128p cont contshare contgroup share pgroup kpre tgrouped train traindw trainprof)"; exit 2 ;;
   esac
 done

@@ -664,6 +664,10 @@ GROUPED_VARIANTS = (
     ("default unstacked keep50", dict(ROLLOUT_TILES, stack_operands=False, rac_keep=0.5)),
     ("default wg4 unstacked keep50", dict(ROLLOUT_TILES, n_group=2, compute_wgs=4, mma_k=128,
                                           stack_operands=False, rac_keep=0.5)),
+    # The grouped matmul with RAC's selection passed to the kernel (check only: the kernel
+    # alone has no selection; `keep50` times it).
+    ("default unstacked selected", dict(ROLLOUT_TILES, stack_operands=False,
+                                        rac_selected_wgmmas=True)),
     # float16 block scales (0.625 streamed bytes per weight; the default until session 39,
     # which made the format's E4M3 bytes, 0.5625, the default: layout.E4M3).
     ("default f16 scales", dict(ROLLOUT_TILES, scales=None)),
@@ -672,8 +676,9 @@ GROUPED_VARIANTS = (
 
 
 def residual_block_bits(experts: int, k_pad: int, fraction: float, seed: int) -> jax.Array:
-    """``nvfp4_tile_gemm``'s ``residual_blocks``: a random ``fraction`` of each matrix's
-    16-column K blocks, as int32 ``[experts, ceil(k_pad / 512)]`` bit words."""
+    """A random ``fraction`` of each matrix's 16-column K blocks, as int32 ``[experts,
+    ceil(k_pad / 512)]`` bit words (``nvfp4_tile_gemm``'s ``residual_blocks`` per tile: index
+    by the tiles' experts)."""
     blocks = k_pad // 16
     words = -(-blocks // 32)
     keep = np.zeros((experts, words * 32), bool)
@@ -707,6 +712,10 @@ def run_grouped_ablations(tokens: int = 128, variants: tuple[str, ...] | None = 
     if kernel_only := [v for v in checks if "rac_keep" in dict(GROUPED_VARIANTS)[v]]:
         raise ValueError(f"grouped variant(s) {kernel_only}: the kernel alone (rac_keep), no "
                          "grouped matmul to check")
+    if check_only := [v for v in variants or () if "rac_selected_wgmmas" in
+                      dict(GROUPED_VARIANTS)[v]]:
+        raise ValueError(f"grouped variant(s) {check_only}: the grouped matmul's selection "
+                         "(check only; the kernel alone is timed by the keep50 variants)")
     gs = bk.routing(128, tokens, GE, 8)
     m = int(gs.sum())
     touched = int((np.asarray(gs) > 0).sum())
@@ -790,7 +799,7 @@ def run_grouped_ablations(tokens: int = 128, variants: tuple[str, ...] | None = 
                 try:
                     cfg = TileGemmConfig(k_splits=ks, decode_impl="ptx", **kw)
                     rb = None if keep is None or a == 1 else residual_block_bits(
-                        GE, ww.k_pad, keep, seed=950 + n)
+                        GE, ww.k_pad, keep, seed=950 + n)[te]  # each tile its expert's
                     f = jax.jit(lambda bt, w, cfg=cfg, sc=cs[:, :a], ks=ks, rb=rb:
                                 nvfp4_tile_gemm(bt, w, te, nt, config=cfg, col_scales=sc,
                                                 out_dtype=jnp.bfloat16 if ks == 1

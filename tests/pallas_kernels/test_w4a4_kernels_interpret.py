@@ -446,9 +446,10 @@ def test_residual_blocks_issue_the_second_operands_selected_blocks_only(wgs, mma
               for a in range(2))
     te = jnp.array([1, 0, 1], jnp.int32)
     keep = np.random.default_rng(83).random((e, k // 16)) < 0.5  # [E, 32 blocks]
+    keep = keep[np.asarray(te)]  # per tile: its expert's blocks
     words = jnp.asarray((keep * (1 << np.arange(32, dtype=np.int64))).sum(1).astype(np.uint32)
                         .view(np.int32)[:, None])
-    cols = np.repeat(keep[np.asarray(te)], 16, axis=1)[:, None, :]  # [T, 1, K]
+    cols = np.repeat(keep, 16, axis=1)[:, None, :]  # [T, 1, K]
     b1_sel = jnp.where(cols, b1, 0).astype(jnp.float16)
     cs = jax.random.uniform(jax.random.key(85), (t, 2, bm)) + 0.5
     cfg = TileGemmConfig(a_via_smem=True, num_sms=2, n_group=2, compute_wgs=wgs, mma_k=mma_k)
@@ -461,12 +462,47 @@ def test_residual_blocks_issue_the_second_operands_selected_blocks_only(wgs, mma
     assert _rel(run((b0, b1_sel), words), plain) < 1e-6
     # the unselected blocks of a full operand are left out: the product of the selected ones
     assert _rel(run((b0, b1), words), tile_gemm_reference((b0, b1_sel), w, te, cs)) < 1e-5
-    with pytest.raises(ValueError, match=r"residual_blocks: int32\[2, 2\]; need int32\[2, 1\]"):
-        run((b0, b1), jnp.zeros((2, 2), jnp.int32))
+    with pytest.raises(ValueError, match=r"residual_blocks: int32\[3, 2\]; need int32\[3, 1\]"):
+        run((b0, b1), jnp.zeros((3, 2), jnp.int32))
     with pytest.raises(ValueError, match="needs two operands, unstacked"):
         nvfp4_tile_gemm((b0, b1), w, te, jnp.array([t], jnp.int32), interpret=True,
                         config=dataclasses.replace(cfg, stack_operands=True), col_scales=cs,
                         residual_blocks=words)
+
+
+@pytest.mark.parametrize("src", [False, True])
+def test_grouped_rac_selected_wgmmas_equal_the_full_residual_product(src):
+    """``rac_selected_wgmmas``: the grouped RAC matmul issues the residual's wgmmas only for
+    each tile's selected blocks (``tile_block_bits`` of the selection's mask); the residual is
+    zero elsewhere, so the result is the full product's up to f32 summation order, with
+    gathered source rows too; stacked operands are refused."""
+    from pallas_kernels.w4a4_matmul import tile_block_bits
+
+    e, k, n = 3, 512, 256
+    gs = jnp.asarray([6, 0, 11], jnp.int32)
+    x = jax.random.normal(jax.random.key(91), (17, k)) * 2
+    wq = nvfp4.quantize(jax.random.normal(jax.random.key(92), (e, n, k)), scale_mode="expert")
+    rows = jnp.asarray(np.random.default_rng(93).integers(0, 17, 17), jnp.int32) if src else None
+    cfg = W4A4MatmulConfig(block_m=8, stack_operands=False, **CFG)
+    sel = dataclasses.replace(cfg, rac_selected_wgmmas=True)
+
+    def run(c):
+        return w4a4_grouped_matmul(x, wq, gs, rac=aq.RACConfig(), config=c, interpret=True,
+                                   source_rows=rows)
+
+    full, selected = run(cfg), run(sel)
+    assert _rel(selected, full) < 1e-6
+    # the selection reaches the kernel: the residual's tiles in 32-byte swizzles (16 columns)
+    assert "swizzle=32" in str(jax.make_jaxpr(lambda: run(sel))())
+    assert "swizzle=32" not in str(jax.make_jaxpr(lambda: run(cfg))())
+    assert _rel(full, w4a4_grouped_matmul_reference(
+        x if rows is None else x[rows], wq, gs, rac=aq.RACConfig())) < 1e-5
+    # the bits: any row of the tile, padding rows (index M) none
+    mask = jnp.asarray([[True] + [False] * 31, [False] * 31 + [True], [False] * 32])
+    bits = tile_block_bits(mask, jnp.asarray([[0, 3], [1, 2], [3, 3]], jnp.int32), k)
+    assert bits.tolist() == [[1], [-2**31], [0]]
+    with pytest.raises(ValueError, match="needs stack_operands=False"):
+        W4A4MatmulConfig(rac_selected_wgmmas=True)
 
 
 def test_compute_registers_fit_the_launch_allocation():

@@ -115,6 +115,17 @@ def test_tile_kernel_residual_blocks_lower_for_cuda(wgs, mma_k):
                                                               jnp.int32))
 
 
+def test_grouped_rac_selected_wgmmas_lower_for_cuda():
+    """The grouped RAC matmul passing its selection to the kernel (``rac_selected_wgmmas``)."""
+    wq = nvfp4.quantize(jax.random.normal(jax.random.key(5), (4, 256, 512)), scale_mode="expert")
+    w = prepare_w4a4_weights(wq, bits="signs_high", scale_dtype="float8_e4m3fn")
+    x = jnp.ones((24, 512), jnp.bfloat16)
+    gs = jnp.asarray([8, 0, 10, 6], jnp.int32)
+    cfg = W4A4MatmulConfig(stack_operands=False, rac_selected_wgmmas=True)
+    _export(lambda x, w, gs: w4a4_grouped_matmul(x, w, gs, rac=aq.RACConfig(), config=cfg),
+            x, w, gs)
+
+
 def test_expert_parallel_moe_block_lowers_for_cuda(monkeypatch):
     """The MoE block's expert-parallel shard_map around the W4A4 + RAC grouped kernels, for 4
     H200s along ``expert``: the kernels lower with the local experts' shapes (2 of 8)."""
