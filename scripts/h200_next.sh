@@ -367,7 +367,8 @@
 # 191e654): plain calls 22-27 % faster, GPU-checked at mma_k 128, on by default for grouped
 # decode without RAC since (`wide_plain_decode`); RAC's gate_up slower. Next: `wide` (on an
 # H200 first: the default path's GPU check, RAC on two pairs unstacked, the rollout A/B), then
-# `kdense0 kdensew` (the dense decode kernel on two pairs), `b128`, `s39h`, `kgroup`; on an
+# `kdense0 kdensew` (the dense decode kernel on two pairs), `selw` (RAC's residual wgmmas
+# for the selected blocks only: built after the last call), `b128`, `s39h`, `kgroup`; on an
 # H100 `wide` too (its kernel is copy-bound there).
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
