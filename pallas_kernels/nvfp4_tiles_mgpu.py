@@ -346,7 +346,7 @@ def check_residual_blocks(residual_blocks: jax.Array, w: W4A4Weights, num_tiles:
     shape = (num_tiles, block_words(w.k_pad))
     if residual_blocks.shape != shape or residual_blocks.dtype != jnp.int32:
         raise ValueError(f"residual_blocks: {residual_blocks.dtype}{list(residual_blocks.shape)}; "
-                         f"need int32{list(shape)} (a bit per 16-column K block per matrix)")
+                         f"need int32{list(shape)} (a bit per 16-column K block per token tile)")
     if num_ops != 2 or halves != 1:
         raise ValueError("residual_blocks selects the second B operand's K blocks: needs two "
                          f"operands, unstacked (got {num_ops}, stacked={halves == 2})")
