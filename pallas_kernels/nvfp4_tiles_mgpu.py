@@ -823,13 +823,21 @@ def nvfp4_tile_gemm(
 def tile_gemm_reference(
     b_tiles: TokenTiles | tuple[jax.Array, ...], w: W4A4Weights, tile_expert: jax.Array,
     col_scales: jax.Array | None = None, out_dtype=jnp.float32,
+    residual_blocks: jax.Array | None = None,
 ) -> jax.Array:
     """The kernel's result with ``k_splits=1`` in jnp: float32 ``[T, 1, A, block_m, Np]``, or
     with ``col_scales`` ``[T, A, block_m]`` their weighted sum ``[T, 1, 1, block_m, Np]`` in
-    ``out_dtype``."""
+    ``out_dtype``; with ``residual_blocks`` the second operand's unset blocks are zero."""
     from pallas_kernels.layout import dequantize_w4a4_weights
 
     b_tiles = TokenTiles.of(b_tiles).gathered()
+    if residual_blocks is not None:
+        b0, b1 = b_tiles
+        k = b1.shape[-1]
+        block = jnp.arange(k, dtype=jnp.int32) // 16  # [Kp] the block of each column
+        words = residual_blocks[:, block // 32]  # [T, Kp]
+        keep = jnp.right_shift(words, block % 32) & 1  # bit 31 too: & 1 drops the sign fill
+        b_tiles = (b0, jnp.where(keep[:, None, :] != 0, b1, jnp.zeros((), b1.dtype)))
     wd = dequantize_w4a4_weights(w)  # [E, N, K] e2m1 * s
     wd = wd / w.code_factor
     e = wd.shape[0]

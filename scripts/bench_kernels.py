@@ -809,10 +809,10 @@ def enable_smoke():
     from pallas_kernels import w8a8_matmul as w8
 
     def stand_in(b_tiles, w, tile_expert, num_tiles, *, config, interpret=False,
-                 col_scales=None, out_dtype=jnp.float32):
+                 col_scales=None, out_dtype=jnp.float32, residual_blocks=None):
         del num_tiles, config, interpret
         return nvfp4_tiles_mgpu.tile_gemm_reference(b_tiles, w, tile_expert, col_scales,
-                                                    out_dtype)
+                                                    out_dtype, residual_blocks)
 
     def fp8_stand_in(b_tiles, w, tile_expert, num_tiles, *, config, col_scales,
                      out_dtype=jnp.float32, interpret=False):

@@ -461,7 +461,11 @@ def test_residual_blocks_issue_the_second_operands_selected_blocks_only(wgs, mma
     plain = run((b0, b1_sel))
     assert _rel(run((b0, b1_sel), words), plain) < 1e-6
     # the unselected blocks of a full operand are left out: the product of the selected ones
-    assert _rel(run((b0, b1), words), tile_gemm_reference((b0, b1_sel), w, te, cs)) < 1e-5
+    want = tile_gemm_reference((b0, b1_sel), w, te, cs)
+    assert _rel(run((b0, b1), words), want) < 1e-5
+    np.testing.assert_array_equal(  # the reference with the bits zeroes those blocks itself
+        np.asarray(tile_gemm_reference((b0, b1), w, te, cs, residual_blocks=words)),
+        np.asarray(want))
     with pytest.raises(ValueError, match=r"residual_blocks: int32\[3, 2\]; need int32\[3, 1\]"):
         run((b0, b1), jnp.zeros((3, 2), jnp.int32))
     with pytest.raises(ValueError, match="needs two operands, unstacked"):
