@@ -812,12 +812,11 @@ def nvfp4_tile_gemm(
         scratch_types=scratch,
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    scaled = (() if col_scales is None else (col_scales,)) + (
-        () if residual_blocks is None else (residual_blocks,))
+    optional = tuple(a for a in (col_scales, residual_blocks) if a is not None)
     # jax's register split for 4 compute warpgroups deadlocks (compute_registers).
     fitted = _fitted_compute_registers() if num_wgs != NUM_COMPUTE_WGS else contextlib.nullcontext()
     with fitted:
-        return call(tile_expert, num_tiles, tiles.row0, w.codes, w.scales, *scaled, *b_arrays)
+        return call(tile_expert, num_tiles, tiles.row0, w.codes, w.scales, *optional, *b_arrays)
 
 
 def tile_gemm_reference(

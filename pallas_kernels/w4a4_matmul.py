@@ -268,15 +268,17 @@ class W4A4MatmulConfig:
 
         return plan_config(self.tile_plan_kernel, self.tile_plan_block, self.tile_plan_warps)
 
-    def tile_config(self, k_splits: int, num_sms: int | None, n_group: int) -> TileGemmConfig:
-        """The tile kernel's config for a call with ``k_splits`` on ``num_sms`` SMs."""
+    def tile_config(self, k_splits: int, num_sms: int | None, n_group: int,
+                    compute_wgs: int | None = None) -> TileGemmConfig:
+        """The tile kernel's config for a call with ``k_splits`` on ``num_sms`` SMs
+        (``n_group`` / ``compute_wgs``: the call's, None: this config's compute_wgs)."""
         return TileGemmConfig(
             k_splits=k_splits, max_concurrent_steps=self.max_concurrent_steps,
             a_via_smem=self.a_via_smem, num_sms=num_sms, decode_impl=self.decode_impl,
             mma_overlap=self.mma_overlap, mma_k=self.mma_k, n_group=n_group,
             chain_items=self.chain_items,
             stack_operands=self.stack_operands, store_buffers=self.store_buffers,
-            compute_wgs=self.compute_wgs)
+            compute_wgs=self.compute_wgs if compute_wgs is None else compute_wgs)
 
 
 def _round_up(v: int, m: int) -> int:
@@ -546,7 +548,7 @@ def run_tiles(
     k_splits = config.k_splits or auto_k_splits(
         tiles_used * (w.n_pad // N_TILE // n_group), w.k_pad // K_TILE, num_sms
     )
-    tcfg = dataclasses.replace(config.tile_config(k_splits, num_sms, n_group), compute_wgs=wgs)
+    tcfg = config.tile_config(k_splits, num_sms, n_group, wgs)
     out = nvfp4_tile_gemm(
         tiles, w, tile_expert, num_tiles, config=tcfg, interpret=interpret,
         col_scales=slot_scales(slot_g, tile_expert, w),
@@ -559,9 +561,14 @@ def tile_block_bits(mask: jax.Array, row_index: jax.Array, k_pad: int) -> jax.Ar
     """The tile kernel's ``residual_blocks``: int32 ``[T, ceil(Kp / 512)]``, bit ``b`` set
     where any row of tile ``t`` (``row_index`` ``[T, block_m]``; indices past ``mask``'s rows
     are padding) has 16-column block ``b`` selected in ``mask`` (bool ``[M, K/16]``)."""
-    t = row_index.shape[0]
     sel = mask.at[row_index].get(mode="fill", fill_value=False).any(axis=1)  # [T, K/16]
-    words = block_words(k_pad)
+    return pack_block_bits(sel, k_pad)
+
+
+def pack_block_bits(sel: jax.Array, k_pad: int) -> jax.Array:
+    """bool ``[T, nb]`` (16-column K blocks; ``nb <= Kp / 16``) -> the int32 ``[T, ceil(Kp /
+    512)]`` bit words of ``residual_blocks`` (bit ``b % 32`` of word ``b // 32``)."""
+    t, words = sel.shape[0], block_words(k_pad)
     sel = jnp.pad(sel, ((0, 0), (0, 32 * words - sel.shape[1])))
     bits = sel.reshape(t, words, 32).astype(jnp.uint32) << jnp.arange(32, dtype=jnp.uint32)
     return jax.lax.bitcast_convert_type(bits.sum(axis=-1, dtype=jnp.uint32), jnp.int32)

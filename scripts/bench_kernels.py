@@ -20,7 +20,6 @@ Method (docs/DESIGN.md "Performance method"):
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import gc
 import inspect
@@ -50,7 +49,7 @@ from pallas_kernels.w8a8_matmul import (
 )
 from quads_jax import config as cfglib
 from quads_jax.quant import fp8, nvfp4
-from quads_jax.quant.kernel_backend import DEFAULT_W4A4_BITS
+from quads_jax.quant.kernel_backend import DEFAULT_W4A4_BITS, store_overrides
 
 L2_FLUSH_BYTES = 160e6
 SMOKE = False  # --smoke: tiny shapes, jnp instead of the kernel, to test this script on a CPU
@@ -76,13 +75,7 @@ OVERRIDES: dict = {}
 def set_overrides(fields: dict) -> None:
     """Check ``fields`` as W4A4MatmulConfig fields (a ValueError names a bad one) and use them
     in every ``kcfg`` config from now on."""
-    known = {f.name for f in dataclasses.fields(W4A4MatmulConfig)}
-    if unknown := sorted(set(fields) - known):
-        raise ValueError(f"--w4a4-set: unknown W4A4MatmulConfig field(s) {unknown}; one of "
-                         f"{sorted(known)}")
-    W4A4MatmulConfig(**fields)  # the config's own value checks
-    OVERRIDES.clear()
-    OVERRIDES.update(fields)
+    store_overrides(OVERRIDES, W4A4MatmulConfig, fields, set(), "--w4a4-set W4A4MatmulConfig")
     RESULTS["w4a4_set"] = dict(fields)
 
 

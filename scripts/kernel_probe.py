@@ -636,7 +636,7 @@ GROUPED_VARIANTS = (
     ("default store2", dict(ROLLOUT_TILES, store_buffers=2)),
     ("default n_group 2 store2", dict(ROLLOUT_TILES, n_group=2, store_buffers=2)),
     # Two compute warpgroup pairs, one per weight-row tile of a 2-tile item (session 40): twice
-    # the warps decoding and issuing wgmmas per SM, 112 registers each (mma_k 256 holds the
+    # the warps decoding and issuing wgmmas per SM, 104 registers each (mma_k 256 holds the
     # decoded step in 64 of them; 128 / 64 in 32 / 16).
     ("default wg4", dict(ROLLOUT_TILES, n_group=2, compute_wgs=4)),
     ("default wg4 mma_k 128", dict(ROLLOUT_TILES, n_group=2, compute_wgs=4, mma_k=128)),
@@ -659,8 +659,8 @@ GROUPED_VARIANTS = (
                                                  mma_k=128, stack_operands=False,
                                                  ablation="no_second_mma")),
     # ... and issued only for a random half of each expert's K blocks (``residual_blocks``,
-    # RAC's selection at ratio 0.5; right results where the residual is zero elsewhere; the
-    # grouped matmul does not pass the selection to the kernel yet, so no GPU check).
+    # RAC's selection at ratio 0.5; right results where the residual is zero elsewhere, so no
+    # GPU check here: `default unstacked selected` checks the grouped matmul's path).
     ("default unstacked keep50", dict(ROLLOUT_TILES, stack_operands=False, rac_keep=0.5)),
     ("default wg4 unstacked keep50", dict(ROLLOUT_TILES, n_group=2, compute_wgs=4, mma_k=128,
                                           stack_operands=False, rac_keep=0.5)),
@@ -679,12 +679,10 @@ def residual_block_bits(experts: int, k_pad: int, fraction: float, seed: int) ->
     """A random ``fraction`` of each matrix's 16-column K blocks, as int32 ``[experts,
     ceil(k_pad / 512)]`` bit words (``nvfp4_tile_gemm``'s ``residual_blocks`` per tile: index
     by the tiles' experts)."""
-    blocks = k_pad // 16
-    words = -(-blocks // 32)
-    keep = np.zeros((experts, words * 32), bool)
-    keep[:, :blocks] = np.random.default_rng(seed).random((experts, blocks)) < fraction
-    bits = (keep.reshape(experts, words, 32) * (1 << np.arange(32, dtype=np.uint64))).sum(-1)
-    return jnp.asarray(bits.astype(np.uint32).view(np.int32))
+    from pallas_kernels.w4a4_matmul import pack_block_bits
+
+    keep = np.random.default_rng(seed).random((experts, k_pad // 16)) < fraction
+    return pack_block_bits(jnp.asarray(keep), k_pad)
 
 
 def run_grouped_ablations(tokens: int = 128, variants: tuple[str, ...] | None = None,

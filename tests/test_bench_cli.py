@@ -121,7 +121,7 @@ def test_bench_kernels_w4a4_set_reaches_every_timed_config():
         assert (cfg.compute_wgs, cfg.n_group, cfg.k_splits) == (4, 2, 2)
         assert bk.kcfg(n_group=4).n_group == 4
         assert bk.RESULTS["w4a4_set"] == {"compute_wgs": 4, "n_group": 2}
-        with pytest.raises(ValueError, match="unknown W4A4MatmulConfig field"):
+        with pytest.raises(ValueError, match="--w4a4-set W4A4MatmulConfig: unknown field"):
             bk.set_overrides({"no_such": 1})
         with pytest.raises(ValueError, match="compute_wgs=4"):  # n_group 1 cannot pair
             bk.set_overrides({"compute_wgs": 4})

@@ -91,7 +91,9 @@ def layout_settings() -> tuple:
     return (_W4A4_BITS[0], _W4A4_SCALE_DTYPE[0])
 
 
-def _set_overrides(store: dict, cls, fields: dict, fixed: set, name: str) -> None:
+def store_overrides(store: dict, cls, fields: dict, fixed: set, name: str) -> None:
+    """Check ``fields`` as overrides of the config dataclass ``cls`` (not its ``fixed``
+    fields; errors start with ``name``), then make ``store`` hold exactly them."""
     names = {f.name for f in dataclasses.fields(cls)} - fixed
     if unknown := sorted(set(fields) - names):
         raise ValueError(f"{name}: unknown field(s) {unknown}; one of {sorted(names)}")
@@ -106,13 +108,13 @@ def set_w4a4_overrides(**fields) -> None:
     arguments restores the defaults. Checked at once: an unknown field or a bad value raises
     ``ValueError`` and changes nothing. Like ``models.layers.set_decode_attention``, it takes
     effect at the next trace."""
-    _set_overrides(_W4A4_OVERRIDES, W4A4MatmulConfig, fields, {"mma_dtype"},
-                   "set_w4a4_overrides")
+    store_overrides(_W4A4_OVERRIDES, W4A4MatmulConfig, fields, {"mma_dtype"},
+                    "set_w4a4_overrides")
 
 
 def set_fp8_overrides(**fields) -> None:
     """``set_w4a4_overrides`` for the FP8 kernels' ``W8A8MatmulConfig`` (not ``num_sms``)."""
-    _set_overrides(_FP8_OVERRIDES, W8A8MatmulConfig, fields, {"num_sms"}, "set_fp8_overrides")
+    store_overrides(_FP8_OVERRIDES, W8A8MatmulConfig, fields, {"num_sms"}, "set_fp8_overrides")
 
 
 def _mma_dtype(mode: str, recipe) -> str:
