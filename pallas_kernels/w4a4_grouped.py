@@ -322,7 +322,7 @@ def w4a4_grouped_matmul(
     return run_tiles(tiles, slot_g, output_row_slots(row_slot, output_rows), w, tile_expert,
                      num_tiles, config, interpret, x_sorted.dtype,
                      live_tiles=expected_tiles(m, e, block_m),
-                     wide=config.wide_plain_decode and not config.is_prefill(m),
+                     wide=config.wide_decode(m, rac=rac is not None),
                      residual_blocks=residual_blocks)
 
 

@@ -193,6 +193,9 @@ class W4A4MatmulConfig:
     # rate, 4.03 / 3.42 TB/s). With RAC's stacked operand gate_up was slower (89.9 -> 98.3 us,
     # 93.8 at mma_k 128) and down faster (47.1 -> 41.6 at mma_k 128): RAC calls keep the fields.
     wide_plain_decode: bool = True
+    # The same for grouped RAC decode calls (two B operands, stacked or not). Off: the stacked
+    # operand's gate_up was slower on two pairs (above); an A/B switch for the rollout.
+    wide_rac_decode: bool = False
     # Grouped RAC calls with unstacked operands: the residual operand's wgmmas only for the K
     # blocks selected in each token tile (``nvfp4_tile_gemm``'s ``residual_blocks``, from the
     # selection's mask; the others multiply zeros): at ratio 0.5 half of them. Off until timed
@@ -222,6 +225,11 @@ class W4A4MatmulConfig:
             raise ValueError("W4A4MatmulConfig.rac_selected_wgmmas issues the residual's "
                              "wgmmas per selected block: needs stack_operands=False and "
                              f"mma_overlap=0 (got {self.stack_operands}, {self.mma_overlap})")
+
+    def wide_decode(self, m: int, rac: bool) -> bool:
+        """A grouped call of ``m`` rows (with RAC's second operand or not) asks for two
+        warpgroup pairs (``wide_plain_decode`` / ``wide_rac_decode``; decode calls only)."""
+        return (self.wide_rac_decode if rac else self.wide_plain_decode) and not self.is_prefill(m)
 
     def is_prefill(self, m: int) -> bool:
         """A call of ``m`` GEMM rows runs the prefill paths (``prefill_min_rows``)."""
@@ -535,14 +543,14 @@ def run_tiles(
     tile slot of each row (``T * block_m`` = a zero row), or an int M: the first M slots
     (``rows_from_tiles``). The kernel stores ``out_dtype`` when K is not split, float32 partial
     sums otherwise. ``live_tiles``: the tiles expected to hold rows (static; None: all ``T``),
-    what the split-K choice counts. ``wide``: with one B operand, run two warpgroup pairs on
-    items of at least two weight-row tiles (``W4A4MatmulConfig.wide_plain_decode``) where the
+    what the split-K choice counts. ``wide``: run two warpgroup pairs on items of at least two
+    weight-row tiles (``W4A4MatmulConfig.wide_plain_decode`` / ``wide_rac_decode``) where the
     weight's row tiles pair up. ``residual_blocks``: the tile kernel's (``tile_block_bits``).
     """
     num_sms = config.num_sms or _num_sms()
     check_n_group(config.n_group, w.n_pad)
     n_group, wgs = config.n_group, config.compute_wgs
-    if wide and tiles.num_operands == 1 and (w.n_pad // N_TILE) % max(n_group, 2) == 0:
+    if wide and (w.n_pad // N_TILE) % max(n_group, 2) == 0:
         n_group, wgs = max(n_group, 2), 4
     tiles_used = live_tiles or tiles.num_tiles
     k_splits = config.k_splits or auto_k_splits(

@@ -79,6 +79,9 @@
 #          random half of the K blocks only, `residual_blocks`: do RAC's residual products
 #          bound its calls, and does issuing them per selected block pay?), then nvfp4 and
 #          nvfp4_rac at batch 128 with it and nvfp4 without (~8.5 minutes)
+#   widerac nvfp4_rac at batch 128 with its grouped decode calls on two warpgroup pairs too
+#          (`wide_rac_decode`): stacked operands at mma_k 256 and 128, unstacked (~6 minutes;
+#          compare with `wide`'s nvfp4_rac row, the same machine)
 #   selw   RAC's residual wgmmas only for each tile's selected K blocks (`rac_selected_wgmmas`,
 #          unstacked operands; session 40, never on a GPU): its GPU check, then nvfp4_rac at
 #          batch 128 with it, unstacked without it, and at the defaults (stacked) (~8 minutes)
@@ -572,6 +575,12 @@ for step in "$@"; do
       rollout wide 150 --quick --profile-steps 4 --precisions nvfp4,nvfp4_rac --budget-s 120
       rollout narrow 110 --quick --profile-steps 4 --precisions nvfp4 \
       --w4a4-set wide_plain_decode=false --budget-s 90 ;;
+    widerac) rollout wrac 120 --quick --profile-steps 4 --precisions nvfp4_rac \
+      --w4a4-set wide_rac_decode=true --budget-s 100
+      rollout wrac128 120 --quick --profile-steps 4 --precisions nvfp4_rac \
+      --w4a4-set wide_rac_decode=true --w4a4-set mma_k=128 --budget-s 100
+      rollout wracu 120 --quick --profile-steps 4 --precisions nvfp4_rac \
+      --w4a4-set wide_rac_decode=true --w4a4-set stack_operands=false --budget-s 100 ;;
     selw) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 120 python3 scripts/kernel_probe.py \
       --grouped-ablations --out "$OUT/selwk" --check-variants "default unstacked selected" \
       --variants "default" > "$OUT/selwk.log" 2>&1

@@ -349,7 +349,8 @@ def test_tile_gemm_store_buffers_give_the_same_bits():
 def test_grouped_plain_decode_runs_wide_with_the_same_bits():
     """Grouped decode calls without RAC run two warpgroup pairs on 2-tile items
     (``wide_plain_decode``, the default) where the weight's row tiles pair up: the bits of the
-    narrow schedule; odd tile counts, RAC calls and prefill-sized calls stay narrow."""
+    narrow schedule; odd tile counts, RAC calls (unless ``wide_rac_decode``) and prefill-sized
+    calls stay narrow."""
     e, k = 3, 256
     gs = jnp.asarray([5, 0, 9], jnp.int32)
     x = jax.random.normal(jax.random.key(61), (14, k))
@@ -370,6 +371,13 @@ def test_grouped_plain_decode_runs_wide_with_the_same_bits():
         assert registers(cfg, wq) == (104 if n == 256 else 232)  # 104: 4 compute warpgroups
         assert registers(narrow, wq) == registers(prefill, wq) == 232
         assert registers(cfg, wq, aq.RACConfig()) == 232
+        # RAC calls on two pairs when asked (``wide_rac_decode``), stacked or not: same bits.
+        for stack in (True, False):
+            rac_narrow = dataclasses.replace(cfg, stack_operands=stack)
+            rac_wide = dataclasses.replace(rac_narrow, wide_rac_decode=True)
+            np.testing.assert_array_equal(np.asarray(run(rac_wide, wq, aq.RACConfig())),
+                                          np.asarray(run(rac_narrow, wq, aq.RACConfig())))
+            assert registers(rac_wide, wq, aq.RACConfig()) == (104 if n == 256 else 232)
 
 
 @pytest.mark.parametrize("n_group,stack", [(2, True), (4, False)])
