@@ -353,6 +353,11 @@ def check_residual_blocks(residual_blocks: jax.Array, w: W4A4Weights, num_tiles:
     if config.mma_overlap:
         raise ValueError("residual_blocks issues a varying number of wgmmas per step: needs "
                          "mma_overlap=0")
+    if config.compute_wgs == 4 and config.mma_k == K_TILE:
+        # Two pairs, one wgmma group per step and two or more K steps hang in interpret mode
+        # (session 41; at mma_k 128 they pass); never run on a GPU, so refused.
+        raise ValueError(f"residual_blocks with compute_wgs=4 needs mma_k < {K_TILE} (got "
+                         f"mma_k={config.mma_k}): that schedule hangs in interpret mode")
 
 
 def _code_to_f16(c: jax.Array, decode: str) -> jax.Array:

@@ -545,12 +545,14 @@ def run_tiles(
     sums otherwise. ``live_tiles``: the tiles expected to hold rows (static; None: all ``T``),
     what the split-K choice counts. ``wide``: run two warpgroup pairs on items of at least two
     weight-row tiles (``W4A4MatmulConfig.wide_plain_decode`` / ``wide_rac_decode``) where the
-    weight's row tiles pair up. ``residual_blocks``: the tile kernel's (``tile_block_bits``).
+    weight's row tiles pair up (with ``residual_blocks`` only at ``mma_k`` < 256).
+    ``residual_blocks``: the tile kernel's (``tile_block_bits``).
     """
     num_sms = config.num_sms or _num_sms()
     check_n_group(config.n_group, w.n_pad)
     n_group, wgs = config.n_group, config.compute_wgs
-    if wide and (w.n_pad // N_TILE) % max(n_group, 2) == 0:
+    if (wide and (w.n_pad // N_TILE) % max(n_group, 2) == 0
+            and (residual_blocks is None or config.mma_k < K_TILE)):  # check_residual_blocks
         n_group, wgs = max(n_group, 2), 4
     tiles_used = live_tiles or tiles.num_tiles
     k_splits = config.k_splits or auto_k_splits(

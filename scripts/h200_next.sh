@@ -80,9 +80,10 @@
 #          bound its calls, and does issuing them per selected block pay?), then nvfp4 and
 #          nvfp4_rac at batch 128 with it and nvfp4 without (~8.5 minutes)
 #   widerac nvfp4_rac at batch 128 with its grouped decode calls on two warpgroup pairs too
-#          (`wide_rac_decode`): stacked operands at mma_k 256 and 128, unstacked, then at the
-#          defaults (~8 minutes). Not with `rac_selected_wgmmas`: on two pairs it hangs in
-#          interpret mode from two K steps on (session 41)
+#          (`wide_rac_decode`): stacked operands at mma_k 256 and 128, unstacked with the
+#          residual's wgmmas for the selected blocks only (`rac_selected_wgmmas`, mma_k 128: at
+#          256 two pairs hang in interpret mode, refused; its rollout times only, the GPU check
+#          is `selw`'s), then at the defaults (~8 minutes)
 #   selw   RAC's residual wgmmas only for each tile's selected K blocks (`rac_selected_wgmmas`,
 #          unstacked operands; session 40, never on a GPU): its GPU check, then nvfp4_rac at
 #          batch 128 with it, unstacked without it, and at the defaults (stacked) (~8 minutes)
@@ -570,7 +571,7 @@ for step in "$@"; do
       rollout store0 150 --quick --profile-steps 4 --precisions nvfp4_rac,fp8 --budget-s 120 ;;
     wide) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 250 python3 scripts/kernel_probe.py \
       --grouped-ablations --out "$OUT/widek" --check-variants "default,default wg4 mma_k 64" \
-      --variants "default,default wg4,default unstacked,default wg4 unstacked,default unstacked no_second_mma,default wg4 unstacked no_second_mma,default unstacked keep50" \
+      --variants "default,default wg4,default unstacked,default wg4 unstacked,default unstacked no_second_mma,default wg4 unstacked no_second_mma,default unstacked keep50,default wg4 unstacked keep50" \
       > "$OUT/widek.log" 2>&1
       echo "widek rc $?"; grep -E "grouped|FAIL|PASS|Error" "$OUT/widek.log" | cut -c1-130
       rollout wide 150 --quick --profile-steps 4 --precisions nvfp4,nvfp4_rac --budget-s 120
@@ -580,8 +581,9 @@ for step in "$@"; do
       --w4a4-set wide_rac_decode=true --budget-s 100
       rollout wrac128 120 --quick --profile-steps 4 --precisions nvfp4_rac \
       --w4a4-set wide_rac_decode=true --w4a4-set mma_k=128 --budget-s 100
-      rollout wracu 120 --quick --profile-steps 4 --precisions nvfp4_rac \
-      --w4a4-set wide_rac_decode=true --w4a4-set stack_operands=false --budget-s 100
+      rollout wracsel 120 --quick --profile-steps 4 --precisions nvfp4_rac \
+      --w4a4-set wide_rac_decode=true --w4a4-set stack_operands=false \
+      --w4a4-set rac_selected_wgmmas=true --w4a4-set mma_k=128 --budget-s 100
       rollout racdef 120 --quick --profile-steps 4 --precisions nvfp4_rac --budget-s 100 ;;
     selw) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 120 python3 scripts/kernel_probe.py \
       --grouped-ablations --out "$OUT/selwk" --check-variants "default unstacked selected" \

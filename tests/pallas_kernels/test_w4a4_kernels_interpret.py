@@ -378,6 +378,13 @@ def test_grouped_plain_decode_runs_wide_with_the_same_bits():
             np.testing.assert_array_equal(np.asarray(run(rac_wide, wq, aq.RACConfig())),
                                           np.asarray(run(rac_narrow, wq, aq.RACConfig())))
             assert registers(rac_wide, wq, aq.RACConfig()) == (104 if n == 256 else 232)
+        # With the residual's wgmmas per selected block, two pairs only at mma_k < 256
+        # (check_residual_blocks): the call stays narrow at 256.
+        sel = dataclasses.replace(cfg, stack_operands=False, rac_selected_wgmmas=True,
+                                  wide_rac_decode=True)
+        assert registers(sel, wq, aq.RACConfig()) == 232
+        sel128 = dataclasses.replace(sel, mma_k=128)
+        assert registers(sel128, wq, aq.RACConfig()) == (104 if n == 256 else 232)
 
 
 @pytest.mark.parametrize("n_group,stack", [(2, True), (4, False)])
@@ -474,6 +481,10 @@ def test_residual_blocks_issue_the_second_operands_selected_blocks_only(wgs, mma
     np.testing.assert_array_equal(  # the reference with the bits zeroes those blocks itself
         np.asarray(tile_gemm_reference((b0, b1), w, te, cs, residual_blocks=words)),
         np.asarray(want))
+    if wgs == 4:  # two pairs with one wgmma group per step: refused (hangs in interpret mode)
+        cfg = dataclasses.replace(cfg, mma_k=256)
+        with pytest.raises(ValueError, match="compute_wgs=4 needs mma_k < 256"):
+            run((b0, b1), words)
     with pytest.raises(ValueError, match=r"residual_blocks: int32\[3, 2\]; need int32\[3, 1\]"):
         run((b0, b1), jnp.zeros((3, 2), jnp.int32))
     with pytest.raises(ValueError, match="needs two operands, unstacked"):
