@@ -79,6 +79,10 @@
 #          random half of the K blocks only, `residual_blocks`: do RAC's residual products
 #          bound its calls, and does issuing them per selected block pay?), then nvfp4 and
 #          nvfp4_rac at batch 128 with it and nvfp4 without (~8.5 minutes)
+#   w41    `wide` and `widerac` cut to one call of ~9 minutes (session 41's device time was
+#          short): the GPU check of the default path, the kernel alone (default; RAC unstacked
+#          on two pairs whole, without its second wgmmas, with a random half of its blocks),
+#          nvfp4 + nvfp4_rac at the defaults, nvfp4 narrow, nvfp4_rac on two pairs at mma_k 128
 #   widerac nvfp4_rac at batch 128 with its grouped decode calls on two warpgroup pairs too
 #          (`wide_rac_decode`): stacked operands at mma_k 256 and 128, unstacked with the
 #          residual's wgmmas for the selected blocks only (`rac_selected_wgmmas`, mma_k 128: at
@@ -577,6 +581,16 @@ for step in "$@"; do
       rollout wide 150 --quick --profile-steps 4 --precisions nvfp4,nvfp4_rac --budget-s 120
       rollout narrow 110 --quick --profile-steps 4 --precisions nvfp4 \
       --w4a4-set wide_plain_decode=false --budget-s 90 ;;
+    w41) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 170 python3 scripts/kernel_probe.py \
+      --grouped-ablations --out "$OUT/w41k" --check-variants "default" \
+      --variants "default,default wg4 unstacked,default wg4 unstacked no_second_mma,default wg4 unstacked keep50" \
+      > "$OUT/w41k.log" 2>&1
+      echo "w41k rc $?"; grep -E "grouped|FAIL|PASS|Error" "$OUT/w41k.log" | cut -c1-130
+      rollout wide 140 --quick --profile-steps 4 --precisions nvfp4,nvfp4_rac --budget-s 110
+      rollout narrow 100 --quick --profile-steps 4 --precisions nvfp4 \
+      --w4a4-set wide_plain_decode=false --budget-s 80
+      rollout wrac128 100 --quick --profile-steps 4 --precisions nvfp4_rac \
+      --w4a4-set wide_rac_decode=true --w4a4-set mma_k=128 --budget-s 80 ;;
     widerac) rollout wrac 120 --quick --profile-steps 4 --precisions nvfp4_rac \
       --w4a4-set wide_rac_decode=true --budget-s 100
       rollout wrac128 120 --quick --profile-steps 4 --precisions nvfp4_rac \
