@@ -236,6 +236,31 @@ def pipeline_stages(max_stages: int, k_steps: int, smem_limit: int) -> int:
     return max((d for d in range(1, cap + 1) if k_steps % d == 0), default=0)
 
 
+def tile_stages(config, w: W4A4Weights, block_m: int, num_acc: int, halves: int, out_dtype,
+                b_copy: bool, k_steps: int) -> int:
+    """The tile kernel's pipeline depth (``pipeline_stages``) for ``num_acc`` B tiles of
+    ``halves * block_m`` rows, the ``out_dtype`` epilogue and ``b_copy`` (the interpreter's 2-D
+    copy of a stacked tile); raises where not even one stage fits in shared memory."""
+    item = jnp.dtype(w.mma_dtype).itemsize
+    bn = halves * block_m
+    stage_bytes = (config.n_group * (N_TILE * KW_TILE * 2
+                                     + (K_TILE // 16) * N_TILE * jnp.dtype(w.scales.dtype).itemsize)
+                   + num_acc * bn * K_TILE * item)
+    slots = max(config.store_buffers, 1)  # the epilogue's SMEM staging tiles per warpgroup
+    fixed = (config.compute_wgs * WG_ROWS * (
+        slots * block_m * jnp.dtype(out_dtype).itemsize
+        + (config.mma_k * item if config.a_via_smem else 0))
+        + (config.compute_wgs * bn * K_TILE * item if b_copy else 0))
+    stages = pipeline_stages(config.max_concurrent_steps, k_steps,
+                             (SMEM_BYTES - fixed) // stage_bytes)
+    if stages < 1:
+        raise ValueError(
+            f"block_m={block_m} with {num_acc} activation operand(s) needs {stage_bytes + fixed} "
+            f"bytes of shared memory per pipeline stage; at most {SMEM_BYTES}: use block_m <= 64"
+        )
+    return stages
+
+
 def run_work_items(make_pipeline, allocations, num_live_work, chain: bool, work_body) -> None:
     """The persistent work loop over the ``num_live_work`` live items (a run-time count, so
     tiles past ``num_tiles`` cost nothing), each item one pipeline over its K steps.
@@ -353,11 +378,6 @@ def check_residual_blocks(residual_blocks: jax.Array, w: W4A4Weights, num_tiles:
     if config.mma_overlap:
         raise ValueError("residual_blocks issues a varying number of wgmmas per step: needs "
                          "mma_overlap=0")
-    if config.compute_wgs == 4 and config.mma_k == K_TILE:
-        # Two pairs, one wgmma group per step and two or more K steps hang in interpret mode
-        # (session 41; at mma_k 128 they pass); never run on a GPU, so refused.
-        raise ValueError(f"residual_blocks with compute_wgs=4 needs mma_k < {K_TILE} (got "
-                         f"mma_k={config.mma_k}): that schedule hangs in interpret mode")
 
 
 def _code_to_f16(c: jax.Array, decode: str) -> jax.Array:
@@ -574,23 +594,16 @@ def nvfp4_tile_gemm(
     if residual_blocks is not None:
         check_residual_blocks(residual_blocks, w, t_max, num_ops, halves, config)
     num_sms = config.num_sms or _num_sms()
-    item = mma_dtype.itemsize
-    scale_item = jnp.dtype(w.scales.dtype).itemsize
-    stage_bytes = (n_group * (N_TILE * KW_TILE * 2 + (K_TILE // 16) * N_TILE * scale_item)
-                   + num_acc * bn * K_TILE * item)
     # The interpreter cannot run a wgmma on the folded [2 * block_m, 256] view of the stacked
     # [2, block_m, 256] B tile that the device reads: it gets a 2-D copy (registers, then SMEM).
     b_copy = interpret and halves == 2
     slots = max(config.store_buffers, 1)  # the epilogue's SMEM staging tiles per warpgroup
-    fixed = (num_wgs * WG_ROWS * (slots * block_m * out_dtype.itemsize
-                                  + (config.mma_k * item if config.a_via_smem else 0))
-             + (num_wgs * bn * K_TILE * item if b_copy else 0))
-    stages = pipeline_stages(config.max_concurrent_steps, k_steps,
-                             (SMEM_BYTES - fixed) // stage_bytes)
-    if stages < 1:
+    stages = tile_stages(config, w, block_m, num_acc, halves, out_dtype, b_copy, k_steps)
+    if residual_blocks is not None and num_wgs == 4 and stages == 1 and k_steps > 1:
         raise ValueError(
-            f"block_m={block_m} with {num_acc} activation operand(s) needs {stage_bytes + fixed} "
-            f"bytes of shared memory per pipeline stage; at most {SMEM_BYTES}: use block_m <= 64"
+            "residual_blocks on two warpgroup pairs (compute_wgs=4) with a one-stage pipeline "
+            f"over {k_steps} K steps hangs in interpret mode (session 41; never run on a GPU): "
+            "use compute_wgs=2, a smaller mma_k or block_m (more stages), or k_splits"
         )
 
     # Pipeline step k: K step k of every weight-row tile of the work item's group (a leading

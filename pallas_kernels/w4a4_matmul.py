@@ -25,6 +25,7 @@ from pallas_kernels.nvfp4_tiles_mgpu import (
     block_words,
     check_n_group,
     nvfp4_tile_gemm,
+    tile_stages,
 )
 from pallas_kernels.token_tiles import TokenTiles
 from quads_jax.quant import nvfp4, rac
@@ -545,20 +546,30 @@ def run_tiles(
     sums otherwise. ``live_tiles``: the tiles expected to hold rows (static; None: all ``T``),
     what the split-K choice counts. ``wide``: run two warpgroup pairs on items of at least two
     weight-row tiles (``W4A4MatmulConfig.wide_plain_decode`` / ``wide_rac_decode``) where the
-    weight's row tiles pair up (with ``residual_blocks`` only at ``mma_k`` < 256).
+    weight's row tiles pair up (with ``residual_blocks`` only where the pipeline keeps two
+    stages).
     ``residual_blocks``: the tile kernel's (``tile_block_bits``).
     """
     num_sms = config.num_sms or _num_sms()
     check_n_group(config.n_group, w.n_pad)
     n_group, wgs = config.n_group, config.compute_wgs
-    if (wide and (w.n_pad // N_TILE) % max(n_group, 2) == 0
-            and (residual_blocks is None or config.mma_k < K_TILE)):  # check_residual_blocks
-        n_group, wgs = max(n_group, 2), 4
     tiles_used = live_tiles or tiles.num_tiles
-    k_splits = config.k_splits or auto_k_splits(
-        tiles_used * (w.n_pad // N_TILE // n_group), w.k_pad // K_TILE, num_sms
-    )
-    tcfg = config.tile_config(k_splits, num_sms, n_group, wgs)
+
+    def plan(n_group, wgs):
+        k_splits = config.k_splits or auto_k_splits(
+            tiles_used * (w.n_pad // N_TILE // n_group), w.k_pad // K_TILE, num_sms
+        )
+        return k_splits, config.tile_config(k_splits, num_sms, n_group, wgs)
+
+    k_splits, tcfg = plan(n_group, wgs)
+    if wide and (w.n_pad // N_TILE) % max(n_group, 2) == 0:
+        k_splits_w, tcfg_w = plan(max(n_group, 2), 4)
+        k_steps = w.k_pad // K_TILE // k_splits_w
+        # nvfp4_tile_gemm refuses residual_blocks on two pairs with one pipeline stage
+        if residual_blocks is None or k_steps == 1 or tile_stages(
+                tcfg_w, w, tiles.block_m, 2, 1, stored_dtype(out_dtype, k_splits_w),
+                False, k_steps) > 1:
+            k_splits, tcfg = k_splits_w, tcfg_w
     out = nvfp4_tile_gemm(
         tiles, w, tile_expert, num_tiles, config=tcfg, interpret=interpret,
         col_scales=slot_scales(slot_g, tile_expert, w),

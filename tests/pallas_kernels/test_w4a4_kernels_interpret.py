@@ -378,13 +378,17 @@ def test_grouped_plain_decode_runs_wide_with_the_same_bits():
             np.testing.assert_array_equal(np.asarray(run(rac_wide, wq, aq.RACConfig())),
                                           np.asarray(run(rac_narrow, wq, aq.RACConfig())))
             assert registers(rac_wide, wq, aq.RACConfig()) == (104 if n == 256 else 232)
-        # With the residual's wgmmas per selected block, two pairs only at mma_k < 256
-        # (check_residual_blocks): the call stays narrow at 256.
+        # With the residual's wgmmas per selected block, two pairs only where the pipeline
+        # keeps two stages (or has one K step; nvfp4_tile_gemm refuses the rest): here one
+        # K step, and at K = 512 a one-stage pipeline (the interpreter's A tiles in SMEM).
         sel = dataclasses.replace(cfg, stack_operands=False, rac_selected_wgmmas=True,
-                                  wide_rac_decode=True)
-        assert registers(sel, wq, aq.RACConfig()) == 232
-        sel128 = dataclasses.replace(sel, mma_k=128)
-        assert registers(sel128, wq, aq.RACConfig()) == (104 if n == 256 else 232)
+                                  wide_rac_decode=True, max_concurrent_steps=1, k_splits=1)
+        assert registers(sel, wq, aq.RACConfig()) == (104 if n == 256 else 232)
+    wq = nvfp4.quantize(jax.random.normal(jax.random.key(7), (e, 256, 2 * k)), scale_mode="expert")
+    x = jnp.concatenate([x, x], axis=1)
+    assert registers(sel, wq, aq.RACConfig()) == 232
+    two = dataclasses.replace(sel, max_concurrent_steps=2, mma_k=128)  # 2 stages fit
+    assert registers(two, wq, aq.RACConfig()) == 104
 
 
 @pytest.mark.parametrize("n_group,stack", [(2, True), (4, False)])
@@ -481,9 +485,9 @@ def test_residual_blocks_issue_the_second_operands_selected_blocks_only(wgs, mma
     np.testing.assert_array_equal(  # the reference with the bits zeroes those blocks itself
         np.asarray(tile_gemm_reference((b0, b1), w, te, cs, residual_blocks=words)),
         np.asarray(want))
-    if wgs == 4:  # two pairs with one wgmma group per step: refused (hangs in interpret mode)
-        cfg = dataclasses.replace(cfg, mma_k=256)
-        with pytest.raises(ValueError, match="compute_wgs=4 needs mma_k < 256"):
+    if wgs == 4:  # two pairs, a one-stage pipeline, 2 K steps: refused (hangs when interpreted)
+        cfg = dataclasses.replace(cfg, max_concurrent_steps=1)
+        with pytest.raises(ValueError, match="one-stage pipeline over 2 K steps hangs"):
             run((b0, b1), words)
     with pytest.raises(ValueError, match=r"residual_blocks: int32\[3, 2\]; need int32\[3, 1\]"):
         run((b0, b1), jnp.zeros((3, 2), jnp.int32))
