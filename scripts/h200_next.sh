@@ -85,9 +85,10 @@
 #          nvfp4 + nvfp4_rac at the defaults, nvfp4 narrow, nvfp4_rac on two pairs at mma_k 128
 #   widerac nvfp4_rac at batch 128 with its grouped decode calls on two warpgroup pairs too
 #          (`wide_rac_decode`): stacked operands at mma_k 256 and 128, unstacked with the
-#          residual's wgmmas for the selected blocks only (`rac_selected_wgmmas`, mma_k 128: at
-#          256 two pairs hang in interpret mode, refused; its rollout times only, the GPU check
-#          is `selw`'s), then at the defaults (~8 minutes)
+#          residual's wgmmas for the selected blocks only (`rac_selected_wgmmas`, mma_k 128;
+#          its rollout times only, the GPU check is `selw`'s), then at the defaults (~8
+#          minutes). Two pairs with `residual_blocks` and a one-stage pipeline hang in interpret
+#          mode (session 41): refused, such calls stay narrow
 #   selw   RAC's residual wgmmas only for each tile's selected K blocks (`rac_selected_wgmmas`,
 #          unstacked operands; session 40, never on a GPU): its GPU check, then nvfp4_rac at
 #          batch 128 with it, unstacked without it, and at the defaults (stacked) (~8 minutes)
