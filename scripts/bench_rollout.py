@@ -642,7 +642,7 @@ def parse_args(argv):
     p.add_argument("--w4a4-set", action="append", default=[], metavar="FIELD=VALUE",
                    help="any W4A4MatmulConfig field for every NVFP4 kernel call (repeatable; "
                    "the value parsed as YAML, e.g. rac_operand_block_rows=4), after the "
-                   "dedicated flags")
+                   "dedicated flags: a field set by both takes this value")
     p.add_argument("--fp8-set", action="append", default=[], metavar="FIELD=VALUE",
                    help="any W8A8MatmulConfig field for every FP8 kernel call (repeatable; the "
                    "value parsed as YAML, e.g. store_buffers=2), after the dedicated flags")
@@ -731,17 +731,18 @@ def main(argv=None) -> int:
             operand_kernel["rac_row_kernel"] = args.rac_row_kernel
         if args.rac_placed_values is not None:
             operand_kernel["rac_placed_values"] = args.rac_placed_values
-        kernel_backend.set_w4a4_overrides(n_group=args.w4a4_n_group,
-                                          stack_operands=args.w4a4_stack_operands,
-                                          mma_overlap=args.w4a4_mma_overlap,
-                                          mma_k=args.w4a4_mma_k,
-                                          materialize_operands=args.materialize_operands,
-                                          rac_select_kernel=args.rac_select_kernel,
-                                          rac_select_block_rows=args.rac_select_block_rows,
-                                          windowed_operands=args.windowed_operands,
-                                          **{**operand_kernel, **set_fields(args.w4a4_set)})
-        kernel_backend.set_fp8_overrides(windowed_operands=args.windowed_operands, **plan,
-                                         **set_fields(args.fp8_set, "--fp8-set"))
+        # --w4a4-set / --fp8-set come last: they win over the dedicated flags' values.
+        kernel_backend.set_w4a4_overrides(**{
+            **dict(n_group=args.w4a4_n_group, stack_operands=args.w4a4_stack_operands,
+                   mma_overlap=args.w4a4_mma_overlap, mma_k=args.w4a4_mma_k,
+                   materialize_operands=args.materialize_operands,
+                   rac_select_kernel=args.rac_select_kernel,
+                   rac_select_block_rows=args.rac_select_block_rows,
+                   windowed_operands=args.windowed_operands),
+            **operand_kernel, **set_fields(args.w4a4_set)})
+        kernel_backend.set_fp8_overrides(**{
+            **dict(windowed_operands=args.windowed_operands), **plan,
+            **set_fields(args.fp8_set, "--fp8-set")})
         kernel_backend.set_grouped_barrier(args.grouped_barrier)
     kernel_backend.set_w4a4_bits(args.w4a4_bits)
     kernel_backend.set_w4a4_scale_dtype(None if args.w4a4_scales == "float16"

@@ -46,10 +46,14 @@ def test_bench_rollout_runs_with_kernel_overrides(tmp_path):
             "--attention-prefix-rows", "2", "--layers", "1", "--prng-impl", "rbg",
             "--sampler", "gumbel", "--w4a4-set", "rac_operand_block_rows=4",
             "--w4a4-set", "operand_warps=2", "--w4a4-scales", "float8_e4m3fn",
+            "--w4a4-set", "mma_k=128",  # also a dedicated flag's field (--w4a4-mma-k): wins
             "--pack-layer-vectors", "--fp8-set", "store_buffers=2",
+            "--fp8-set", "windowed_operands=false",
             "--out", str(tmp_path)]
     try:
         assert bench_rollout.main(argv) == 0
+        w4a4_seen = dict(kernel_backend._W4A4_OVERRIDES)
+        fp8_seen = dict(kernel_backend._FP8_OVERRIDES)
     finally:
         kernel_backend.set_w4a4_overrides()
         kernel_backend.set_fp8_overrides()
@@ -69,7 +73,10 @@ def test_bench_rollout_runs_with_kernel_overrides(tmp_path):
     assert [r["rac_placed_values"] for r in rows if r["kind"] == "device"] == [True]
     assert [(r["sampler"], r["w4a4_set"], r["fp8_set"]) for r in rows
             if r["kind"] == "device"] == [
-        ("gumbel", ["rac_operand_block_rows=4", "operand_warps=2"], ["store_buffers=2"])]
+        ("gumbel", ["rac_operand_block_rows=4", "operand_warps=2", "mma_k=128"],
+         ["store_buffers=2", "windowed_operands=false"])]
+    assert (w4a4_seen["mma_k"], w4a4_seen["operand_warps"]) == (128, 2)
+    assert (fp8_seen["windowed_operands"], fp8_seen["store_buffers"]) == (False, 2)
     assert [r["prng_impl"] for r in rows if r["kind"] == "device"] == ["rbg"]  # the engine
     # samples with an RngBitGenerator key as with a threefry one
     assert [(r["attention_prefix_mode"], r["attention_prefix_rows"], r["attention_prefix_splits"])
