@@ -193,14 +193,18 @@ class W4A4MatmulConfig:
     # -> 38.1 (0.66 / 0.63 -> 0.84 / 0.87 of the format's bytes at our FP8 kernel's streaming
     # rate, 4.03 / 3.42 TB/s). With RAC's stacked operand gate_up was slower (89.9 -> 98.3 us,
     # 93.8 at mma_k 128) and down faster (47.1 -> 41.6 at mma_k 128): RAC calls keep the fields.
+    # In the rollout (H100, 2026-12-07, d283154, batch 128, 24 layers, `h200_next.sh w41`):
+    # nvfp4's decode step 8.19 -> 7.98 ms; GPU-checked at mma_k 256 (PASS).
     wide_plain_decode: bool = True
     # The same for grouped RAC decode calls (two B operands, stacked or not). Off: the stacked
     # operand's gate_up was slower on two pairs (above); an A/B switch for the rollout.
     wide_rac_decode: bool = False
     # Grouped RAC calls with unstacked operands: the residual operand's wgmmas only for the K
     # blocks selected in each token tile (``nvfp4_tile_gemm``'s ``residual_blocks``, from the
-    # selection's mask; the others multiply zeros): at ratio 0.5 half of them. Off until timed
-    # (session 40 built it after its last device call).
+    # selection's mask; the others multiply zeros): at ratio 0.5 half of them. Off: on the H100
+    # (2026-12-07, d283154, the decode step's gate_up alone on two pairs, unstacked) the
+    # residual's wgmmas took 17.5 of 114.6 us and issuing them for a random half of the blocks,
+    # one k16 wgmma per block under a branch, 114.3: no gain.
     rac_selected_wgmmas: bool = False
 
     def __post_init__(self):

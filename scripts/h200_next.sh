@@ -380,6 +380,12 @@
 # `kdense0 kdensew` (the dense decode kernel on two pairs), `selw` (RAC's residual wgmmas
 # for the selected blocks only: built after the last call), `b128`, `s39h`, `kgroup`; on an
 # H100 `wide` too (its kernel is copy-bound there).
+# Session 41 (12 of 14 asks got no machine): `w41` on an H100 (d283154): the default path
+# GPU-checked at mma_k 256 (PASS), nvfp4 at batch 128 8.19 -> 7.98 ms on two pairs, nvfp4_rac
+# 8.49; RAC unstacked on two pairs: residual wgmmas 17.5 of 114.6 us, for the selected half
+# of the blocks no gain (so `selw` is moot on the H100). Next, on an H200: `w41` (the same
+# there; or `wide`), `widerac` (RAC calls on two pairs: the stacked operand at mma_k 128),
+# `kdense0 kdensew`, `b128` (48 layers at the new default), `s39h`, `kgroup`.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
