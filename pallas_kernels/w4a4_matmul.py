@@ -551,8 +551,7 @@ def run_tiles(
     what the split-K choice counts. ``wide``: run two warpgroup pairs on items of at least two
     weight-row tiles (``W4A4MatmulConfig.wide_plain_decode`` / ``wide_rac_decode``) where the
     weight's row tiles pair up (with ``residual_blocks`` only where the pipeline keeps two
-    stages).
-    ``residual_blocks``: the tile kernel's (``tile_block_bits``).
+    stages). ``residual_blocks``: the tile kernel's (``tile_block_bits``).
     """
     num_sms = config.num_sms or _num_sms()
     check_n_group(config.n_group, w.n_pad)
