@@ -261,6 +261,12 @@ def tile_stages(config, w: W4A4Weights, block_m: int, num_acc: int, halves: int,
     return stages
 
 
+def residual_blocks_hang(config, stages: int, k_steps: int) -> bool:
+    """``residual_blocks`` on two warpgroup pairs with a one-stage pipeline over two or more
+    K steps: hangs in interpret mode (session 41; never run on a GPU), so refused."""
+    return config.compute_wgs == 4 and stages == 1 and k_steps > 1
+
+
 def run_work_items(make_pipeline, allocations, num_live_work, chain: bool, work_body) -> None:
     """The persistent work loop over the ``num_live_work`` live items (a run-time count, so
     tiles past ``num_tiles`` cost nothing), each item one pipeline over its K steps.
@@ -599,7 +605,7 @@ def nvfp4_tile_gemm(
     b_copy = interpret and halves == 2
     slots = max(config.store_buffers, 1)  # the epilogue's SMEM staging tiles per warpgroup
     stages = tile_stages(config, w, block_m, num_acc, halves, out_dtype, b_copy, k_steps)
-    if residual_blocks is not None and num_wgs == 4 and stages == 1 and k_steps > 1:
+    if residual_blocks is not None and residual_blocks_hang(config, stages, k_steps):
         raise ValueError(
             "residual_blocks on two warpgroup pairs (compute_wgs=4) with a one-stage pipeline "
             f"over {k_steps} K steps hangs in interpret mode (session 41; never run on a GPU): "

@@ -25,6 +25,7 @@ from pallas_kernels.nvfp4_tiles_mgpu import (
     block_words,
     check_n_group,
     nvfp4_tile_gemm,
+    residual_blocks_hang,
     tile_stages,
 )
 from pallas_kernels.token_tiles import TokenTiles
@@ -568,10 +569,10 @@ def run_tiles(
     if wide and (w.n_pad // N_TILE) % max(n_group, 2) == 0:
         k_splits_w, tcfg_w = plan(max(n_group, 2), 4)
         k_steps = w.k_pad // K_TILE // k_splits_w
-        # nvfp4_tile_gemm refuses residual_blocks on two pairs with one pipeline stage
-        if residual_blocks is None or k_steps == 1 or tile_stages(
+        # nvfp4_tile_gemm refuses residual_blocks where they would hang: keep those narrow
+        if residual_blocks is None or not residual_blocks_hang(tcfg_w, tile_stages(
                 tcfg_w, w, tiles.block_m, 2, 1, stored_dtype(out_dtype, k_splits_w),
-                False, k_steps) > 1:
+                False, k_steps), k_steps):
             k_splits, tcfg = k_splits_w, tcfg_w
     out = nvfp4_tile_gemm(
         tiles, w, tile_expert, num_tiles, config=tcfg, interpret=interpret,
