@@ -406,12 +406,16 @@ if [ -n "$GPU_MIB" ] && [ "$GPU_MIB" -lt 100000 ]; then
   echo "GPU memory $GPU_MIB MiB: the rollout steps run ${LAYERS[*]}"
 fi
 
+probe() {  # probe TAG SECONDS CHECKS VARIANTS: the grouped tile kernel alone (kernel_probe
+  # --grouped-ablations): the grouped matmul's GPU checks of CHECKS, then VARIANTS timed
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout "$2" python3 scripts/kernel_probe.py \
+    --grouped-ablations --out "$OUT/$1" --check-variants "$3" --variants "$4" \
+    > "$OUT/$1.log" 2>&1
+  echo "$1 rc $?"; grep -E "grouped|FAIL|PASS|Error" "$OUT/$1.log" | cut -c1-130
+}
 e4m3_probe() {  # e4m3_probe SECONDS VARIANTS: the GPU checks at the defaults (E4M3 scales),
   # then VARIANTS timed
-  XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout "$1" python3 scripts/kernel_probe.py \
-    --grouped-ablations --out "$OUT/e4m3k" --check-variants "default" --variants "$2" \
-    > "$OUT/e4m3k.log" 2>&1
-  echo "e4m3k rc $?"; grep -E "grouped|FAIL|PASS|Error" "$OUT/e4m3k.log" | cut -c1-130
+  probe e4m3k "$1" default "$2"
 }
 rollout() {  # rollout TAG SECONDS ARGS...
   local tag=$1 limit=$2; shift 2
@@ -566,33 +570,23 @@ for step in "$@"; do
       rollout f16s 110 --quick --profile-steps 4 --precisions nvfp4_rac \
       --w4a4-scales float16 --no-pack-layer-vectors --budget-s 90
       rollout defaults 110 --quick --profile-steps 4 --precisions nvfp4_rac --budget-s 90 ;;
-    ng2) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 150 python3 scripts/kernel_probe.py \
-      --grouped-ablations --out "$OUT/ng2k" --check-variants "default n_group 2" \
-      --variants "default,default n_group 2,default n_group 4" > "$OUT/ng2k.log" 2>&1
-      echo "ng2k rc $?"; grep -E "grouped|FAIL|PASS|Error" "$OUT/ng2k.log" | cut -c1-130
+    ng2) probe ng2k 150 "default n_group 2" \
+      "default,default n_group 2,default n_group 4"
       rollout ng2 100 --quick --profile-steps 4 --precisions nvfp4_rac --w4a4-n-group 2 \
       --budget-s 80
       rollout ng1 100 --quick --profile-steps 4 --precisions nvfp4_rac --budget-s 80 ;;
-    store) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 170 python3 scripts/kernel_probe.py \
-      --grouped-ablations --out "$OUT/storek" --check-variants "default store2" \
-      --variants "default,default store1,default store2,fp8 store2" > "$OUT/storek.log" 2>&1
-      echo "storek rc $?"; grep -E "grouped|FAIL|PASS|Error" "$OUT/storek.log" | cut -c1-130
+    store) probe storek 170 "default store2" \
+      "default,default store1,default store2,fp8 store2"
       rollout store 150 --quick --profile-steps 4 --precisions nvfp4_rac,fp8 \
       --w4a4-set store_buffers=2 --fp8-set store_buffers=2 --budget-s 120
       rollout store0 150 --quick --profile-steps 4 --precisions nvfp4_rac,fp8 --budget-s 120 ;;
-    wide) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 250 python3 scripts/kernel_probe.py \
-      --grouped-ablations --out "$OUT/widek" --check-variants "default,default wg4 mma_k 64" \
-      --variants "default,default wg4,default unstacked,default wg4 unstacked,default unstacked no_second_mma,default wg4 unstacked no_second_mma,default unstacked keep50,default wg4 unstacked keep50" \
-      > "$OUT/widek.log" 2>&1
-      echo "widek rc $?"; grep -E "grouped|FAIL|PASS|Error" "$OUT/widek.log" | cut -c1-130
+    wide) probe widek 250 "default,default wg4 mma_k 64" \
+      "default,default wg4,default unstacked,default wg4 unstacked,default unstacked no_second_mma,default wg4 unstacked no_second_mma,default unstacked keep50,default wg4 unstacked keep50"
       rollout wide 150 --quick --profile-steps 4 --precisions nvfp4,nvfp4_rac --budget-s 120
       rollout narrow 110 --quick --profile-steps 4 --precisions nvfp4 \
       --w4a4-set wide_plain_decode=false --budget-s 90 ;;
-    w41) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 170 python3 scripts/kernel_probe.py \
-      --grouped-ablations --out "$OUT/w41k" --check-variants "default" \
-      --variants "default,default wg4 unstacked,default wg4 unstacked no_second_mma,default wg4 unstacked keep50" \
-      > "$OUT/w41k.log" 2>&1
-      echo "w41k rc $?"; grep -E "grouped|FAIL|PASS|Error" "$OUT/w41k.log" | cut -c1-130
+    w41) probe w41k 170 default \
+      "default,default wg4 unstacked,default wg4 unstacked no_second_mma,default wg4 unstacked keep50"
       rollout wide 140 --quick --profile-steps 4 --precisions nvfp4,nvfp4_rac --budget-s 110
       rollout narrow 100 --quick --profile-steps 4 --precisions nvfp4 \
       --w4a4-set wide_plain_decode=false --budget-s 80
@@ -606,10 +600,7 @@ for step in "$@"; do
       --w4a4-set wide_rac_decode=true --w4a4-set stack_operands=false \
       --w4a4-set rac_selected_wgmmas=true --w4a4-set mma_k=128 --budget-s 100
       rollout racdef 120 --quick --profile-steps 4 --precisions nvfp4_rac --budget-s 100 ;;
-    selw) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 120 python3 scripts/kernel_probe.py \
-      --grouped-ablations --out "$OUT/selwk" --check-variants "default unstacked selected" \
-      --variants "default" > "$OUT/selwk.log" 2>&1
-      echo "selwk rc $?"; grep -E "grouped|FAIL|PASS|Error" "$OUT/selwk.log" | cut -c1-130
+    selw) probe selwk 120 "default unstacked selected" default
       rollout selw 120 --quick --profile-steps 4 --precisions nvfp4_rac --w4a4-set \
       stack_operands=false --w4a4-set rac_selected_wgmmas=true --budget-s 100
       rollout unstk 120 --quick --profile-steps 4 --precisions nvfp4_rac --w4a4-set \
