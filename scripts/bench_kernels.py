@@ -49,7 +49,11 @@ from pallas_kernels.w8a8_matmul import (
 )
 from quads_jax import config as cfglib
 from quads_jax.quant import fp8, nvfp4
-from quads_jax.quant.kernel_backend import DEFAULT_W4A4_BITS, store_overrides
+from quads_jax.quant.kernel_backend import (
+    DEFAULT_W4A4_BITS,
+    DEFAULT_W4A4_SCALE_DTYPE,
+    store_overrides,
+)
 
 L2_FLUSH_BYTES = 160e6
 SMOKE = False  # --smoke: tiny shapes, jnp instead of the kernel, to test this script on a CPU
@@ -218,14 +222,24 @@ def rand(key, shape, dtype=jnp.bfloat16, scale=1.0):
     return (jax.random.normal(jax.random.key(key), shape, jnp.float32) * scale).astype(dtype)
 
 
-def nvfp4_weight(key, shape, mma=None, decode=None):
-    """The weight and its kernel layout; float16 layouts get the rollout's default code-word
-    bits (``kernel_backend.DEFAULT_W4A4_BITS``), so the checks test what the rollout runs."""
+ROLLOUT = "rollout"  # nvfp4_weight's bits / scale_dtype: what the rollout's weight sync uses
+
+
+def nvfp4_weight(key, shape, mma=None, decode=None, bits=ROLLOUT, scale_dtype=ROLLOUT):
+    """The weight and its kernel layout. Float16 layouts get the rollout's default code-word
+    bits and block-scale dtype (``kernel_backend.DEFAULT_W4A4_BITS`` / ``_SCALE_DTYPE``: E4M3,
+    0.5625 streamed bytes per weight) unless ``bits`` / ``scale_dtype`` say otherwise
+    (``scale_dtype=None``: float16 scales), so checks and timings run what the rollout runs;
+    bfloat16 layouts have "nibbles" and bfloat16 scales, the only ones they support."""
     q = nvfp4.quantize(rand(key, shape, jnp.float32), scale_mode="expert" if len(shape) == 3
                        else "tensor")
     mma = mma or BEST["layout"]["mma_dtype"]
+    f16 = mma == "float16"
+    bits = (DEFAULT_W4A4_BITS if f16 else "nibbles") if bits == ROLLOUT else bits
+    scale_dtype = (DEFAULT_W4A4_SCALE_DTYPE if f16 else None) if scale_dtype == ROLLOUT \
+        else scale_dtype
     return q, prepare_w4a4_weights(q, mma_dtype=mma, decode=decode or BEST["layout"]["decode"],
-                                   bits=DEFAULT_W4A4_BITS if mma == "float16" else "nibbles")
+                                   bits=bits, scale_dtype=scale_dtype)
 
 
 def routing(key, tokens, e, top_k, skew=False):
@@ -587,7 +601,7 @@ def bench_dense(ms=(16,), shapes=((4096, 14336), (2048, 768), (4096, 57344), (20
             for tag, cfg in cfgs:
                 t, calls = time_chain(lambda x, w, cfg=cfg: w4a4_matmul(x, w, config=cfg), x, ws)
                 record(f"w4a4 [{tag}] M={m} K={k} N={n}", t, calls, bytes_=nv_bytes, flops=fl,
-                       note=f"kernel reads {real / 1e6:.1f} MB (f16 scales)")
+                       note=f"kernel reads {real / 1e6:.1f} MB ({ws[0].scales.dtype} scales)")
             if extra or m == 16:
                 t, calls = time_chain(lambda x, w: w4a4_matmul(x, w, rac=aq.RACConfig(),
                                                                config=kcfg()), x, ws)

@@ -65,11 +65,7 @@ E2E_VARIANTS = (
 def weights(key, shape, decode, bits: str = "nibbles", scale_dtype: str | None = None):
     """``(NVFP4Tensor, W4A4Weights)`` of a random weight, f16 MMA, the given decode, word bit
     layout and block-scale dtype (None: float16)."""
-    wq, ww = bk.nvfp4_weight(key, shape, "float16", decode)
-    if bits != ww.bits or scale_dtype is not None:
-        ww = prepare_w4a4_weights(wq, mma_dtype="float16", decode=decode, bits=bits,
-                                  scale_dtype=scale_dtype)
-    return wq, ww
+    return bk.nvfp4_weight(key, shape, "float16", decode, bits=bits, scale_dtype=scale_dtype)
 
 
 def tile_op(cfg):
