@@ -197,8 +197,12 @@ class W4A4MatmulConfig:
     # In the rollout (H100, 2026-12-07, d283154, batch 128, 24 layers, `h200_next.sh w41`):
     # nvfp4's decode step 8.19 -> 7.98 ms; GPU-checked at mma_k 256 (PASS).
     wide_plain_decode: bool = True
-    # The same for grouped RAC decode calls (two B operands, stacked or not). Off: the stacked
-    # operand's gate_up was slower on two pairs (above); an A/B switch for the rollout.
+    # The same for grouped RAC decode calls (two B operands, stacked or not). Off: slower on
+    # two pairs in every measurement. H200 (session 40): stacked gate_up 93.8-98.3 us against
+    # 89.9 on one pair (down 41.6 against 47.1). H100 (2026-12-07, 9c1fa62, the decode step's
+    # calls alone): stacked gate_up 117.6 against 97.1 us, down 56.7 against 50.8; nvfp4_rac
+    # at batch 128 (24 layers, `h200_next.sh widerac`) 9.07 ms (mma_k 256), 8.94 (mma_k 128),
+    # 9.84 (unstacked, `rac_selected_wgmmas`) against 8.43 on one pair.
     wide_rac_decode: bool = False
     # Grouped RAC calls with unstacked operands: the residual operand's wgmmas only for the K
     # blocks selected in each token tile (``nvfp4_tile_gemm``'s ``residual_blocks``, from the

@@ -386,6 +386,11 @@
 # of the blocks no gain (so `selw` is moot on the H100). Next, on an H200: `w41` (the same
 # there; or `wide`), `widerac` (RAC calls on two pairs: the stacked operand at mma_k 128),
 # `kdense0 kdensew`, `b128` (48 layers at the new default), `s39h`, `kgroup`.
+# Session 42 (H100, 9c1fa62): `widerac` (RAC calls on two pairs: 8.94-9.84 ms against 8.43 on
+# one; stays off), `kdense0 kdensew` (dense decode on two pairs +12 %: not adopted; float16
+# scales), `b128` (nvfp4_rac 8.46: 1.92x bf16, 1.17x fp8, RAC +4.6 %) and the kernel alone
+# one / two pairs with RAC (`probe`). Next, on an H200: `b128` (48 layers), `w41`, `kdense0
+# kgroup kgroup2` (the tables with E4M3 scales since e3b5977), `s39h`.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
