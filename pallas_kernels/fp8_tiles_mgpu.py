@@ -41,6 +41,7 @@ from pallas_kernels.nvfp4_tiles_mgpu import (
     pipeline_stages,
     ring_store,
     run_work_items,
+    store_slots,
     work_item,
 )
 from pallas_kernels.token_tiles import TokenTiles
@@ -197,7 +198,7 @@ def fp8_tile_gemm(
     out_dtype = jnp.dtype(out_dtype)
     check_col_scales(col_scales, (t_max, 1, block_m))
     stage_bytes = N_TILE * K_TILE + block_m * K_TILE
-    slots = max(config.store_buffers, 1)  # the epilogue's SMEM staging tiles
+    slots = store_slots(config)
     stages = pipeline_stages(config.max_concurrent_steps, k_steps,
                              (SMEM_BYTES - slots * N_TILE * block_m * out_dtype.itemsize)
                              // stage_bytes)

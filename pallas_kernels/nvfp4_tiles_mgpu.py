@@ -236,6 +236,11 @@ def pipeline_stages(max_stages: int, k_steps: int, smem_limit: int) -> int:
     return max((d for d in range(1, cap + 1) if k_steps % d == 0), default=0)
 
 
+def store_slots(config) -> int:
+    """The epilogue's SMEM staging tiles per compute warpgroup (``store_buffers``, at least 1)."""
+    return max(config.store_buffers, 1)
+
+
 def tile_stages(config, w: W4A4Weights, block_m: int, num_acc: int, halves: int, out_dtype,
                 b_copy: bool, k_steps: int) -> int:
     """The tile kernel's pipeline depth (``pipeline_stages``) for ``num_acc`` B tiles of
@@ -246,7 +251,7 @@ def tile_stages(config, w: W4A4Weights, block_m: int, num_acc: int, halves: int,
     stage_bytes = (config.n_group * (N_TILE * KW_TILE * 2
                                      + (K_TILE // 16) * N_TILE * jnp.dtype(w.scales.dtype).itemsize)
                    + num_acc * bn * K_TILE * item)
-    slots = max(config.store_buffers, 1)  # the epilogue's SMEM staging tiles per warpgroup
+    slots = store_slots(config)
     fixed = (config.compute_wgs * WG_ROWS * (
         slots * block_m * jnp.dtype(out_dtype).itemsize
         + (config.mma_k * item if config.a_via_smem else 0))
@@ -603,7 +608,7 @@ def nvfp4_tile_gemm(
     # The interpreter cannot run a wgmma on the folded [2 * block_m, 256] view of the stacked
     # [2, block_m, 256] B tile that the device reads: it gets a 2-D copy (registers, then SMEM).
     b_copy = interpret and halves == 2
-    slots = max(config.store_buffers, 1)  # the epilogue's SMEM staging tiles per warpgroup
+    slots = store_slots(config)
     stages = tile_stages(config, w, block_m, num_acc, halves, out_dtype, b_copy, k_steps)
     if residual_blocks is not None and residual_blocks_hang(config, stages, k_steps):
         raise ValueError(
