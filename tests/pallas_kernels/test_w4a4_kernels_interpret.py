@@ -367,7 +367,11 @@ def test_grouped_plain_decode_runs_wide_with_the_same_bits():
 
     for n in (256, 384):  # 2 and 3 row tiles
         wq = nvfp4.quantize(jax.random.normal(jax.random.key(n), (e, n, k)), scale_mode="expert")
-        np.testing.assert_array_equal(np.asarray(run(cfg, wq)), np.asarray(run(narrow, wq)))
+        # 3 row tiles do not pair: both configs run the narrow schedule, so only 2 tiles
+        # compare bits (the interpreter's runs are most of this test's time)
+        wide = n == 256
+        if wide:
+            np.testing.assert_array_equal(np.asarray(run(cfg, wq)), np.asarray(run(narrow, wq)))
         assert registers(cfg, wq) == (104 if n == 256 else 232)  # 104: 4 compute warpgroups
         assert registers(narrow, wq) == registers(prefill, wq) == 232
         assert registers(cfg, wq, aq.RACConfig()) == 232
@@ -375,8 +379,9 @@ def test_grouped_plain_decode_runs_wide_with_the_same_bits():
         for stack in (True, False):
             rac_narrow = dataclasses.replace(cfg, stack_operands=stack)
             rac_wide = dataclasses.replace(rac_narrow, wide_rac_decode=True)
-            np.testing.assert_array_equal(np.asarray(run(rac_wide, wq, aq.RACConfig())),
-                                          np.asarray(run(rac_narrow, wq, aq.RACConfig())))
+            if wide:
+                np.testing.assert_array_equal(np.asarray(run(rac_wide, wq, aq.RACConfig())),
+                                              np.asarray(run(rac_narrow, wq, aq.RACConfig())))
             assert registers(rac_wide, wq, aq.RACConfig()) == (104 if n == 256 else 232)
         # With the residual's wgmmas per selected block, two pairs only where the pipeline
         # keeps two stages (or has one K step; nvfp4_tile_gemm refuses the rest): here one
