@@ -372,7 +372,7 @@ def test_grouped_plain_decode_runs_wide_with_the_same_bits():
         wide = n == 256
         if wide:
             np.testing.assert_array_equal(np.asarray(run(cfg, wq)), np.asarray(run(narrow, wq)))
-        assert registers(cfg, wq) == (104 if n == 256 else 232)  # 104: 4 compute warpgroups
+        assert registers(cfg, wq) == (104 if wide else 232)  # 104: 4 compute warpgroups
         assert registers(narrow, wq) == registers(prefill, wq) == 232
         assert registers(cfg, wq, aq.RACConfig()) == 232
         # RAC calls on two pairs when asked (``wide_rac_decode``), stacked or not: same bits.
@@ -382,13 +382,13 @@ def test_grouped_plain_decode_runs_wide_with_the_same_bits():
             if wide:
                 np.testing.assert_array_equal(np.asarray(run(rac_wide, wq, aq.RACConfig())),
                                               np.asarray(run(rac_narrow, wq, aq.RACConfig())))
-            assert registers(rac_wide, wq, aq.RACConfig()) == (104 if n == 256 else 232)
+            assert registers(rac_wide, wq, aq.RACConfig()) == (104 if wide else 232)
         # With the residual's wgmmas per selected block, two pairs only where the pipeline
         # keeps two stages (or has one K step; nvfp4_tile_gemm refuses the rest): here one
         # K step, and at K = 512 a one-stage pipeline (the interpreter's A tiles in SMEM).
         sel = dataclasses.replace(cfg, stack_operands=False, rac_selected_wgmmas=True,
                                   wide_rac_decode=True, max_concurrent_steps=1, k_splits=1)
-        assert registers(sel, wq, aq.RACConfig()) == (104 if n == 256 else 232)
+        assert registers(sel, wq, aq.RACConfig()) == (104 if wide else 232)
     wq = nvfp4.quantize(jax.random.normal(jax.random.key(7), (e, 256, 2 * k)), scale_mode="expert")
     x = jnp.concatenate([x, x], axis=1)
     assert registers(sel, wq, aq.RACConfig()) == 232
