@@ -52,10 +52,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.triton_grid import check_num_warps, check_pow2_fields
+from pallas_kernels import rac_select
+from pallas_kernels.token_tiles import ROW_ALIGN
+from pallas_kernels.triton_grid import check_num_warps, check_pow2_fields, pow2_at_least
 from pallas_kernels.vma import varying_operands
 from pallas_kernels.w4a4_matmul import _pad_k
-from quads_jax.quant import nvfp4, rac
+from quads_jax.quant import arith, nvfp4, rac
 
 BLOCK = nvfp4.BLOCK_SIZE
 
@@ -119,12 +121,79 @@ def window_program(wr_ref, m: int, block_rows: int, blocks_k: int):
     return rows, cols, valid, jnp.where(valid, gemm_row, 0)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class OperandSelection:
+    """RAC's per-expert block selection computed inside the operand kernel
+    (``rac_stacked_operands(select=...)``) instead of by ``pallas_kernels.rac_select`` before
+    it: what that kernel reads, and its settings.
+
+    scores / amax float32 and finite int8 (nonzero: finite) ``[R, K/16]``: the distinct rows'
+    residual block scores (before the ``row_valid`` mask), block amax and finiteness (the row
+    pass's, ``pallas_kernels.rac_rows``); group_sizes int ``[E]``; row_valid None or int8 /
+    bool ``[R]`` (the rows that are tokens: only they vote); ratio: RAC's block ratio; config:
+    ``rac_select.RACSelectConfig`` (its ``block_rows`` and ``exact_division``: the same walk,
+    sums and division as that kernel, so the result is the same bits).
+    """
+
+    scores: jax.Array
+    amax: jax.Array
+    finite: jax.Array
+    group_sizes: jax.Array
+    row_valid: jax.Array | None = None
+    ratio: float = dataclasses.field(default=0.5, metadata={"static": True})
+    config: rac_select.RACSelectConfig = dataclasses.field(
+        default=rac_select.RACSelectConfig(), metadata={"static": True})
+
+
+def _program_selection(sel_refs, rows_ref, gemm_row, valid, src, cols, idx_cols, *, m: int,
+                       num_experts: int, nb: int, ch: int, n_keep: int, block_rows: int,
+                       has_valid: bool):
+    """The selection of one program's expert for its rows and columns: ``(coded block amax
+    [BP, blocks_k], decode scales [BP])``, ``rac_select``'s arithmetic and values.
+
+    The program's window rows are one expert's (the plan's layout starts each group at a
+    multiple of ``ROW_ALIGN`` rows, and ``block_rows`` divides it): the expert of its first
+    GEMM row. Its sums, ranks and each row's largest kept amax are ``rac_select``'s own
+    functions over the same row windows and column chunks; the program's columns take their
+    selection from the chunks' (one rank, so a column's block and its row's decode scale can
+    never disagree)."""
+    gs_ref, *rest = sel_refs
+    valid_ref = rest.pop(0) if has_valid else None
+    scores_ref, amax_ref, finite_ref = rest
+    gs = gs_ref[...]
+    ids = jnp.arange(gs.shape[0])
+    ends = jnp.sum(jnp.where(ids[None, :] <= ids[:, None], gs[None, :], 0), axis=1)  # cumsum
+    first_row = jnp.min(jnp.where(valid, gemm_row, m))
+    e = jnp.minimum(jnp.sum((ends <= first_row).astype(jnp.int32)), num_experts - 1)
+    start, end = rac_select.expert_range(gs, e, num_experts, m)
+    chunks = [pl.ds(c * ch, ch) for c in range(nb // ch)]
+    idx = [c * ch + jnp.arange(ch) for c in range(len(chunks))]
+    _, _, t, votes = rac_select.step_window(rows_ref, valid_ref, start, end, 0, m, block_rows)
+    first = rac_select.step_scores(scores_ref, t, votes, chunks)
+    sums = rac_select.summed_scores(first, rows_ref, valid_ref, scores_ref, start, end, m,
+                                    block_rows, chunks)
+    keep = rac_select.kept(sums, idx, n_keep)
+    g_res = nvfp4.decode_scale_from_amax(
+        rac_select.selected_amax(keep, [amax_ref[src, c] for c in chunks]))
+    keep_cols = sum(jnp.sum((k[None, :] & (i[None, :] == idx_cols[:, None])).astype(jnp.int32),
+                            axis=1) for k, i in zip(keep, idx, strict=True)) > 0
+    coded = rac.code_block_amax(keep_cols[None, :], amax_ref[src, cols],
+                                finite_ref[src, cols] != 0)
+    return coded, g_res
+
+
 def _kernel(wr_ref, *refs, m: int, has_q: bool, has_r: bool, block_rows: int,
             blocks_k: int, write_empty: bool, aliased: bool, recompute: bool, placed: bool,
-            coded: bool, recompute_placed: bool = False):
+            coded: bool, recompute_placed: bool = False, select: dict | None = None,
+            exact_division: bool = False):
     refs = list(refs)
     q_ref = refs.pop(0) if has_q else None
     rr_ref = refs.pop(0) if has_r else None
+    if select is not None:  # ... x, g, <selection inputs>, out, decode scales out
+        g_out_ref, out_ref = refs.pop(), refs.pop()
+        n_sel = 4 + select["has_valid"]
+        sel_refs, refs = refs[-n_sel:], [*refs[:-n_sel], None, None, out_ref]
     # The buffer the output aliases: NaN-filled ("nan": never read), or rac_rows' placed
     # values (operand 0 of the window rows that have a GEMM row: read, not written again).
     buf_ref = refs.pop(-2) if aliased or placed else None
@@ -149,7 +218,18 @@ def _kernel(wr_ref, *refs, m: int, has_q: bool, has_r: bool, block_rows: int,
         r = nvfp4.residual_from_values(xb, act.astype(jnp.float32), g_x)
     else:
         r = r_ref[r_src, cols, :]
-    if coded:  # s_ref / rcp_ref: the coded block amax [M, nb] and the decode scales [M]
+    if select is not None:  # the expert's selection, coded here (OperandSelection)
+        idx_cols = pl.program_id(1) * blocks_k + jnp.arange(blocks_k)
+        # rac_select's division for its part (the decode scales), this kernel's for the codes
+        with arith.division(rac_select.div_rn if exact_division else None):
+            coded_cols, g_res = _program_selection(sel_refs, q_ref, g, valid, q_src, cols,
+                                                   idx_cols, m=m, **select)
+        s, rcp = rac.scales_from_coded_amax(coded_cols, g_res[:, None])
+        # Each row's decode scale once (the first column's program); 0 for empty rows, as
+        # rows_or_fill gives the jnp path's slot scales.
+        pltriton.store(g_out_ref.at[rows], jnp.where(valid, g_res, 0.0),
+                       mask=jnp.broadcast_to(pl.program_id(1) == 0, valid.shape))
+    elif coded:  # s_ref / rcp_ref: the coded block amax [M, nb] and the decode scales [M]
         s, rcp = rac.scales_from_coded_amax(s_ref[g, cols], rcp_ref[g][:, None])
     else:
         s, rcp = s_ref[g, cols], rcp_ref[g, cols]
@@ -177,7 +257,8 @@ def rac_stacked_operands(b0: jax.Array, r: jax.Array, scales: jax.Array,
                          interpret: bool = False,
                          residual_of: tuple[jax.Array, jax.Array] | None = None,
                          placed: jax.Array | None = None,
-                         coded: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+                         coded: tuple[jax.Array, jax.Array] | None = None,
+                         select: OperandSelection | None = None):
     """The stacked operands ``[2, P, Kp]`` (module docstring).
 
     ``coded``: None, or ``(a float32 [M, K/16], g float32 [M])``: ``rac.coded_block_amax``
@@ -196,7 +277,56 @@ def rac_stacked_operands(b0: jax.Array, r: jax.Array, scales: jax.Array,
     ``residual_of`` given, ``q_rows`` None: GEMM row = row of ``x``; ``Kp == K`` and ``P`` a
     multiple of ``block_rows``). The output is that buffer: operand 0 is read there (for the
     residual) and written only at the empty rows, operand 1 everywhere, so the values cross
-    memory once instead of being written, read and written again."""
+    memory once instead of being written, read and written again.
+
+    ``select``: None, or an ``OperandSelection``: each program selects its expert's blocks
+    itself (``rac_select``'s walk, sums, rank and coding, traced into this kernel) from the
+    distinct rows' block statistics, instead of reading ``coded`` from ``rac_select``: one
+    kernel and its ``[M, K/16]`` output fewer. ``scales``, ``reciprocals`` and ``coded`` are
+    then None, ``residual_of`` is given, ``placed`` None, ``Kp == K``, ``window_rows`` is the
+    grouped plan's layout (each group starts at a multiple of ``ROW_ALIGN`` rows, which
+    ``block_rows`` divides: a program's rows are one expert's), and the result is ``(stacked
+    [2, P, Kp], decode scales float32 [P])``: each window row's residual decode scale (0 for
+    empty rows), the slot scales of operand 1. Every program of a column repeats its
+    expert's selection (a decode step's expert holds a few rows: reading their scores again
+    costs less than a kernel launch and a round trip through memory)."""
+    sel_args, sel_static = (), None
+    if select is not None:
+        if (scales is not None or reciprocals is not None or coded is not None
+                or residual_of is None or placed is not None or r is not None
+                or config.padding_rows == "nan" or ROW_ALIGN % config.block_rows):
+            raise ValueError(
+                "rac_stacked_operands: select needs scales, reciprocals, coded, r and placed "
+                "None, residual_of=(x, g), padding_rows 'zeros' or 'skip' and block_rows "
+                f"dividing {ROW_ALIGN} (got block_rows={config.block_rows}, padding_rows="
+                f"{config.padding_rows!r})")
+        x_sel = residual_of[0]
+        m_sel = x_sel.shape[0] if q_rows is None else q_rows.shape[0]
+        nb_sel = x_sel.shape[1] // BLOCK
+        r_sel = x_sel.shape[0]
+        if (select.scores.shape != (r_sel, nb_sel) or select.amax.shape != (r_sel, nb_sel)
+                or select.finite.shape != (r_sel, nb_sel) or select.group_sizes.ndim != 1
+                or (select.row_valid is not None and select.row_valid.shape != (r_sel,))
+                or k_pad != x_sel.shape[1]):
+            raise ValueError(
+                f"rac_stacked_operands: select's scores {select.scores.shape}, amax "
+                f"{select.amax.shape}, finite {select.finite.shape} must be [R, K/16] = "
+                f"[{r_sel}, {nb_sel}], group_sizes [E] (got {select.group_sizes.shape}), "
+                f"row_valid None or [R], and k_pad={k_pad} must be K={x_sel.shape[1]}")
+        e = select.group_sizes.shape[0]
+        gs = select.group_sizes.astype(jnp.int32)
+        if pow2_at_least(e) != e:  # empty groups past E: no row is theirs
+            gs = jnp.pad(gs, (0, pow2_at_least(e) - e))
+        valid = () if select.row_valid is None else (select.row_valid.astype(jnp.int8),)
+        sel_args = (gs, *valid, select.scores.astype(jnp.float32),
+                    select.amax.astype(jnp.float32), select.finite.astype(jnp.int8))
+        sel_static = dict(num_experts=e, nb=nb_sel, ch=rac_select.chunk(nb_sel),
+                          n_keep=rac.kept_blocks(select.ratio, nb_sel),
+                          block_rows=min(select.config.block_rows,
+                                         1 << (m_sel.bit_length() - 1)),
+                          has_valid=select.row_valid is not None)
+        # The GEMM rows' count and blocks for the checks below, as coded would give them.
+        scales = jax.ShapeDtypeStruct((m_sel, nb_sel), jnp.float32)
     if coded is not None:
         if scales is not None or reciprocals is not None:
             raise ValueError("rac_stacked_operands: pass scales and reciprocals or coded=(a, "
@@ -228,7 +358,8 @@ def rac_stacked_operands(b0: jax.Array, r: jax.Array, scales: jax.Array,
                              f"must be [R0, K] = {b0.shape} and [R0], with r_rows None")
         r = x
     k = r.shape[1]
-    if b0.shape[1] != k or nb * BLOCK != k or (coded is None and reciprocals.shape != (m, nb)):
+    if b0.shape[1] != k or nb * BLOCK != k or (coded is None and select is None
+                                               and reciprocals.shape != (m, nb)):
         rcp_shape = None if reciprocals is None else reciprocals.shape
         raise ValueError(f"rac_stacked_operands: b0 {b0.shape}, r {r.shape}, scales "
                          f"{scales.shape} and reciprocals {rcp_shape} must be [R0, K], "
@@ -250,9 +381,12 @@ def rac_stacked_operands(b0: jax.Array, r: jax.Array, scales: jax.Array,
     else:
         r_args = (_pad_k(residual_of[0], k_pad).reshape(r.shape[0], nbp, BLOCK),
                   residual_of[1].astype(jnp.float32))
-    s = _pad_k(scales.astype(jnp.float32), nbp)
-    rcp = (coded[1].astype(jnp.float32) if coded is not None
-           else _pad_k(reciprocals.astype(jnp.float32), nbp))
+    if select is not None:
+        scale_args = sel_args
+    else:
+        scale_args = (_pad_k(scales.astype(jnp.float32), nbp),
+                      coded[1].astype(jnp.float32) if coded is not None
+                      else _pad_k(reciprocals.astype(jnp.float32), nbp))
     index_args = [a for a in (q_rows, r_rows) if a is not None]
     aliased = config.padding_rows == "nan"
     kernel = functools.partial(_kernel, m=m, has_q=q_rows is not None,
@@ -261,22 +395,27 @@ def rac_stacked_operands(b0: jax.Array, r: jax.Array, scales: jax.Array,
                                write_empty=config.padding_rows == "zeros", aliased=aliased,
                                recompute=residual_of is not None, placed=placed is not None,
                                coded=coded is not None,
-                               recompute_placed=config.recompute_placed)
-    return window_operand_call(kernel, window_rows, m, (*index_args, *b0_args, *r_args, s, rcp),
+                               recompute_placed=config.recompute_placed, select=sel_static,
+                               exact_division=(select is not None and not interpret
+                                               and select.config.exact_division))
+    return window_operand_call(kernel, window_rows, m, (*index_args, *b0_args, *r_args,
+                                                         *scale_args),
                                (2,), k_pad, b0.dtype, config, interpret, "rac_operands",
-                               poisoned=aliased, into=placed)
+                               poisoned=aliased, into=placed, row_output=select is not None)
 
 
 def window_operand_call(kernel, window_rows: jax.Array, m: int, args: tuple, lead: tuple,
                         k_pad: int, dtype, config: RACOperandsConfig, interpret: bool,
                         name: str, poisoned: bool = False,
-                        into: jax.Array | None = None) -> jax.Array:
+                        into: jax.Array | None = None, row_output: bool = False):
     """Run a window-operand kernel (``rac_operands``, ``act_operands``): one program per
     ``config.block_rows`` window rows by ``config.block_k`` columns, its first operand the
     window rows padded with empty rows (``m``) to a whole number of programs, then ``args``,
     every one whole. Output ``lead + [P, k_pad]`` in ``dtype``; ``poisoned``: into a
     NaN-filled buffer the output aliases (``padding_rows="nan"``); ``into``: into this buffer
-    (``lead + [P, k_pad]``, aliased, passed to the kernel last before the output)."""
+    (``lead + [P, k_pad]``, aliased, passed to the kernel last before the output);
+    ``row_output``: a second output, float32 ``[P]`` (one value per window row), returned
+    with the first."""
     p = window_rows.shape[0]
     bp = config.block_rows
     p_pad = -(-p // bp) * bp
@@ -288,19 +427,23 @@ def window_operand_call(kernel, window_rows: jax.Array, m: int, args: tuple, lea
         poison = (jnp.full(out_shape, jnp.nan, dtype),) if poisoned else ()
     vary, args = varying_operands(wr, *args, *poison)
     whole = lambda a: pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)  # noqa: E731
-    out = pl.pallas_call(
+    shapes = [jax.ShapeDtypeStruct(out_shape, dtype, **vary)]
+    if row_output:
+        shapes.append(jax.ShapeDtypeStruct((p_pad,), jnp.float32, **vary))
+    outs = pl.pallas_call(
         kernel,
         grid=(p_pad // bp, k_pad // config.block_k),
         in_specs=[whole(a) for a in args],
-        out_specs=pl.BlockSpec(out_shape, lambda i, j: (0,) * len(out_shape)),
-        out_shape=jax.ShapeDtypeStruct(out_shape, dtype, **vary),
+        out_specs=[whole(o) for o in shapes],
+        out_shape=shapes,
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=1),
         interpret=interpret,
         input_output_aliases={len(args) - 1: 0} if poisoned else {},
         name=name,
     )(*args)
-    out = out.reshape(*lead, p_pad, k_pad)
-    return out if p_pad == p else out[..., :p, :]
+    out = outs[0].reshape(*lead, p_pad, k_pad)
+    out = out if p_pad == p else out[..., :p, :]
+    return (out, outs[1][:p]) if row_output else out
 
 
 def rac_stacked_operands_reference(b0, r, scales, reciprocals, window_rows, q_rows=None,

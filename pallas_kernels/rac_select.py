@@ -92,7 +92,7 @@ class RACSelectConfig:
         check_num_warps(self)
 
 
-def _chunk(nb: int) -> int:
+def chunk(nb: int) -> int:
     """Columns per chunk: the largest power of two that divides ``nb``, at most 128."""
     return min(nb & -nb, 128)
 
@@ -109,7 +109,7 @@ def supports(rac_config, act_scale_mode: str) -> bool:
             and act_scale_mode == "per_token")
 
 
-def _div_rn(a, b) -> jax.Array:
+def div_rn(a, b) -> jax.Array:
     """Correctly rounded float32 ``a / b`` in a Triton kernel (its ``/`` is the approximate
     ``div.full.f32``): the IEEE quotient of the CPU path. XLA:GPU's own division is not IEEE
     either, so the default (``RACSelectConfig.exact_division=False``) matches the GPU's jnp
@@ -125,59 +125,98 @@ def _kernel(*refs, exact_division: bool, **static):
     # With exact_division the traced quantizer functions divide with div.rn.f32 on the GPU
     # (arith.division); otherwise with Triton's '/', as XLA:GPU's jnp path does (bit-identical
     # on the H200). The interpreter always runs jnp's division.
-    with arith.division(_div_rn if exact_division else None):
+    with arith.division(div_rn if exact_division else None):
         _select(*refs, **static)
+
+
+def expert_range(gs: jax.Array, e, num_experts: int, m: int):
+    """Expert ``e``'s GEMM rows ``[start, end)`` from the group sizes ``gs`` (padded with
+    empty groups); the last expert also takes the rows past ``sum(gs)``, as the jnp path's
+    clipped row experts do."""
+    ids = jnp.arange(gs.shape[0])
+    start = jnp.sum(jnp.where(ids < e, gs, 0))
+    end = jnp.where(e == num_experts - 1, m, start + jnp.sum(jnp.where(ids == e, gs, 0)))
+    return start, end
+
+
+def step_window(rows_ref, valid_ref, start, end, c, m: int, block_rows: int):
+    """Loop step ``c`` of an expert's walk: ``(i0, ours, t, votes)``: the step's first row,
+    which of its ``block_rows`` rows are the step's, their distinct rows (``rows_ref`` None:
+    the GEMM rows themselves) and which of them vote (the step's rows that are tokens). A
+    window stays inside ``[0, M)``: a step past the end moves back and masks its first rows."""
+    s_c = start + c * block_rows
+    i0 = jnp.minimum(s_c, m - block_rows)
+    r = i0 + jnp.arange(block_rows)
+    ours = (r >= s_c) & (r < jnp.minimum(s_c + block_rows, end))
+    t = r if rows_ref is None else rows_ref[pl.ds(i0, block_rows)]
+    votes = ours & (valid_ref[t] != 0) if valid_ref is not None else ours
+    return i0, ours, t, votes
+
+
+def step_scores(scores_ref, t, votes, cols) -> list:
+    """The voting rows' scores ``[block_rows, n]`` at each column slice of ``cols``."""
+    return [jnp.where(votes[:, None], scores_ref[t, c], 0.0) for c in cols]
+
+
+def summed_scores(first: list, rows_ref, valid_ref, scores_ref, start, end, m: int,
+                  block_rows: int, cols) -> tuple:
+    """Per column slice of ``cols``: the expert's summed voting scores, from ``first`` (the
+    first step's ``step_scores``, loaded by the caller) and the steps after it in order (a
+    step's rows add as a tree)."""
+    def add(c, acc):
+        _, _, t, votes = step_window(rows_ref, valid_ref, start, end, c, m, block_rows)
+        return tuple(a + jnp.sum(v, axis=0)
+                     for a, v in zip(acc, step_scores(scores_ref, t, votes, cols), strict=True))
+
+    steps = (end - start + block_rows - 1) // block_rows
+    return jax.lax.fori_loop(1, steps, add, tuple(jnp.sum(v, axis=0) for v in first))
+
+
+def kept(sums, idx, n_keep: int, targets=None) -> list:
+    """For each ``(sums_t, idx_t)`` of ``targets`` (default: the chunks ``zip(sums, idx)``
+    themselves), which of its blocks rank among the ``n_keep`` first of all the chunks'
+    blocks (``rac.stable_descending_rank``'s order: ``rac.sorts_before``)."""
+    targets = list(zip(sums, idx, strict=True)) if targets is None else targets
+    return [sum(jnp.sum(rac.sorts_before(sj[None, :], ij[None, :], si[:, None], ii[:, None]),
+                        axis=1, dtype=jnp.int32)
+                for sj, ij in zip(sums, idx, strict=True)) < n_keep
+            for si, ii in targets]
+
+
+def selected_amax(keep, amax) -> jax.Array:
+    """float32 ``[rows]``: each row's largest block amax over the kept blocks (chunk by
+    chunk), what its residual decode scale is made from."""
+    sel = None
+    for a, k in zip(amax, keep, strict=True):
+        part = jnp.max(jnp.where(k[None, :], a, 0.0), axis=1)
+        sel = part if sel is None else jnp.maximum(sel, part)
+    return sel
 
 
 def _select(gs_ref, rows_ref, *refs, num_experts: int, nb: int, ch: int, n_keep: int, m: int,
             block_rows: int, has_valid: bool):
     valid_ref = refs[0] if has_valid else None
     scores_ref, amax_ref, finite_ref, coded_ref, g_ref = refs[1:] if has_valid else refs
-    e = pl.program_id(0)
-    gs = gs_ref[...]  # [Ep]
-    ids = jnp.arange(gs.shape[0])
-    start = jnp.sum(jnp.where(ids < e, gs, 0))
-    end = jnp.where(e == num_experts - 1, m, start + jnp.sum(jnp.where(ids == e, gs, 0)))
+    start, end = expert_range(gs_ref[...], pl.program_id(0), num_experts, m)
     br = block_rows
-    steps = (end - start + br - 1) // br
-    lane = jnp.arange(br)
     chunks = [pl.ds(c * ch, ch) for c in range(nb // ch)]
 
-    def window(c):  # the step's first row, which of its rows are the step's, their distinct rows
-        s_c = start + c * br
-        i0 = jnp.minimum(s_c, m - br)  # inside [0, M): a window past the end moves back
-        r = i0 + lane
-        ours = (r >= s_c) & (r < jnp.minimum(s_c + br, end))
-        return i0, ours, rows_ref[pl.ds(i0, br)]
-
     def loads(c):  # a step's rows and their scores (of the rows that are tokens), amax, finite
-        i0, ours, t = window(c)
-        votes = ours & (valid_ref[t] != 0) if has_valid else ours
-        return (i0, ours, [jnp.where(votes[:, None], scores_ref[t, cols], 0.0) for cols in chunks],
+        i0, ours, t, votes = step_window(rows_ref, valid_ref, start, end, c, m, br)
+        return (i0, ours, step_scores(scores_ref, t, votes, chunks),
                 [amax_ref[t, cols] for cols in chunks],
                 [finite_ref[t, cols] != 0 for cols in chunks])
-
-    def add_scores(c, acc):
-        return tuple(a + jnp.sum(v, axis=0) for a, v in zip(acc, loads(c)[2], strict=True))
 
     # The first step's loads are issued together, before the rank, and its rows are coded from
     # registers after it: at decode an expert's rows fit one step, and its amax and finiteness
     # then cost no second round of dependent loads.
     i0, ours, first_scores, first_amax, first_finite = loads(0)
-    sums = jax.lax.fori_loop(1, steps, add_scores,
-                             tuple(jnp.sum(v, axis=0) for v in first_scores))
-    idx = [c * ch + jnp.arange(ch) for c in range(len(chunks))]
-    # Each block's rank among all nb: the blocks of every chunk that sort before it.
-    keep = [sum(jnp.sum(rac.sorts_before(sj[None, :], ij[None, :], si[:, None], ii[:, None]),
-                        axis=1, dtype=jnp.int32)
-                for sj, ij in zip(sums, idx, strict=True)) < n_keep
-            for si, ii in zip(sums, idx, strict=True)]
+    sums = summed_scores(first_scores, rows_ref, valid_ref, scores_ref, start, end, m, br,
+                         chunks)
+    keep = kept(sums, [c * ch + jnp.arange(ch) for c in range(len(chunks))], n_keep)
 
     def code(i0, ours, amax, finite):
-        sel = None
-        for a, k in zip(amax, keep, strict=True):
-            part = jnp.max(jnp.where(k[None, :], a, 0.0), axis=1)
-            sel = part if sel is None else jnp.maximum(sel, part)
+        sel = selected_amax(keep, amax)
         rows = pl.ds(i0, br)
         for a, f, k, cols in zip(amax, finite, keep, chunks, strict=True):
             pltriton.store(coded_ref.at[rows, cols], rac.code_block_amax(k[None, :], a, f),
@@ -190,6 +229,7 @@ def _select(gs_ref, rows_ref, *refs, num_experts: int, nb: int, ch: int, n_keep:
         return carry
 
     code(i0, ours, first_amax, first_finite)
+    steps = (end - start + br - 1) // br
     jax.lax.fori_loop(1, steps, code_rows, 0)
 
 
@@ -228,7 +268,7 @@ def grouped_rac_selection(scores: jax.Array, amax: jax.Array, finite: jax.Array,
             amax.astype(jnp.float32), fin)
     vary, args = varying_operands(*args)
     whole = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))  # noqa: E731
-    kernel = functools.partial(_kernel, num_experts=e, nb=nb, ch=_chunk(nb), n_keep=n_keep,
+    kernel = functools.partial(_kernel, num_experts=e, nb=nb, ch=chunk(nb), n_keep=n_keep,
                                m=m, block_rows=br, has_valid=row_valid is not None,
                                exact_division=config.exact_division and not interpret)
     coded, g = pl.pallas_call(

@@ -192,7 +192,7 @@ def rac_selector(rac, act_scale_mode: str, group_sizes: jax.Array, source_rows, 
             or not rac_select.supports(rac, act_scale_mode)):
         return None
     rows = jnp.arange(m, dtype=jnp.int32) if source_rows is None else source_rows
-    cfg = rac_select.RACSelectConfig(block_rows=config.rac_select_block_rows)
+    cfg = select_config(config)
 
     def select(scores, amax, finite, row_valid):
         return rac_select.grouped_rac_selection(scores, amax, finite, rows, group_sizes,
@@ -200,6 +200,11 @@ def rac_selector(rac, act_scale_mode: str, group_sizes: jax.Array, source_rows, 
                                                 config=cfg, interpret=interpret)
 
     return select
+
+
+def select_config(config: W4A4MatmulConfig) -> rac_select.RACSelectConfig:
+    """The selection's ``RACSelectConfig``, in ``rac_select`` and in ``rac_operands``."""
+    return rac_select.RACSelectConfig(block_rows=config.rac_select_block_rows)
 
 
 def values_placement(window_rows: jax.Array, source_rows, m: int, k_pad: int, k: int,
@@ -311,9 +316,16 @@ def w4a4_grouped_matmul(
                                  window_rows, source_rows, m, w.k_pad, x_sorted.shape[1],
                                  config, gs, rexp)))
 
+        # Decode calls: the operand kernel selects each expert's blocks itself (the selector's
+        # call above is then unused, and XLA drops it).
+        selection = ((gs, rac.rac_ratio, select_config(config))
+                     if selector is not None and config.rac_select_in_operands
+                     and not config.is_prefill(m) else None)
+
         def operand_of(idx):
             return operand_rows(acts, idx, w.mma_dtype, w.k_pad, config.materialize_operands,
-                                config.rac_operands_config(config.is_prefill(m)), interpret)
+                                config.rac_operands_config(config.is_prefill(m)), interpret,
+                                selection)
 
         if config.rac_selected_wgmmas and acts.mask is not None:
             residual_blocks = tile_block_bits(acts.mask, row_index, w.k_pad)

@@ -62,7 +62,8 @@ class W4A4MatmulConfig:
         computed once before the row gathers (``operand_rows``); False is the ablation.
       rac_select_kernel: grouped GEMMs with RAC select blocks and code the residual's scales
         in ``pallas_kernels.rac_select`` (where its ``supports`` holds), not in jnp;
-        rac_select_block_rows: its ``RACSelectConfig.block_rows``.
+        rac_select_block_rows: its ``RACSelectConfig.block_rows``; rac_select_in_operands:
+        in grouped decode calls, inside ``rac_operands`` instead (see the field's comment).
       rac_operand_kernel: with RAC (coded residual, ``materialize_operands``, row windows and
         ``stack_operands``), the stacked B operands are written by
         ``pallas_kernels.rac_operands`` instead of an XLA gather fusion;
@@ -115,6 +116,12 @@ class W4A4MatmulConfig:
     # took 12.4 us against the jnp path's 10.4 (``kernel_probe --rac-select``).
     rac_select_kernel: bool = True
     rac_select_block_rows: int = 32
+    # Grouped decode calls (fewer than prefill_min_rows rows) with the selection kernel, the row
+    # pass and the stacked operand kernel: each rac_operands program selects its expert's blocks
+    # itself (``rac_operands.OperandSelection``: rac_select's functions, the same bits) and
+    # rac_select does not run: one kernel per RAC GEMM fewer (5.8 + 3.7 us per layer on the
+    # H100, 2026-12-07) for a rank per program. Off until measured in the rollout.
+    rac_select_in_operands: bool = False
     # On: the residual GEMM over the selected blocks. On the H200 (2026-12-05, 7e950af, M =
     # 8192, K x N = 4096 x 14336) it took 584 us against 1093 over all K, but the columns
     # gathered element by element (`b[:, cols]`, `wd[:, cols]`) took 355 + 2 x 264 us (device
@@ -375,6 +382,7 @@ def source_tile_rows(source_rows: jax.Array, num_rows: int, row_index: jax.Array
 
 def operand_rows(acts: aq.QuantizedActivations, index: jax.Array, dtype, k_pad: int,
                  materialize: bool = True, kernel=None, interpret: bool = False,
+                 selection=None,
                  ) -> tuple[tuple[jax.Array, ...] | jax.Array, tuple[jax.Array, ...]]:
     """The W4A4 kernel's B operands for GEMM rows ``index`` (int32, any shape ``I``; ``>= M``
     = a zero row): ``I + [Kp]`` in ``dtype`` (1, or 2 with RAC) and each row's activation
@@ -396,6 +404,12 @@ def operand_rows(acts: aq.QuantizedActivations, index: jax.Array, dtype, k_pad: 
     or None. With it, a 1-D ``index``, RAC's coded residual and ``materialize``, both operands
     come back as one stacked array ``[2, I, Kp]`` written by ``rac_operands`` (bit-identical;
     ``interpret`` runs it in the Triton interpreter).
+
+    ``selection``: None, or ``(group_sizes [E], ratio, rac_select.RACSelectConfig)`` of a
+    grouped call whose ``index`` is the plan's window layout: where the stacked kernel
+    recomputes the residual from the row pass (``acts.row_stats``) and ``Kp == K``, its
+    programs select each expert's blocks themselves (``rac_operands.OperandSelection``) and
+    the selection kernel's outputs go unused (XLA drops the call).
     """
     res = acts.residual
     stacked_kernel = (kernel is not None and materialize and index.ndim == 1
@@ -427,27 +441,39 @@ def operand_rows(acts: aq.QuantizedActivations, index: jax.Array, dtype, k_pad: 
         res = dataclasses.replace(res, scales=s32)
     q_index = index if acts.q_rows is None else source_tile_rows(
         acts.q_rows, g0.shape[0], index)
-    if isinstance(res, rac.SelectedResidual):
-        s1 = rac.rows_or_fill(res.global_scale, index, 0.0)
-        if stacked_kernel:
-            from pallas_kernels.rac_operands import rac_stacked_operands
+    if isinstance(res, rac.SelectedResidual) and stacked_kernel:
+        from pallas_kernels import rac_operands as ro
+        from pallas_kernels.token_tiles import ROW_ALIGN
 
-            s, rcp = (None, None) if coded is not None else (res.scales, res.reciprocals)
-            if recompute:
-                stacked = rac_stacked_operands(
-                    b0, None, s, rcp, index, acts.q_rows, k_pad=k_pad, config=kernel,
-                    interpret=interpret, residual_of=(acts.operand[2], g0),
-                    placed=acts.placed if placed else None, coded=coded)
-            else:
-                stacked = rac_stacked_operands(b0, res.r, s, rcp, index, acts.q_rows, res.rows,
-                                               k_pad=k_pad, config=kernel, interpret=interpret,
-                                               coded=coded)
-            return stacked, (rac.rows_or_fill(g0, q_index, 0.0), s1)
+        g_rows = rac.rows_or_fill(g0, q_index, 0.0)
+        if (selection is not None and recompute and not placed and acts.row_stats is not None
+                and k_pad == acts.operand[2].shape[1] and ROW_ALIGN % kernel.block_rows == 0
+                and kernel.padding_rows != "nan"):
+            scores, amax, finite, valid = acts.row_stats
+            gs, ratio, select_config = selection
+            stacked, s1 = ro.rac_stacked_operands(
+                b0, None, None, None, index, acts.q_rows, k_pad=k_pad, config=kernel,
+                interpret=interpret, residual_of=(acts.operand[2], g0),
+                select=ro.OperandSelection(scores, amax, finite, gs, valid, ratio=ratio,
+                                           config=select_config))
+            return stacked, (g_rows, s1)
+        s, rcp = (None, None) if coded is not None else (res.scales, res.reciprocals)
+        if recompute:
+            stacked = ro.rac_stacked_operands(
+                b0, None, s, rcp, index, acts.q_rows, k_pad=k_pad, config=kernel,
+                interpret=interpret, residual_of=(acts.operand[2], g0),
+                placed=acts.placed if placed else None, coded=coded)
+        else:
+            stacked = ro.rac_stacked_operands(b0, res.r, s, rcp, index, acts.q_rows, res.rows,
+                                              k_pad=k_pad, config=kernel, interpret=interpret,
+                                              coded=coded)
+        return stacked, (g_rows, rac.rows_or_fill(res.global_scale, index, 0.0))
     t0, s0 = plain_operand(b0, q_index, dtype, k_pad, g0)
     if res is None:
         return (t0,), (s0,)
     if isinstance(res, rac.SelectedResidual):
         t1 = _pad_k(res.unscaled(index).astype(dtype), k_pad)
+        s1 = rac.rows_or_fill(res.global_scale, index, 0.0)
     else:  # bf16 residual (rac_residual_format="bf16"): plain rows, scale 1
         t1, s1 = plain_operand(res, index, dtype, k_pad)
     return (t0, t1), (s0, s1)

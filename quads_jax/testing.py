@@ -82,3 +82,21 @@ def lower_for_h200(fn, *args) -> str:
             export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2"),
             export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
     return exp.mlir_module()
+
+
+def grouped_w4a4_case(seed: int):
+    """A small grouped W4A4 call of the MoE decode shape: ``(x [12, 256] bf16 distinct rows,
+    source_rows int32 [16] (some rows repeated, as a token's slots), kernel weights of 4
+    experts [4, 128, 256], group_sizes [5, 0, 8, 3])`` (uneven, one empty group, 16 rows)."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.layout import prepare_w4a4_weights
+    from quads_jax.quant import nvfp4
+
+    k = jax.random.split(jax.random.key(seed), 2)
+    x = jax.random.normal(k[0], (12, 256), jnp.bfloat16)
+    src = jnp.asarray([0, 3, 5, 1, 2, 7, 4, 9, 11, 6, 8, 10, 3, 1, 0, 2], jnp.int32)
+    w = prepare_w4a4_weights(nvfp4.quantize(jax.random.normal(k[1], (4, 128, 256)),
+                                            scale_mode="expert"))
+    return x, src, w, jnp.asarray([5, 0, 8, 3], jnp.int32)

@@ -13,7 +13,7 @@ from pallas_kernels.layout import prepare_w4a4_weights
 from pallas_kernels.w4a4_grouped import w4a4_grouped_matmul
 from pallas_kernels.w4a4_matmul import W4A4MatmulConfig, w4a4_matmul
 from quads_jax.quant import nvfp4
-from quads_jax.testing import lower_for_h200
+from quads_jax.testing import grouped_w4a4_case, lower_for_h200
 
 
 def _x(r, k, seed):
@@ -68,12 +68,7 @@ def _cfg(flag):
 
 
 def test_grouped_matmul_agrees_with_and_without_the_kernel():
-    k = jax.random.split(jax.random.key(11), 2)
-    x = jax.random.normal(k[0], (12, 256), jnp.bfloat16)
-    src = jnp.asarray([0, 3, 5, 1, 2, 7, 4, 9, 11, 6, 8, 10, 3, 1, 0, 2], jnp.int32)
-    w = prepare_w4a4_weights(nvfp4.quantize(jax.random.normal(k[1], (4, 128, 256)),
-                                            scale_mode="expert"))
-    gs = jnp.asarray([5, 0, 8, 3], jnp.int32)
+    x, src, w, gs = grouped_w4a4_case(11)
 
     def grouped(flag):
         return np.asarray(w4a4_grouped_matmul(x, w, gs, config=_cfg(flag), interpret=True,

@@ -9,11 +9,10 @@ import pytest
 
 from pallas_kernels import nvfp4_quantize as aq
 from pallas_kernels import rac_operands as ro
-from pallas_kernels.layout import prepare_w4a4_weights
 from pallas_kernels.w4a4_grouped import w4a4_grouped_matmul
 from pallas_kernels.w4a4_matmul import W4A4MatmulConfig, dense_plan, operand_rows, token_tiles
-from quads_jax.quant import nvfp4, rac
-from quads_jax.testing import lower_for_h200
+from quads_jax.quant import rac
+from quads_jax.testing import grouped_w4a4_case, lower_for_h200
 
 
 def _selected(r_rows, m, k, seed, with_rows):
@@ -95,12 +94,7 @@ def _config(flag, padding="zeros"):
 
 
 def test_grouped_matmul_with_and_without_the_kernel_agree():
-    k = jax.random.split(jax.random.key(3), 2)
-    x = jax.random.normal(k[0], (12, 256), jnp.bfloat16)
-    src = jnp.asarray([0, 3, 5, 1, 2, 7, 4, 9, 11, 6, 8, 10, 3, 1, 0, 2], jnp.int32)
-    w = prepare_w4a4_weights(nvfp4.quantize(jax.random.normal(k[1], (4, 128, 256)),
-                                            scale_mode="expert"))
-    gs = jnp.asarray([5, 0, 8, 3], jnp.int32)
+    x, src, w, gs = grouped_w4a4_case(3)
 
     def run(flag, padding="zeros"):
         return np.asarray(w4a4_grouped_matmul(x, w, gs, rac=aq.RACConfig(),
@@ -167,6 +161,31 @@ def test_lowers_for_cuda(padding, coded):
     assert "ctlz" not in text  # Triton's NVIDIA backend cannot legalize it (rac_select's test)
 
 
+@pytest.mark.parametrize("exact", [False, True])
+def test_selecting_kernel_lowers_for_cuda(exact):
+    """``select=`` at the decode step's gate_up shapes (128 distinct rows, 1 024 GEMM rows of
+    128 experts, K = 2048), with the selection's exact division or Triton's."""
+    from pallas_kernels import rac_select as rs
+
+    m, r, k, p, e = 1024, 128, 2048, 1936, 128
+    nb = k // 16
+    args = (jnp.ones((r, k), jnp.float16), jnp.ones((r, k), jnp.bfloat16), jnp.ones((r,)),
+            jnp.zeros((p,), jnp.int32), jnp.zeros((m,), jnp.int32), jnp.ones((r, nb)),
+            jnp.ones((r, nb)), jnp.ones((r, nb), jnp.int8), jnp.full((e,), 8, jnp.int32),
+            jnp.ones((r,), bool))
+
+    def run(b0, x, g, wr, rows, scores, amax, fin, gs, valid):
+        sel = ro.OperandSelection(scores, amax, fin, gs, valid, ratio=0.5,
+                                  config=rs.RACSelectConfig(exact_division=exact))
+        return ro.rac_stacked_operands(b0, None, None, None, wr, rows, k_pad=k,
+                                       residual_of=(x, g), select=sel)
+
+    text = lower_for_h200(run, *args)
+    assert "rac_operands" in text
+    assert ("div.rn.f32" in text) == exact
+    assert "ctlz" not in text
+
+
 def test_bad_input():
     b0, r = jnp.ones((4, 64), jnp.float16), jnp.ones((4, 64))
     s = jnp.ones((6, 4))
@@ -191,5 +210,101 @@ def test_bad_input():
                                 coded=(s, jnp.ones((5,))))
     with pytest.raises(ValueError, match="block_rows"):
         ro.RACOperandsConfig(block_rows=6)
+    # select=: the residual recomputed from x, nothing precoded, block_rows dividing 8
+    sel = ro.OperandSelection(jnp.ones((4, 4)), jnp.ones((4, 4)), jnp.ones((4, 4), jnp.int8),
+                              jnp.asarray([4], jnp.int32))
+    x, g = jnp.ones((4, 64), jnp.bfloat16), jnp.ones((4,))
+    with pytest.raises(ValueError, match="select needs"):
+        ro.rac_stacked_operands(b0, r, None, None, wr, k_pad=64, interpret=True, select=sel,
+                                config=ro.RACOperandsConfig(block_k=64))
+    with pytest.raises(ValueError, match="block_rows=16"):
+        ro.rac_stacked_operands(b0, None, None, None, wr, k_pad=64, interpret=True,
+                                residual_of=(x, g), select=sel,
+                                config=ro.RACOperandsConfig(block_rows=16, block_k=64))
+    with pytest.raises(ValueError, match=r"must be \[R, K/16\] = \[4, 4\]"):
+        ro.rac_stacked_operands(b0, None, None, None, wr, k_pad=64, interpret=True,
+                                residual_of=(x, g), config=ro.RACOperandsConfig(block_k=64),
+                                select=ro.OperandSelection(jnp.ones((4, 3)), sel.amax,
+                                                           sel.finite, sel.group_sizes))
+    with pytest.raises(ValueError, match="k_pad=256 must be K=64"):
+        ro.rac_stacked_operands(b0, None, None, None, wr, k_pad=256, interpret=True,
+                                residual_of=(x, g), select=sel)
     with pytest.raises(ValueError, match="padding_rows"):
         ro.RACOperandsConfig(padding_rows="ones")
+
+
+def _selection_inputs(r_rows, m, k, group_sizes, seed, with_rows, with_valid):
+    """Distinct rows, their row pass (rac_rows), GEMM rows and the plan's window layout."""
+    from pallas_kernels import rac_rows
+    from pallas_kernels.act_operands import row_decode_scales
+    from pallas_kernels.token_tiles import ROW_ALIGN
+    from pallas_kernels.w4a4_grouped import aligned_group_rows
+
+    kx, kr, kv = jax.random.split(jax.random.key(seed), 3)
+    x = (jax.random.normal(kx, (r_rows, k), jnp.float32) * 3).at[0, 5].set(jnp.inf)
+    x = x.astype(jnp.bfloat16)
+    g_x = row_decode_scales(x)
+    rp = rac_rows.rac_row_pass(x, g_x, with_residual=False, interpret=True)
+    rows = jax.random.randint(kr, (m,), 0, r_rows).astype(jnp.int32) if with_rows else None
+    valid = (jax.random.uniform(kv, (r_rows,)) > 0.3) if with_valid else None
+    gs = jnp.asarray(group_sizes, jnp.int32)
+    window_rows, _, _ = aligned_group_rows(gs, m, ROW_ALIGN, m + ROW_ALIGN * len(group_sizes))
+    return x, g_x, rp, rows, valid, gs, window_rows
+
+
+@pytest.mark.parametrize(
+    "r_rows,m,k,group_sizes,with_rows,block_rows,select_rows",
+    [
+        (12, 30, 256, [7, 0, 12, 1, 10], True, 8, 32),  # nb = 16: one chunk
+        (30, 30, 768, [9, 5, 0, 16], False, 4, 4),  # nb = 48: chunks of 16; several steps
+        (10, 40, 512, [3, 20, 2, 5], True, 2, 8),  # 10 rows past the groups: the last expert's
+    ],
+)
+@pytest.mark.parametrize("with_valid", [False, True])
+def test_selection_in_the_operand_kernel_equals_rac_select(r_rows, m, k, group_sizes,
+                                                           with_rows, block_rows, select_rows,
+                                                           with_valid):
+    """``select=``: each program selects its expert's blocks itself; the stacked operands and
+    the window rows' decode scales equal rac_select's coded path bit for bit."""
+    from pallas_kernels import rac_select as rs
+
+    x, g_x, rp, rows, valid, gs, window_rows = _selection_inputs(
+        r_rows, m, k, group_sizes, r_rows + m, with_rows, with_valid)
+    amax, fin = rp.amax[..., 0], rp.finite_i8
+    scfg = rs.RACSelectConfig(block_rows=select_rows)
+    coded, g = rs.grouped_rac_selection(
+        rp.scores, amax, fin, jnp.arange(m, dtype=jnp.int32) if rows is None else rows, gs,
+        ratio=0.5, row_valid=valid, config=scfg, interpret=True)
+    cfg = ro.RACOperandsConfig(block_rows=block_rows)
+    want = ro.rac_stacked_operands(rp.values, None, None, None, window_rows, rows, k_pad=k,
+                                   config=cfg, interpret=True, residual_of=(x, g_x),
+                                   coded=(coded, g))
+    got, g_win = ro.rac_stacked_operands(
+        rp.values, None, None, None, window_rows, rows, k_pad=k, config=cfg, interpret=True,
+        residual_of=(x, g_x),
+        select=ro.OperandSelection(rp.scores, amax, fin, gs, valid, ratio=0.5, config=scfg))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(g_win),
+                                  np.asarray(rac.rows_or_fill(g, window_rows, 0.0)))
+    assert np.count_nonzero(np.asarray(got[1])) > 0  # a real residual operand
+
+
+@pytest.mark.parametrize("with_valid", [False, True])
+def test_grouped_matmul_selecting_in_the_operand_kernel_gives_the_same_bits(with_valid):
+    """``W4A4MatmulConfig.rac_select_in_operands``: the grouped RAC decode call (source rows,
+    uneven and empty groups, a token mask) equals the call through rac_select bit for bit,
+    for the gate_up-like call on distinct rows and the down-like call on its own rows."""
+    x, src, w, gs = grouped_w4a4_case(11)
+    valid = (jnp.arange(12) % 3 != 1) if with_valid else None
+    h = jax.random.normal(jax.random.key(12), (16, 256), jnp.bfloat16)
+
+    def run(flag):
+        cfg = W4A4MatmulConfig(a_via_smem=True, num_sms=2, rac_select_in_operands=flag)
+        up = w4a4_grouped_matmul(x, w, gs, rac=aq.RACConfig(), config=cfg, interpret=True,
+                                 source_rows=src, row_valid=valid)
+        down = w4a4_grouped_matmul(h, w, gs, rac=aq.RACConfig(), config=cfg, interpret=True,
+                                   row_valid=None if valid is None else valid[src])
+        return np.asarray(up, np.float32), np.asarray(down, np.float32)
+
+    for got, want in zip(run(True), run(False), strict=True):
+        np.testing.assert_array_equal(got, want)

@@ -9,11 +9,9 @@ import pytest
 
 from pallas_kernels import nvfp4_quantize as aq
 from pallas_kernels import rac_select as rs
-from pallas_kernels.layout import prepare_w4a4_weights
 from pallas_kernels.w4a4_grouped import w4a4_grouped_matmul
 from pallas_kernels.w4a4_matmul import W4A4MatmulConfig
-from quads_jax.quant import nvfp4
-from quads_jax.testing import lower_for_h200
+from quads_jax.testing import grouped_w4a4_case, lower_for_h200
 
 
 def _inputs(r, m, nb, seed):
@@ -74,12 +72,7 @@ def test_grouped_matmul_with_and_without_the_kernel_agree(with_valid):
     """The grouped RAC matmul through the selection kernel equals the jnp selection bit for bit
     (the tiles, the kernel's products and the scales are then the same), with a token mask
     too (finished sequences do not vote)."""
-    k = jax.random.split(jax.random.key(7), 2)
-    x = jax.random.normal(k[0], (12, 256), jnp.bfloat16)
-    src = jnp.asarray([0, 3, 5, 1, 2, 7, 4, 9, 11, 6, 8, 10, 3, 1, 0, 2], jnp.int32)
-    wq = nvfp4.quantize(jax.random.normal(k[1], (4, 128, 256)), scale_mode="expert")
-    w = prepare_w4a4_weights(wq)
-    gs = jnp.asarray([5, 0, 8, 3], jnp.int32)
+    x, src, w, gs = grouped_w4a4_case(7)
 
     def run(flag):
         cfg = W4A4MatmulConfig(a_via_smem=True, num_sms=2, rac_select_kernel=flag)
