@@ -116,7 +116,8 @@
 #          the GPU, then nvfp4_rac with --rac-select-block-rows 64 and without the kernel
 #   rsel4  RAC's selection inside the operand kernel (`rac_select_in_operands`, session 43):
 #          the decode MoE operand checks with it (check-moe), then nvfp4_rac at batch 128 with
-#          it and at the defaults, same call, traced (~5.5 minutes)
+#          it (the walk's 32 rows per step, and 16: each program loads a step's scores whole),
+#          and at the defaults, same call, traced (~8 minutes)
 #   win    nvfp4_rac and nvfp4 at batch 128, traced, with the token tiles read as row windows
 #          (the default) and gathered (--no-windowed-operands), in the same call
 #   mmak   the grouped tile kernel with wider wgmma groups (mma_k 128 / 256: the step's decoded
@@ -659,9 +660,11 @@ for step in "$@"; do
         --part check-moe --w4a4-set rac_select_in_operands=true --out "$OUT/mchecksel" \
         > "$OUT/mchecksel.log" 2>&1
       echo "mchecksel rc $?"; grep -E "PASS|FAIL" "$OUT/mchecksel.log" | cut -c1-110
-      rollout selop 130 --quick --profile-steps 4 --precisions nvfp4_rac \
-        --w4a4-set rac_select_in_operands=true --budget-s 100
-      rollout seldef 130 --quick --profile-steps 4 --precisions nvfp4_rac --budget-s 100 ;;
+      rollout selop 120 --quick --profile-steps 4 --precisions nvfp4_rac \
+        --w4a4-set rac_select_in_operands=true --budget-s 95
+      rollout selop16 120 --quick --profile-steps 4 --precisions nvfp4_rac \
+        --w4a4-set rac_select_in_operands=true --w4a4-set rac_select_block_rows=16 --budget-s 95
+      rollout seldef 120 --quick --profile-steps 4 --precisions nvfp4_rac --budget-s 95 ;;
     ssort) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 120 python3 scripts/kernel_probe.py \
       --slot-sort --out "$OUT/ssortk" > "$OUT/ssortk.log" 2>&1
       echo "ssortk rc $?"; grep -E "slot_sort|Error" "$OUT/ssortk.log" | cut -c1-150
