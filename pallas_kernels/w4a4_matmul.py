@@ -119,8 +119,12 @@ class W4A4MatmulConfig:
     # Grouped decode calls (fewer than prefill_min_rows rows) with the selection kernel, the row
     # pass and the stacked operand kernel: each rac_operands program selects its expert's blocks
     # itself (``rac_operands.OperandSelection``: rac_select's functions, the same bits) and
-    # rac_select does not run: one kernel per RAC GEMM fewer (5.8 + 3.7 us per layer on the
-    # H100, 2026-12-07) for a rank per program. Off until measured in the rollout.
+    # rac_select does not run (XLA drops its unused call). Off: slower. H100, 2026-12-07,
+    # 0a38c18, nvfp4_rac at batch 128 (24 layers, `h200_next.sh rsel4`; GPU check PASS, rel err
+    # 1.39e-7): rac_operands 56.7 + 20.4 us per layer (gate_up + down) against 7.7 + 3.8 plus
+    # rac_select's 5.8 + 3.7; the step 9.72 ms against 8.55 (16 rows per walk step: 9.64).
+    # Every one of gate_up's 1 936 programs (242 row blocks x 8 column blocks) repeats its
+    # expert's 128 x 128 rank, where rac_select ranks once per expert.
     rac_select_in_operands: bool = False
     # On: the residual GEMM over the selected blocks. On the H200 (2026-12-05, 7e950af, M =
     # 8192, K x N = 4096 x 14336) it took 584 us against 1093 over all K, but the columns

@@ -395,6 +395,9 @@
 # scales), `b128` (nvfp4_rac 8.46: 1.92x bf16, 1.17x fp8, RAC +4.6 %) and the kernel alone
 # one / two pairs with RAC (`probe`). Next, on an H200: `b128` (48 layers), `w41`, `kdense0
 # kgroup kgroup2` (the tables with E4M3 scales since e3b5977), `s39h`.
+# Session 43 (H100, 0a38c18): `rsel4` (RAC's selection inside rac_operands: GPU check PASS,
+# the step 9.72 ms against 8.55: stays off). Next, on an H200: `b128` (48 layers), `w41`,
+# `kdense0 kgroup kgroup2`, `s39h`.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
