@@ -172,15 +172,14 @@ def summed_scores(first: list, rows_ref, valid_ref, scores_ref, start, end, m: i
     return jax.lax.fori_loop(1, steps, add, tuple(jnp.sum(v, axis=0) for v in first))
 
 
-def kept(sums, idx, n_keep: int, targets=None) -> list:
-    """For each ``(sums_t, idx_t)`` of ``targets`` (default: the chunks ``zip(sums, idx)``
-    themselves), which of its blocks rank among the ``n_keep`` first of all the chunks'
-    blocks (``rac.stable_descending_rank``'s order: ``rac.sorts_before``)."""
-    targets = list(zip(sums, idx, strict=True)) if targets is None else targets
+def kept(sums, idx, n_keep: int) -> list:
+    """Per chunk (its summed scores and block indices): which of its blocks rank among the
+    ``n_keep`` first of all the chunks' blocks (``rac.stable_descending_rank``'s order:
+    ``rac.sorts_before``; each block's rank counts the blocks of every chunk before it)."""
     return [sum(jnp.sum(rac.sorts_before(sj[None, :], ij[None, :], si[:, None], ii[:, None]),
                         axis=1, dtype=jnp.int32)
                 for sj, ij in zip(sums, idx, strict=True)) < n_keep
-            for si, ii in targets]
+            for si, ii in zip(sums, idx, strict=True)]
 
 
 def selected_amax(keep, amax) -> jax.Array:
