@@ -11,6 +11,7 @@
 #   mcheck the decode MoE operand path: 256 tokens top-8 with source_rows, +-RAC, and the
 #          read-back in slot order (output_rows) (check-moe)
 #   b128   the four arms at batch 128 / prompt 256, traced (the reference row)
+#   b128r  nvfp4_rac and bf16 alone at batch 128 / prompt 256 (issue 5's 2x bf16; ~3.5 minutes)
 #   b32    the four arms at batch 32 / prompt 256
 #   b256   the four arms at batch 256 / prompt 256 (rows still missing in docs/BENCHMARKS.md)
 #   b256r  nvfp4_rac at batch 256 with the grouped GEMMs' prefill paths from 4 096 rows
@@ -472,6 +473,8 @@ for step in "$@"; do
     gcheck) check check-grouped 240 ;;
     mcheck) check check-moe 100 ;;
     b128) rollout b128 250 --quick --profile-steps 4 --precisions $ALL --budget-s 200 ;;
+    b128r) rollout b128r 200 --quick --profile-steps 4 --precisions nvfp4_rac,bf16 \
+      --budget-s 160 ;;
     prng) rollout prng 220 --quick --profile-steps 4 --precisions nvfp4_rac,bf16 \
       --prng-impl rbg --budget-s 170 ;;
     b32) rollout b32 220 --batches 32 --prompts 256 $short --precisions $ALL --budget-s 170 ;;
