@@ -97,7 +97,7 @@ class QuantizedActivations:
       placed: None, or the stacked ``[2, P, K]`` buffer into whose operand 0 the row pass
         wrote each row's values at its window row (``row_pass``' placement), for
         ``rac_operands(placed=...)`` to complete in place.
-      row_stats: None, or the row pass's ``(scores float32, amax float32, finite int8)``
+      selection_stats: None, or the row pass's ``(scores float32, amax float32, finite int8)``
         ``[R, K/16]`` of the distinct rows and ``row_valid`` (None or ``[R]``): what
         ``rac_operands`` selects blocks from when it does the selection itself
         (``rac_operands.OperandSelection``).
@@ -109,7 +109,7 @@ class QuantizedActivations:
     q_rows: jax.Array | None = None
     operand: tuple[jax.Array | None, jax.Array, jax.Array] | None = None
     placed: jax.Array | None = None
-    row_stats: tuple | None = None
+    selection_stats: tuple | None = None
 
 
 def _check_x(x: jax.Array, act_scale_mode: str, static_scale) -> None:
@@ -173,7 +173,7 @@ def nvfp4_quantize(
     q = nvfp4.quantize_activations(x, act_scale_mode, static_scale)
     if rac_config is None:
         return QuantizedActivations(q=q, q_rows=source_rows)
-    operand = row_stats = placed = stats = None
+    operand = row_stats = placed = selection_stats = None
     if row_pass is not None and row_pass_applies(rac_config, act_scale_mode):
         from pallas_kernels import rac_rows
 
@@ -190,7 +190,7 @@ def nvfp4_quantize(
             placed = rp.values
         operand = (None if placement is not None else rp.values, g, x)
         row_stats = (None, rp.amax, rp.finite, rp.scores, rp.finite_i8)
-        stats = (rp.scores, rp.amax[..., 0], rp.finite_i8, row_valid)
+        selection_stats = (rp.scores, rp.amax[..., 0], rp.finite_i8, row_valid)
     sel = rac.select_residual(
         x, q, rac_config, act_scale_mode=act_scale_mode, rows=source_rows,
         row_expert=row_expert, num_experts=num_experts, static_blocks=static_blocks,
@@ -198,7 +198,8 @@ def nvfp4_quantize(
     )
     residual = sel.masked().astype(jnp.bfloat16) if rac_config.rac_residual_format == "bf16" else sel
     return QuantizedActivations(q=q, residual=residual, mask=sel.mask, q_rows=source_rows,
-                                operand=operand, placed=placed, row_stats=stats)
+                                operand=operand, placed=placed,
+                                selection_stats=selection_stats)
 
 
 def row_pass_applies(rac_config: RACConfig, act_scale_mode: str) -> bool:

@@ -146,6 +146,13 @@ class OperandSelection:
         default=rac_select.RACSelectConfig(), metadata={"static": True})
 
 
+def selects_in_kernel(config: RACOperandsConfig) -> bool:
+    """Whether a kernel of this config can take ``select=``: each program's window rows are
+    one expert's (``block_rows`` divides ``ROW_ALIGN``) and the output is not the aliased
+    NaN-filled test buffer (``padding_rows`` "nan")."""
+    return ROW_ALIGN % config.block_rows == 0 and config.padding_rows != "nan"
+
+
 def _program_selection(sel_refs, rows_ref, gemm_row, valid, src, cols, idx_cols, *, m: int,
                        num_experts: int, nb: int, ch: int, n_keep: int, block_rows: int,
                        has_valid: bool):
@@ -162,8 +169,7 @@ def _program_selection(sel_refs, rows_ref, gemm_row, valid, src, cols, idx_cols,
     valid_ref = rest.pop(0) if has_valid else None
     scores_ref, amax_ref, finite_ref = rest
     gs = gs_ref[...]
-    ids = jnp.arange(gs.shape[0])
-    ends = jnp.sum(jnp.where(ids[None, :] <= ids[:, None], gs[None, :], 0), axis=1)  # cumsum
+    ends = jnp.cumsum(gs)
     first_row = jnp.min(jnp.where(valid, gemm_row, m))
     e = jnp.minimum(jnp.sum((ends <= first_row).astype(jnp.int32)), num_experts - 1)
     start, end = rac_select.expert_range(gs, e, num_experts, m)
@@ -294,7 +300,7 @@ def rac_stacked_operands(b0: jax.Array, r: jax.Array, scales: jax.Array,
     if select is not None:
         if (scales is not None or reciprocals is not None or coded is not None
                 or residual_of is None or placed is not None or r is not None
-                or config.padding_rows == "nan" or ROW_ALIGN % config.block_rows):
+                or not selects_in_kernel(config)):
             raise ValueError(
                 "rac_stacked_operands: select needs scales, reciprocals, coded, r and placed "
                 "None, residual_of=(x, g), padding_rows 'zeros' or 'skip' and block_rows "

@@ -411,7 +411,7 @@ def operand_rows(acts: aq.QuantizedActivations, index: jax.Array, dtype, k_pad: 
 
     ``selection``: None, or ``(group_sizes [E], ratio, rac_select.RACSelectConfig)`` of a
     grouped call whose ``index`` is the plan's window layout: where the stacked kernel
-    recomputes the residual from the row pass (``acts.row_stats``) and ``Kp == K``, its
+    recomputes the residual from the row pass (``acts.selection_stats``) and ``Kp == K``, its
     programs select each expert's blocks themselves (``rac_operands.OperandSelection``) and
     the selection kernel's outputs go unused (XLA drops the call).
     """
@@ -447,13 +447,12 @@ def operand_rows(acts: aq.QuantizedActivations, index: jax.Array, dtype, k_pad: 
         acts.q_rows, g0.shape[0], index)
     if isinstance(res, rac.SelectedResidual) and stacked_kernel:
         from pallas_kernels import rac_operands as ro
-        from pallas_kernels.token_tiles import ROW_ALIGN
 
         g_rows = rac.rows_or_fill(g0, q_index, 0.0)
-        if (selection is not None and recompute and not placed and acts.row_stats is not None
-                and k_pad == acts.operand[2].shape[1] and ROW_ALIGN % kernel.block_rows == 0
-                and kernel.padding_rows != "nan"):
-            scores, amax, finite, valid = acts.row_stats
+        if (selection is not None and recompute and not placed
+                and acts.selection_stats is not None and k_pad == acts.operand[2].shape[1]
+                and ro.selects_in_kernel(kernel)):
+            scores, amax, finite, valid = acts.selection_stats
             gs, ratio, select_config = selection
             stacked, s1 = ro.rac_stacked_operands(
                 b0, None, None, None, index, acts.q_rows, k_pad=k_pad, config=kernel,
