@@ -100,3 +100,17 @@ def grouped_w4a4_case(seed: int):
     w = prepare_w4a4_weights(nvfp4.quantize(jax.random.normal(k[1], (4, 128, 256)),
                                             scale_mode="expert"))
     return x, src, w, jnp.asarray([5, 0, 8, 3], jnp.int32)
+
+
+def pallas_calls(closed_jaxpr) -> list:
+    """The ``pallas_call`` equations of a ``jax.make_jaxpr`` result, nested jaxprs (a jit's,
+    a loop's) included: what a test reads to see which kernel a path really called."""
+    import jax.extend
+
+    def eqns(jx):
+        for e in jx.eqns:
+            yield e
+            for sub in jax.extend.core.jaxprs_in_params(e.params):
+                yield from eqns(sub)
+
+    return [e for e in eqns(closed_jaxpr.jaxpr) if e.primitive.name == "pallas_call"]

@@ -5,7 +5,6 @@ import dataclasses
 import functools
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -21,7 +20,7 @@ from pallas_kernels.decode_attention import (
 )
 from quads_jax.models import KVCache, forward, init_params
 from quads_jax.quant.recipe import get_recipe
-from quads_jax.testing import tiny_config
+from quads_jax.testing import pallas_calls, tiny_config
 
 H200 = AbstractMesh((), (), abstract_device=AbstractDevice(
     device_kind="NVIDIA H200", platform="gpu", num_cores=132))
@@ -281,14 +280,7 @@ def test_fp8_cache_goes_to_the_kernel_as_words():
     kv = jax.ShapeDtypeStruct((48, 128, 4, 1280, 128), jnp.float8_e4m3fn)  # 4.0e9 elements
     valid = jax.ShapeDtypeStruct((128, 1280), jnp.bool_)
     i = jax.ShapeDtypeStruct((), jnp.int32)
-    jaxpr = jax.make_jaxpr(decode_attention)(q, kv, kv, i, valid, i)
-    def eqns(jx):  # every equation, nested jaxprs (the jit) included
-        for e in jx.eqns:
-            yield e
-            for sub in jax.extend.core.jaxprs_in_params(e.params):
-                yield from eqns(sub)
-
-    calls = [e for e in eqns(jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
+    calls = pallas_calls(jax.make_jaxpr(decode_attention)(q, kv, kv, i, valid, i))
     assert len(calls) == 1
     caches = [v.aval for v in calls[0].invars[-2:]]  # (.., q, valid, k_all, v_all)
     assert [(a.shape, a.dtype) for a in caches] == [((48, 128, 4, 1280, 32), jnp.int32)] * 2

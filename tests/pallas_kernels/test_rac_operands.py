@@ -12,7 +12,7 @@ from pallas_kernels import rac_operands as ro
 from pallas_kernels.w4a4_grouped import w4a4_grouped_matmul
 from pallas_kernels.w4a4_matmul import W4A4MatmulConfig, dense_plan, operand_rows, token_tiles
 from quads_jax.quant import rac
-from quads_jax.testing import grouped_w4a4_case, lower_for_h200
+from quads_jax.testing import grouped_w4a4_case, lower_for_h200, pallas_calls
 
 
 def _selected(r_rows, m, k, seed, with_rows):
@@ -308,3 +308,11 @@ def test_grouped_matmul_selecting_in_the_operand_kernel_gives_the_same_bits():
 
     for got, want in zip(run(True), run(False), strict=True):
         np.testing.assert_array_equal(got, want)
+    # The flag really takes the selecting kernel (two outputs: the operands and the window
+    # rows' decode scales), not the fallback that would make the comparison above trivial.
+    for flag, outputs in ((True, 2), (False, 1)):
+        cfg = W4A4MatmulConfig(a_via_smem=True, num_sms=2, rac_select_in_operands=flag)
+        calls = pallas_calls(jax.make_jaxpr(lambda h, cfg=cfg: w4a4_grouped_matmul(
+            h, w, gs, rac=aq.RACConfig(), config=cfg, interpret=True))(h))
+        assert [len(c.outvars) for c in calls if str(c.params["name"]) == "rac_operands"] == [
+            outputs]
