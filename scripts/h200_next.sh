@@ -12,6 +12,10 @@
 #          read-back in slot order (output_rows) (check-moe)
 #   b128   the four arms at batch 128 / prompt 256, traced (the reference row)
 #   b128r  nvfp4_rac and bf16 alone at batch 128 / prompt 256 (issue 5's 2x bf16; ~3.5 minutes)
+#   cbuf   nvfp4_rac at batch 128 with XLA's command buffers at the default set, off, and with
+#          WHILE + CONDITIONAL (the layer scan and the token loop inside CUDA graphs; session
+#          15's explicit set was 17 % slower, before most of today's kernels), traced; counts the
+#          command_buffer computations in the optimized HLO (~6.5 minutes)
 #   b32    the four arms at batch 32 / prompt 256
 #   b256   the four arms at batch 256 / prompt 256 (rows still missing in docs/BENCHMARKS.md)
 #   b256r  nvfp4_rac at batch 256 with the grouped GEMMs' prefill paths from 4 096 rows
@@ -473,6 +477,21 @@ for step in "$@"; do
     gcheck) check check-grouped 240 ;;
     mcheck) check check-moe 100 ;;
     b128) rollout b128 250 --quick --profile-steps 4 --precisions $ALL --budget-s 200 ;;
+    cbuf) # XLA's command buffers (CUDA graphs) in the decode step: the default set, none,
+      # and with the layer loop and the token loop's conditionals (WHILE, CONDITIONAL); the
+      # default's and WHILE's optimized HLO counted for command_buffer computations
+      cb="--xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*"
+      XLA_FLAGS="--xla_dump_to=/tmp/hlo_cbdef $cb" rollout cbdef 130 --quick --profile-steps 4 \
+        --precisions nvfp4_rac --budget-s 100
+      XLA_FLAGS="--xla_gpu_enable_command_buffer=" rollout cboff 120 --quick --profile-steps 4 \
+        --precisions nvfp4_rac --budget-s 95
+      XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1 --xla_dump_to=/tmp/hlo_cbwhile $cb" \
+        rollout cbwhile 150 --quick --profile-steps 4 --precisions nvfp4_rac --budget-s 120
+      for d in /tmp/hlo_cbdef /tmp/hlo_cbwhile; do
+        echo "$d: $(ls $d 2>/dev/null | grep -c after_optimizations.txt) modules"
+        cat $d/*after_optimizations.txt 2>/dev/null | grep -oE "command_buffer[A-Za-z0-9_.]*|kind=[A-Za-z]+" \
+          | sed -E 's/[0-9]+$//' | sort | uniq -c | sort -rn | head -8
+      done ;;
     b128r) rollout b128r 200 --quick --profile-steps 4 --precisions nvfp4_rac,bf16 \
       --budget-s 160 ;;
     prng) rollout prng 220 --quick --profile-steps 4 --precisions nvfp4_rac,bf16 \
