@@ -180,12 +180,15 @@ def nvfp4_quantize(
         config, interpret, dtype, *placement = row_pass
         placement = placement[0] if placement and source_rows is None else None
         window_of_row, windows = placement if placement is not None else (None, None)
-        g = q.global_scale[:, 0]  # per token: [R, 1]
         # No float32 residual written: rac_operands recomputes it from x and the values (and
         # any other consumer gets select_residual's XLA expression, bit-identical).
-        rp = rac_rows.rac_row_pass(x, g, score=rac_config.rac_score, dtype=dtype, config=config,
+        rp = rac_rows.rac_row_pass(x, None if config.row_scales else q.global_scale[:, 0],
+                                   score=rac_config.rac_score, dtype=dtype, config=config,
                                    interpret=interpret, with_residual=False,
                                    window_of_row=window_of_row, windows=windows)
+        if rp.g is not None:  # the kernel's decode scales, the same bits: XLA drops its own
+            q = dataclasses.replace(q, global_scale=rp.g[:, None])
+        g = q.global_scale[:, 0]  # per token: [R, 1]
         if placement is not None:  # the values live in the windowed buffer, not per row
             placed = rp.values
         operand = (None if placement is not None else rp.values, g, x)

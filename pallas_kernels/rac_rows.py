@@ -54,14 +54,30 @@ SCORES = ("residual_l2", "residual_l1")  # act_amax scores x, not R: the jnp pat
 class RACRowsConfig:
     """block_rows: rows per program (a power of two); block_k: columns per program (a power of
     two, a multiple of 16; a smaller power of two where it does not divide K); num_warps:
-    Triton warps per program."""
+    Triton warps per program; row_scales, scale_programs: below."""
 
     block_rows: int = 8
     block_k: int = 256
     num_warps: int = 4
+    # row_scales: ``nvfp4_quantize``'s row pass lets the kernel compute the rows' decode
+    # scales (``rac_row_pass(g=None)``). A program then holds whole rows; scale_programs: the
+    # fewest programs wanted (its rows shrink from block_rows, down to 1, to reach them).
+    row_scales: bool = False
+    scale_programs: int = 128
 
     def __post_init__(self):
         check_row_grid(self)
+        if not isinstance(self.scale_programs, int) or self.scale_programs < 1:
+            raise ValueError(f"RACRowsConfig.scale_programs={self.scale_programs!r}: an int >= 1")
+
+    def whole_row_block(self, r_rows: int) -> int:
+        """Rows per program when programs hold whole rows: the largest power of two <=
+        block_rows that leaves at least ``scale_programs`` programs for ``r_rows`` rows (1 if
+        none does)."""
+        br = self.block_rows
+        while br > 1 and -(-r_rows // br) < self.scale_programs:
+            br //= 2
+        return br
 
 
 class RowPass(NamedTuple):
@@ -75,6 +91,8 @@ class RowPass(NamedTuple):
     # The kernel's int8 finiteness [R, K/16] (1 = finite): what the selection kernel reads,
     # where ``finite`` (bool) would be a conversion pass of its own.
     finite_i8: jax.Array | None = None
+    # float32 [R]: the rows' decode scales where the kernel computed them (``g=None``).
+    g: jax.Array | None = None
 
 
 def _blocks_per_program(nb: int, block_k: int) -> int:
@@ -85,16 +103,38 @@ def _blocks_per_program(nb: int, block_k: int) -> int:
     return p
 
 
-def _kernel(x_ref, g_ref, *refs, block_rows: int, blocks_k: int, score: str,
-            with_residual: bool, placed: int | None):
+def _kernel(x_ref, *refs, block_rows: int, blocks_k: int, chunks: int, score: str,
+            with_residual: bool, placed: int | None, own_scales: bool):
     refs = list(refs)
+    g_ref = None if own_scales else refs.pop(0)
     place_ref = refs.pop(0) if placed is not None else None
     vals_ref = refs.pop(0)
-    r_ref, amax_ref, fin_ref, score_ref = refs if with_residual else (None, *refs)
+    r_ref = refs.pop(0) if with_residual else None
+    amax_ref, fin_ref, score_ref, *g_out = refs
     rows = pl.ds(pl.program_id(0) * block_rows, block_rows)
-    cols = pl.ds(pl.program_id(1) * blocks_k, blocks_k)
+    if not own_scales:
+        cols = pl.ds(pl.program_id(1) * blocks_k, blocks_k)
+        _row_chunk(x_ref, g_ref[rows][:, None, None], rows, cols, place_ref, vals_ref, r_ref,
+                   amax_ref, fin_ref, score_ref, score=score, placed=placed)
+        return
+    # The program holds whole rows: their decode scales first (the quantizer's finite amax
+    # over every chunk, then its division), then each chunk as above, re-read from L1 / L2.
+    col = [pl.ds(c * blocks_k, blocks_k) for c in range(chunks)]
+    amax = None
+    for cols in col:
+        a = nvfp4.finite_amax(x_ref[rows, cols, :], "expert")  # [BR, 1, 1]
+        amax = a if amax is None else jnp.maximum(amax, a)
+    g = nvfp4.decode_scale_from_amax(amax)
+    pltriton.store(g_out[0].at[rows], g[:, 0, 0])
+    for cols in col:
+        _row_chunk(x_ref, g, rows, cols, place_ref, vals_ref, r_ref, amax_ref, fin_ref,
+                   score_ref, score=score, placed=placed)
+
+
+def _row_chunk(x_ref, g, rows, cols, place_ref, vals_ref, r_ref, amax_ref, fin_ref, score_ref,
+               *, score: str, placed: int | None):
+    """One program's rows x columns: values, residual statistics (module docstring)."""
     xb = x_ref[rows, cols, :].astype(jnp.float32)  # [BR, blocks_k, 16]
-    g = g_ref[rows][:, None, None]
     vals = nvfp4.unscaled_block_values(xb, g)  # e2m1 * s_b: exact in f16 / bf16
     r = nvfp4.residual_from_values(xb, vals, g)  # nvfp4.residual's arithmetic
     r_amax, r_finite = nvfp4.block_amax(r)
@@ -106,12 +146,13 @@ def _kernel(x_ref, g_ref, *refs, block_rows: int, blocks_k: int, score: str,
         ok = dest < placed  # the pad rows of the last program: not written
         # Every dimension an index array (the interpreter's masked store takes no mix of
         # arrays and slices): rows scattered, columns and lanes in order.
-        col = pl.program_id(1) * blocks_k + jnp.arange(blocks_k, dtype=jnp.int32)
+        blocks_k = vals.shape[1]
+        col = cols.start + jnp.arange(blocks_k, dtype=jnp.int32)
         pltriton.store(vals_ref.at[jnp.where(ok, dest, 0)[:, None, None], col[None, :, None],
                                    jnp.arange(BLOCK, dtype=jnp.int32)[None, None, :]],
                        vals.astype(vals_ref.dtype),
                        mask=jnp.broadcast_to(ok[:, None, None], vals.shape))
-    if with_residual:
+    if r_ref is not None:
         pltriton.store(r_ref.at[rows, cols, :], r)
     pltriton.store(amax_ref.at[rows, cols], r_amax[..., 0])
     # int8: a quarter of int32's bytes written here and read by the selection's XLA pass
@@ -121,11 +162,14 @@ def _kernel(x_ref, g_ref, *refs, block_rows: int, blocks_k: int, score: str,
 
 @functools.partial(jax.jit, static_argnames=("score", "dtype", "config", "interpret",
                                              "with_residual", "windows"))
-def rac_row_pass(x: jax.Array, g: jax.Array, *, score: str = "residual_l2",
+def rac_row_pass(x: jax.Array, g: jax.Array | None, *, score: str = "residual_l2",
                  dtype=jnp.float16, config: RACRowsConfig | None = None,
                  interpret: bool = False, with_residual: bool = True,
                  window_of_row: jax.Array | None = None, windows: int | None = None) -> RowPass:
     """The row pass of rows ``x [R, K]`` with decode scales ``g [R]`` (module docstring).
+    ``g`` None: the kernel computes each row's decode scale itself, the quantizer's
+    (``nvfp4.compute_global_scale(x, "row")``; ``RowPass.g``), each program holding whole
+    rows: the XLA row reduction and its select before the kernel drop out.
     ``with_residual=False``: the float32 residual is not written (``RowPass.residual`` None;
     ``rac_operands`` recomputes it from ``x`` and the values: half the kernel's bytes).
 
@@ -139,8 +183,8 @@ def rac_row_pass(x: jax.Array, g: jax.Array, *, score: str = "residual_l2",
         raise ValueError(f"rac_row_pass: x {x.dtype}{list(x.shape)} must be a float [R, K] "
                          f"with K % {BLOCK} == 0")
     r_rows, k = x.shape
-    if g.shape != (r_rows,):
-        raise ValueError(f"rac_row_pass: g {list(g.shape)} must be [R] = [{r_rows}]")
+    if g is not None and g.shape != (r_rows,):
+        raise ValueError(f"rac_row_pass: g {list(g.shape)} must be [R] = [{r_rows}] or None")
     if score not in SCORES:
         raise ValueError(f"rac_row_pass: score={score!r}: one of {SCORES} (act_amax scores "
                          "the activations: the jnp path)")
@@ -154,18 +198,19 @@ def rac_row_pass(x: jax.Array, g: jax.Array, *, score: str = "residual_l2",
                          f"and windows={windows} go together: int32 [R] = [{r_rows}] and an "
                          f"int >= R")
     nb = k // BLOCK
-    br = config.block_rows
+    own_scales = g is None
+    br = config.whole_row_block(r_rows) if own_scales else config.block_rows
     r_pad = -(-r_rows // br) * br
-    g = g.astype(jnp.float32)
+    g = () if own_scales else (g.astype(jnp.float32),)
     if r_pad != r_rows:  # whole programs; the pad rows' outputs are dropped
         x = jnp.pad(x, ((0, r_pad - r_rows), (0, 0)))
-        g = jnp.pad(g, (0, r_pad - r_rows), constant_values=1.0)
+        g = tuple(jnp.pad(a, (0, r_pad - r_rows), constant_values=1.0) for a in g)
         if window_of_row is not None:
             window_of_row = jnp.pad(window_of_row, (0, r_pad - r_rows), constant_values=windows)
     bk = _blocks_per_program(nb, config.block_k)
     xb = x.reshape(r_pad, nb, BLOCK)
-    extra = () if window_of_row is None else (window_of_row,)
-    vary, (xb, g, *extra) = varying_operands(xb, g, *extra)
+    extra = (*g, *(() if window_of_row is None else (window_of_row,)))
+    vary, (xb, *extra) = varying_operands(xb, *extra)
     whole = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))  # noqa: E731
     # Placed values: the stacked [2, windows] buffer as [2 * windows] rows (operand 0 first).
     vals_rows = r_pad if windows is None else 2 * windows
@@ -173,21 +218,25 @@ def rac_row_pass(x: jax.Array, g: jax.Array, *, score: str = "residual_l2",
               ((r_pad, nb), jnp.float32), ((r_pad, nb), jnp.int8), ((r_pad, nb), jnp.float32)]
     if not with_residual:
         del shapes[1]
+    if own_scales:
+        shapes.append(((r_pad,), jnp.float32))
     outs = pl.pallas_call(
-        functools.partial(_kernel, block_rows=br, blocks_k=bk, score=score,
-                          with_residual=with_residual, placed=windows),
-        grid=(r_pad // br, nb // bk),
-        in_specs=[whole(a.shape) for a in (xb, g, *extra)],
+        functools.partial(_kernel, block_rows=br, blocks_k=bk, chunks=nb // bk, score=score,
+                          with_residual=with_residual, placed=windows, own_scales=own_scales),
+        grid=(r_pad // br, 1 if own_scales else nb // bk),
+        in_specs=[whole(a.shape) for a in (xb, *extra)],
         out_specs=[whole(s) for s, _ in shapes],
         out_shape=[jax.ShapeDtypeStruct(s, d, **vary) for s, d in shapes],
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=1),
         interpret=interpret,
         name="rac_rows",
-    )(xb, g, *extra)
+    )(xb, *extra)
+    outs = list(outs)
+    g_out = outs.pop() if own_scales else None
     vals, r, amax, fin, sc = outs if with_residual else (outs[0], None, *outs[1:])
     vals = vals.reshape(r_pad, k) if windows is None else vals.reshape(2, windows, k)
     out = RowPass(vals, None if r is None else r.reshape(r_pad, k),
-                  amax[..., None], (fin > 0)[..., None], sc, fin)
+                  amax[..., None], (fin > 0)[..., None], sc, fin, g_out)
     if r_pad == r_rows:
         return out
     placed = windows is not None

@@ -192,10 +192,12 @@ def selected_amax(keep, amax) -> jax.Array:
     return sel
 
 
-def _select(gs_ref, rows_ref, *refs, num_experts: int, nb: int, ch: int, n_keep: int, m: int,
-            block_rows: int, has_valid: bool):
-    valid_ref = refs[0] if has_valid else None
-    scores_ref, amax_ref, finite_ref, coded_ref, g_ref = refs[1:] if has_valid else refs
+def _select(gs_ref, *refs, num_experts: int, nb: int, ch: int, n_keep: int, m: int,
+            block_rows: int, has_rows: bool, has_valid: bool):
+    refs = list(refs)
+    rows_ref = refs.pop(0) if has_rows else None
+    valid_ref = refs.pop(0) if has_valid else None
+    scores_ref, amax_ref, finite_ref, coded_ref, g_ref = refs
     start, end = expert_range(gs_ref[...], pl.program_id(0), num_experts, m)
     br = block_rows
     chunks = [pl.ds(c * ch, ch) for c in range(nb // ch)]
@@ -234,25 +236,26 @@ def _select(gs_ref, rows_ref, *refs, num_experts: int, nb: int, ch: int, n_keep:
 
 @functools.partial(jax.jit, static_argnames=("ratio", "config", "interpret"))
 def grouped_rac_selection(scores: jax.Array, amax: jax.Array, finite: jax.Array,
-                          rows: jax.Array, group_sizes: jax.Array, *, ratio: float,
+                          rows: jax.Array | None, group_sizes: jax.Array, *, ratio: float,
                           row_valid: jax.Array | None = None,
                           config: RACSelectConfig = RACSelectConfig(),
                           interpret: bool = False):
     """RAC selection per expert, coded per GEMM row (module docstring).
 
     Returns ``(coded float32 [M, nb], g float32 [M])``: ``rac.code_block_amax`` of the
-    selection and the residual's decode scales."""
+    selection and the residual's decode scales. ``rows`` None: the GEMM rows are the score
+    rows themselves (M = R; no index array is read, none has to be made)."""
     r_rows, nb = scores.shape
     if amax.shape != (r_rows, nb) or finite.shape != (r_rows, nb):
         raise ValueError(f"grouped_rac_selection: scores {scores.shape}, amax {amax.shape} and "
                          f"finite {finite.shape} must all be [R, nb]")
-    if rows.ndim != 1 or group_sizes.ndim != 1:
+    if (rows is not None and rows.ndim != 1) or group_sizes.ndim != 1:
         raise ValueError(f"grouped_rac_selection: rows {rows.shape} must be [M] and "
                          f"group_sizes {group_sizes.shape} [E]")
     if row_valid is not None and row_valid.shape != (r_rows,):
         raise ValueError(f"grouped_rac_selection: row_valid {row_valid.shape} must be [R] = "
                          f"[{r_rows}]")
-    m, e = rows.shape[0], group_sizes.shape[0]
+    m, e = r_rows if rows is None else rows.shape[0], group_sizes.shape[0]
     ep = pow2_at_least(e)
     n_keep = rac.kept_blocks(ratio, nb)  # rac.select_blocks' count
     br = min(config.block_rows, 1 << (m.bit_length() - 1))  # a window fits in [0, M)
@@ -263,12 +266,14 @@ def grouped_rac_selection(scores: jax.Array, amax: jax.Array, finite: jax.Array,
     fin = finite if finite.dtype == jnp.int8 else finite.astype(jnp.int8)
     valid = () if row_valid is None else (
         row_valid if row_valid.dtype == jnp.int8 else row_valid.astype(jnp.int8),)
-    args = (gs, rows.astype(jnp.int32), *valid, scores.astype(jnp.float32),
+    args = (gs, *(() if rows is None else (rows.astype(jnp.int32),)), *valid,
+            scores.astype(jnp.float32),
             amax.astype(jnp.float32), fin)
     vary, args = varying_operands(*args)
     whole = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))  # noqa: E731
     kernel = functools.partial(_kernel, num_experts=e, nb=nb, ch=chunk(nb), n_keep=n_keep,
-                               m=m, block_rows=br, has_valid=row_valid is not None,
+                               m=m, block_rows=br, has_rows=rows is not None,
+                               has_valid=row_valid is not None,
                                exact_division=config.exact_division and not interpret)
     coded, g = pl.pallas_call(
         kernel,
@@ -289,6 +294,8 @@ def grouped_rac_selection_reference(scores, amax, finite, rows, group_sizes, *, 
     """The jnp path (``rac.selection_mask``, ``rac.residual_decode_scales`` and
     ``rac.code_block_amax``, as ``rac.select_residual`` runs them) on the same inputs: what
     the kernel must equal."""
+    if rows is None:
+        rows = jnp.arange(scores.shape[0], dtype=jnp.int32)
     m, e = rows.shape[0], group_sizes.shape[0]
     # Each GEMM row's expert (w4a4_grouped.row_experts), rows past the groups in the last one.
     rexp = jnp.minimum(ops.count_le(jnp.cumsum(group_sizes), jnp.arange(m, dtype=jnp.int32)),

@@ -191,11 +191,11 @@ def rac_selector(rac, act_scale_mode: str, group_sizes: jax.Array, source_rows, 
     if (rac is None or not config.rac_select_kernel or m > rac_select.MAX_ROWS
             or not rac_select.supports(rac, act_scale_mode)):
         return None
-    rows = jnp.arange(m, dtype=jnp.int32) if source_rows is None else source_rows
     cfg = select_config(config)
 
     def select(scores, amax, finite, row_valid):
-        return rac_select.grouped_rac_selection(scores, amax, finite, rows, group_sizes,
+        # no source rows: the kernel reads the score rows as the GEMM rows (no iota array)
+        return rac_select.grouped_rac_selection(scores, amax, finite, source_rows, group_sizes,
                                                 ratio=rac.rac_ratio, row_valid=row_valid,
                                                 config=cfg, interpret=interpret)
 

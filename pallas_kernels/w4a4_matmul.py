@@ -76,7 +76,8 @@ class W4A4MatmulConfig:
         (bit-identical); act_operand_block_rows: its ``block_rows``.
       rac_row_kernel: RAC with per-token scales and a residual score: the distinct rows'
         operand values and residual statistics from ``pallas_kernels.rac_rows`` (one kernel);
-        rac_row_block_rows / rac_row_block_k / rac_row_warps: its ``RACRowsConfig``.
+        rac_row_block_rows / rac_row_block_k / rac_row_warps / rac_row_scales: its
+        ``RACRowsConfig`` (``block_rows``, ``block_k``, ``num_warps``, ``row_scales``).
       rac_placed_values: large grouped RAC calls without source rows: ``rac_rows`` writes the
         operand values into the windowed stacked operand itself (see the field's comment).
       tile_plan_kernel: grouped GEMMs compute their token-tile plan in
@@ -170,6 +171,11 @@ class W4A4MatmulConfig:
     rac_row_block_rows: int = 8
     rac_row_block_k: int = 256
     rac_row_warps: int = 4
+    # rac_rows computes the rows' per-token decode scales itself (RACRowsConfig.row_scales),
+    # whole rows per program: the XLA row amax and its select before it drop out (per layer of
+    # the decode step, H100 2026-12-07 trace: 1.5 + 1.1 us for gate_up's 128 rows, the amax
+    # half of down's swiglu fusion and a 1.2 us select). Opt-in until timed on a GPU.
+    rac_row_scales: bool = False
     # Grouped RAC calls whose rows are their own distinct rows (no source_rows) and at least
     # prefill_min_rows: rac_rows writes each row's operand values straight into the windowed
     # stacked operand and rac_operands completes that buffer in place (operand 1 and the empty
@@ -287,7 +293,7 @@ class W4A4MatmulConfig:
         if not self.rac_row_kernel:
             return None
         rows = RACRowsConfig(block_rows=self.rac_row_block_rows, block_k=self.rac_row_block_k,
-                             num_warps=self.rac_row_warps)
+                             num_warps=self.rac_row_warps, row_scales=self.rac_row_scales)
         return rows, interpret, jnp.dtype(self.mma_dtype), placement
 
     def tile_plan_config(self):

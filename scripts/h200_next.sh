@@ -16,6 +16,9 @@
 #          WHILE + CONDITIONAL (the layer scan and the token loop inside CUDA graphs; session
 #          15's explicit set was 17 % slower, before most of today's kernels), traced; counts the
 #          command_buffer computations in the optimized HLO (~6.5 minutes)
+#   rscale RAC's row pass computing the rows' decode scales itself (`rac_row_scales`, session
+#          44): the decode MoE operand checks with it (check-moe), then nvfp4_rac at batch 128
+#          with it and at the defaults, same call, traced (top 45 kernels; ~5 minutes)
 #   b32    the four arms at batch 32 / prompt 256
 #   b256   the four arms at batch 256 / prompt 256 (rows still missing in docs/BENCHMARKS.md)
 #   b256r  nvfp4_rac at batch 256 with the grouped GEMMs' prefill paths from 4 096 rows
@@ -492,6 +495,14 @@ for step in "$@"; do
         cat $d/*after_optimizations.txt 2>/dev/null | grep -oE "command_buffer[A-Za-z0-9_.]*|kind=[A-Za-z]+" \
           | sed -E 's/[0-9]+$//' | sort | uniq -c | sort -rn | head -8
       done ;;
+    rscale) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 110 python3 scripts/bench_kernels.py \
+        --part check-moe --w4a4-set rac_row_scales=true --out "$OUT/mcheckrs" \
+        > "$OUT/mcheckrs.log" 2>&1
+      echo "mcheckrs rc $?"; grep -E "PASS|FAIL" "$OUT/mcheckrs.log" | cut -c1-110
+      rollout rsown 120 --quick --profile-steps 4 --profile-top 45 --precisions nvfp4_rac \
+        --w4a4-set rac_row_scales=true --budget-s 95
+      rollout rsdef 120 --quick --profile-steps 4 --profile-top 45 --precisions nvfp4_rac \
+        --budget-s 95 ;;
     b128r) rollout b128r 200 --quick --profile-steps 4 --precisions nvfp4_rac,bf16 \
       --budget-s 160 ;;
     prng) rollout prng 220 --quick --profile-steps 4 --precisions nvfp4_rac,bf16 \

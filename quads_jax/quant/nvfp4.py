@@ -127,7 +127,10 @@ def global_scale_shape(shape: tuple[int, ...], scale_mode: ScaleMode) -> tuple[i
     return tuple(shape[:-2]) + (1, 1)
 
 
-def _finite_amax(x: jax.Array, scale_mode: ScaleMode) -> jax.Array:
+def finite_amax(x: jax.Array, scale_mode: ScaleMode) -> jax.Array:
+    """float32 amax of ``|x|`` over its finite elements (0 if none), per ``scale_mode``:
+    ``[]`` (tensor), ``[..., 1]`` (row) or ``[..., 1, 1]`` (expert). Also traced inside
+    Pallas kernels (``rac_rows``' own row scales)."""
     a = jnp.abs(x.astype(jnp.float32))
     a = jnp.where(jnp.isfinite(a), a, 0.0)
     if scale_mode == "tensor":
@@ -149,7 +152,7 @@ def compute_global_scale(x: jax.Array, scale_mode: ScaleMode = "tensor") -> jax.
     """The float32 global decode scale that ``quantize(x, scale_mode=...)`` would use."""
     _check_input(x)
     _check_mode(scale_mode, x.ndim)
-    return decode_scale_from_amax(_finite_amax(x, scale_mode))
+    return decode_scale_from_amax(finite_amax(x, scale_mode))
 
 
 def shared_global_scale(*xs: jax.Array, scale_mode: ScaleMode = "tensor") -> jax.Array:
@@ -163,7 +166,7 @@ def shared_global_scale(*xs: jax.Array, scale_mode: ScaleMode = "tensor") -> jax
     for i, x in enumerate(xs):
         _check_input(x, f"xs[{i}]")
         _check_mode(scale_mode, x.ndim)
-        amaxes.append(_finite_amax(x, scale_mode))
+        amaxes.append(finite_amax(x, scale_mode))
     shapes = {a.shape for a in amaxes}
     if len(shapes) != 1:
         raise ValueError(

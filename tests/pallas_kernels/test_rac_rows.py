@@ -13,7 +13,7 @@ from pallas_kernels.layout import prepare_w4a4_weights
 from pallas_kernels.w4a4_grouped import values_placement, w4a4_grouped_matmul
 from pallas_kernels.w4a4_matmul import W4A4MatmulConfig
 from quads_jax.quant import nvfp4
-from quads_jax.testing import lower_for_h200
+from quads_jax.testing import lower_for_h200, pallas_calls
 
 
 def _x(r, k, seed):
@@ -23,11 +23,13 @@ def _x(r, k, seed):
 
 
 @pytest.mark.numerics
-@pytest.mark.parametrize("r,k,score,block_rows,dtype", [
-    (12, 768, "residual_l2", 8, jnp.float16),  # rows padded to whole programs
-    (16, 96, "residual_l1", 4, jnp.bfloat16),  # K/16 = 6: two blocks per program
+@pytest.mark.parametrize("r,k,score,block_rows,dtype,scale_programs", [
+    # rows padded to whole programs; with its own scales 2 rows per program (6 programs)
+    (12, 768, "residual_l2", 8, jnp.float16, 4),
+    # K/16 = 6: two blocks per program, three chunks per whole row
+    (16, 96, "residual_l1", 4, jnp.bfloat16, 1),
 ])
-def test_interpret_equals_the_jnp_path(r, k, score, block_rows, dtype):
+def test_interpret_equals_the_jnp_path(r, k, score, block_rows, dtype, scale_programs):
     x = _x(r, k, seed=k)
     want, g = rac_rows.rac_row_pass_reference(x, score, dtype)
     np.testing.assert_array_equal(np.asarray(g), np.asarray(nvfp4.compute_global_scale(
@@ -51,6 +53,17 @@ def test_interpret_equals_the_jnp_path(r, k, score, block_rows, dtype):
     a, b = np.asarray(got.scores), np.asarray(want.scores)
     np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
     np.testing.assert_allclose(a[np.isfinite(b)], b[np.isfinite(b)], rtol=1e-6)
+    # The kernel's own decode scales (g=None, whole rows per program): the quantizer's g bit
+    # for bit, and every output the same as with g given.
+    cfg = rac_rows.RACRowsConfig(block_rows=block_rows, scale_programs=scale_programs)
+    assert cfg.whole_row_block(r) == {4: 2, 1: 4}[scale_programs]
+    own = rac_rows.rac_row_pass(x, None, score=score, dtype=dtype, interpret=True, config=cfg)
+    assert got.g is None and own.g.shape == (r,)
+    np.testing.assert_array_equal(np.asarray(own.g).view(np.uint32),
+                                  np.asarray(g).view(np.uint32))
+    for name in ("values", "residual", "amax", "finite", "scores", "finite_i8"):
+        np.testing.assert_array_equal(np.asarray(getattr(own, name)),
+                                      np.asarray(getattr(got, name)), err_msg=name)
 
 
 def _weights(e, n, k, seed):
@@ -72,15 +85,23 @@ def test_rac_matmul_with_the_row_kernel_equals_the_jnp_path():
     # The last: the row kernels on other grids (W4A4MatmulConfig's row-kernel fields; the plan
     # has P = 72 window rows, placed at 4 or 8 prefill rows per program) with rac_operands
     # recomputing the placed values (one call for all: any of them wrong changes the result).
+    # The row pass with its own decode scales, placed and not (whole rows per program).
     other = dict(rac_row_block_rows=16, rac_row_block_k=128, rac_row_warps=2, operand_warps=8,
                  rac_operand_block_rows_prefill=8, rac_operand_recompute_placed=True)
+    own = dict(rac_row_scales=True, rac_row_block_k=128)
     for row_kernel, placed, grid in ((True, False, {}), (False, False, {}), (True, True, {}),
-                                     (True, True, other)):
+                                     (True, True, other), (True, False, own), (True, True, own)):
         cfg = W4A4MatmulConfig(a_via_smem=True, rac_row_kernel=row_kernel,
                                rac_placed_values=placed, prefill_min_rows=16, **grid)
         w = prepare_w4a4_weights(_weights(4, n, k, 1), mma_dtype=cfg.mma_dtype)
         gs = jnp.asarray([7, 0, 12, 5], jnp.int32)
         outs.append(w4a4_grouped_matmul(x, w, gs, rac=racc, config=cfg, interpret=True))
+        if grid is own:  # the row kernel really computed the scales: its fifth output
+            rows = [e for e in pallas_calls(jax.make_jaxpr(
+                lambda x, w=w, gs=gs, cfg=cfg: w4a4_grouped_matmul(
+                    x, w, gs, rac=racc, config=cfg, interpret=True))(x))
+                if str(e.params["name"]) == "rac_rows"]
+            assert [len(e.outvars) for e in rows] == [5]
         if placed:  # the plan's window rows are a whole number of rac_operands' programs
             assert values_placement(jnp.zeros((72,), jnp.int32), None, m, k, k, cfg, gs,
                                     jnp.zeros((m,), jnp.int32)) is not None
@@ -99,6 +120,9 @@ def test_lowers_for_cuda():
     x = jnp.zeros((128, 2048), jnp.bfloat16)
     g = jnp.ones((128,), jnp.float32)
     lower_for_h200(lambda x, g: rac_rows.rac_row_pass(x, g), x, g)
+    # its own decode scales: down's 1 024 rows of K = 768 (three chunks per whole row)
+    lower_for_h200(lambda x: rac_rows.rac_row_pass(x, None, with_residual=False),
+                   jnp.zeros((1024, 768), jnp.bfloat16))
 
 
 def test_bad_input():
@@ -114,6 +138,8 @@ def test_bad_input():
         rac_rows.rac_row_pass(x, g, dtype=jnp.float32)
     with pytest.raises(ValueError, match="block_rows=3"):
         rac_rows.RACRowsConfig(block_rows=3)
+    with pytest.raises(ValueError, match="scale_programs=0"):
+        rac_rows.RACRowsConfig(scale_programs=0)
 
 
 def test_without_the_residual_and_recomputed_in_the_operand_kernel():
@@ -274,6 +300,7 @@ def test_matmul_config_sets_the_row_kernels_grids():
                            operand_warps=2)
     rows, interpret, dtype, placement = cfg.rac_row_pass(True)
     assert rows == rac_rows.RACRowsConfig(block_rows=16, block_k=512, num_warps=8)
+    assert W4A4MatmulConfig(rac_row_scales=True).rac_row_pass(False)[0].row_scales
     assert interpret and dtype == jnp.float16 and placement is None
     assert cfg.rac_operands_config().num_warps == 2 and cfg.act_operands_config().num_warps == 2
     # rac_operands' rows per program: the prefill field in calls of >= prefill_min_rows rows

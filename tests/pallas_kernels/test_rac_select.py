@@ -62,9 +62,13 @@ def test_nan_scores_rank_last_and_ties_take_the_lower_block():
     finite = jnp.ones((4, 16), bool)
     rows = jnp.arange(4, dtype=jnp.int32)
     gs = jnp.asarray([4], jnp.int32)
-    coded, _ = rs.grouped_rac_selection(scores, amax, finite, rows, gs, ratio=0.25,
+    coded, g = rs.grouped_rac_selection(scores, amax, finite, rows, gs, ratio=0.25,
                                         interpret=True)
     np.testing.assert_array_equal(np.flatnonzero(np.asarray(coded[0]) >= 0), [0, 1, 2, 4])
+    # rows None (the GEMM rows are the score rows: down's call): no index array, same result
+    none = rs.grouped_rac_selection(scores, amax, finite, None, gs, ratio=0.25, interpret=True)
+    for a, b in zip(none, (coded, g), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.parametrize("with_valid", [False, True])
@@ -103,6 +107,8 @@ def test_lowers_for_cuda(exact):
                           *args)
     assert "rac_select" in text
     assert ("div.rn.f32" in text) == exact  # arith.division: the kernel's division
+    lower_for_h200(lambda *a: rs.grouped_rac_selection(*a[:3], None, a[4], ratio=0.5,
+                                                       row_valid=a[5], config=cfg), *args)
     # Ops Triton's NVIDIA backend cannot legalize (its compile runs only on a GPU): math.ctlz
     # (an unsigned clz) failed on the H200 on 2026-12-03.
     assert "ctlz" not in text
