@@ -76,8 +76,9 @@ class W4A4MatmulConfig:
         (bit-identical); act_operand_block_rows: its ``block_rows``.
       rac_row_kernel: RAC with per-token scales and a residual score: the distinct rows'
         operand values and residual statistics from ``pallas_kernels.rac_rows`` (one kernel);
-        rac_row_block_rows / rac_row_block_k / rac_row_warps / rac_row_scales: its
-        ``RACRowsConfig`` (``block_rows``, ``block_k``, ``num_warps``, ``row_scales``).
+        rac_row_block_rows / rac_row_block_k / rac_row_warps / rac_row_scales /
+        rac_row_scale_programs: its ``RACRowsConfig`` (``block_rows``, ``block_k``,
+        ``num_warps``, ``row_scales``, ``scale_programs``).
       rac_placed_values: large grouped RAC calls without source rows: ``rac_rows`` writes the
         operand values into the windowed stacked operand itself (see the field's comment).
       tile_plan_kernel: grouped GEMMs compute their token-tile plan in
@@ -176,6 +177,7 @@ class W4A4MatmulConfig:
     # the decode step, H100 2026-12-07 trace: 1.5 + 1.1 us for gate_up's 128 rows, the amax
     # half of down's swiglu fusion and a 1.2 us select). Opt-in until timed on a GPU.
     rac_row_scales: bool = False
+    rac_row_scale_programs: int = 128
     # Grouped RAC calls whose rows are their own distinct rows (no source_rows) and at least
     # prefill_min_rows: rac_rows writes each row's operand values straight into the windowed
     # stacked operand and rac_operands completes that buffer in place (operand 1 and the empty
@@ -293,7 +295,8 @@ class W4A4MatmulConfig:
         if not self.rac_row_kernel:
             return None
         rows = RACRowsConfig(block_rows=self.rac_row_block_rows, block_k=self.rac_row_block_k,
-                             num_warps=self.rac_row_warps, row_scales=self.rac_row_scales)
+                             num_warps=self.rac_row_warps, row_scales=self.rac_row_scales,
+                             scale_programs=self.rac_row_scale_programs)
         return rows, interpret, jnp.dtype(self.mma_dtype), placement
 
     def tile_plan_config(self):

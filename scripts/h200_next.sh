@@ -18,7 +18,8 @@
 #          command_buffer computations in the optimized HLO (~6.5 minutes)
 #   rscale RAC's row pass computing the rows' decode scales itself (`rac_row_scales`, session
 #          44): the decode MoE operand checks with it (check-moe), then nvfp4_rac at batch 128
-#          with it and at the defaults, same call, traced (top 45 kernels; ~5 minutes)
+#          with it and at the defaults, same call, traced (top 45 kernels; ~5 minutes);
+#          rscale2: without its GPU check, with 128 and 512 programs (rac_row_scale_programs)
 #   b32    the four arms at batch 32 / prompt 256
 #   b256   the four arms at batch 256 / prompt 256 (rows still missing in docs/BENCHMARKS.md)
 #   b256r  nvfp4_rac at batch 256 with the grouped GEMMs' prefill paths from 4 096 rows
@@ -502,6 +503,12 @@ for step in "$@"; do
       rollout rsown 120 --quick --profile-steps 4 --profile-top 45 --precisions nvfp4_rac \
         --w4a4-set rac_row_scales=true --budget-s 95
       rollout rsdef 120 --quick --profile-steps 4 --profile-top 45 --precisions nvfp4_rac \
+        --budget-s 95 ;;
+    rscale2) rollout rsown2 120 --quick --profile-steps 4 --profile-top 45 \
+        --precisions nvfp4_rac --w4a4-set rac_row_scales=true --budget-s 95
+      rollout rsown512 120 --quick --profile-steps 4 --profile-top 45 --precisions nvfp4_rac \
+        --w4a4-set rac_row_scales=true --w4a4-set rac_row_scale_programs=512 --budget-s 95
+      rollout rsdef2 120 --quick --profile-steps 4 --profile-top 45 --precisions nvfp4_rac \
         --budget-s 95 ;;
     b128r) rollout b128r 200 --quick --profile-steps 4 --precisions nvfp4_rac,bf16 \
       --budget-s 160 ;;

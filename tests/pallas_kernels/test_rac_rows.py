@@ -300,7 +300,8 @@ def test_matmul_config_sets_the_row_kernels_grids():
                            operand_warps=2)
     rows, interpret, dtype, placement = cfg.rac_row_pass(True)
     assert rows == rac_rows.RACRowsConfig(block_rows=16, block_k=512, num_warps=8)
-    assert W4A4MatmulConfig(rac_row_scales=True).rac_row_pass(False)[0].row_scales
+    own = W4A4MatmulConfig(rac_row_scales=True, rac_row_scale_programs=512).rac_row_pass(False)
+    assert own[0].row_scales and own[0].scale_programs == 512
     assert interpret and dtype == jnp.float16 and placement is None
     assert cfg.rac_operands_config().num_warps == 2 and cfg.act_operands_config().num_warps == 2
     # rac_operands' rows per program: the prefill field in calls of >= prefill_min_rows rows
