@@ -175,7 +175,10 @@ class W4A4MatmulConfig:
     # rac_rows computes the rows' per-token decode scales itself (RACRowsConfig.row_scales),
     # whole rows per program: the XLA row amax and its select before it drop out (per layer of
     # the decode step, H100 2026-12-07 trace: 1.5 + 1.1 us for gate_up's 128 rows, the amax
-    # half of down's swiglu fusion and a 1.2 us select). Opt-in until timed on a GPU.
+    # half of down's swiglu fusion and a 1.2 us select). Measured slower (H100, 2026-12-07,
+    # e712677, `h200_next.sh rscale2`): the whole-row programs took 5.7 / 4.6 us (gate_up /
+    # down at 512 programs) against 2.5 / 3.7 plus the XLA passes they replace, the step 8.43
+    # against 8.41 ms (72 kernels fewer per step, busy time +0.02 ms). Off.
     rac_row_scales: bool = False
     rac_row_scale_programs: int = 128
     # Grouped RAC calls whose rows are their own distinct rows (no source_rows) and at least
