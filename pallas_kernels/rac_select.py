@@ -192,59 +192,139 @@ def selected_amax(keep, amax) -> jax.Array:
     return sel
 
 
+@dataclasses.dataclass(frozen=True)
+class SlotScales:
+    """What the selection kernel needs to also write the tile kernels' epilogue scales
+    (``w4a4_matmul.slot_scales``' ``[T, 2, block_m]``): tiles of ``block_m`` rows (a power of
+    two), ``num_tiles`` of them (``tile_plan.num_tiles_bound``)."""
+
+    block_m: int
+    num_tiles: int
+
+
+def _masked(ok, index, size: int):
+    """A masked store's indices: the masked-off lanes' at ``size`` (past the end). The GPU
+    never writes them; the interpreter runs the store as a scatter of the old values there,
+    which drops indices past the end, where an in-range index could overwrite a live lane's
+    value (two lanes, one index)."""
+    return jnp.where(ok, index, size)
+
+
+class _ExpertTiles:
+    """One expert program's tiles of the slot scales, flattened ``[T * 2 * block_m]``: tile
+    ``t``'s operand ``a`` slot ``s`` at ``(t * 2 + a) * block_m + s``."""
+
+    def __init__(self, slots: SlotScales, out_ref, first_tile, n_rows, w_scale):
+        self.bm, self.out_ref = slots.block_m, out_ref
+        self.size = slots.num_tiles * 2 * slots.block_m
+        self.first_tile, self.n_rows, self.w_scale = first_tile, n_rows, w_scale
+
+    def store_rows(self, local, ours, act_g, res_g):
+        """Rows ``local`` (within the expert's group) of a walk step: their two scales, the
+        activations' and the residual's decode scale times the expert's weight scale (the
+        product ``slot_scales`` makes), at their tile slots; rows past the group (the last
+        expert's rows past the groups) belong to no tile."""
+        live = ours & (local >= 0) & (local < self.n_rows)
+        base = (self.first_tile + local // self.bm) * (2 * self.bm) + local % self.bm
+        for a, g in enumerate((act_g, res_g)):
+            pltriton.store(self.out_ref.at[_masked(live, base + a * self.bm, self.size)],
+                           g * self.w_scale, mask=live)
+
+
+def expert_tiles(gs, e, num_experts: int, slots: SlotScales, out_ref, wsc_ref) -> _ExpertTiles:
+    """Expert ``e``'s tiles (the tile plan's: ``ceil(rows / block_m)`` per expert, in expert
+    order): writes zeros where no row will land (its last tile's slots past its rows, and this
+    program's share of the tiles past every expert's, ``e``, ``e + E``, ...), then returns the
+    writer of its rows' scales. ``gs``: the group sizes, padded with empty groups."""
+    bm, t_max = slots.block_m, slots.num_tiles
+    ids = jnp.arange(gs.shape[0])
+    counts = (gs + (bm - 1)) // bm
+    first = jnp.sum(jnp.where(ids < e, counts, 0))
+    n = jnp.sum(jnp.where(ids == e, gs, 0))
+    total = jnp.sum(counts)
+    lane = jnp.arange(2 * bm)
+    last = first + jnp.sum(jnp.where(ids == e, counts, 0)) - 1
+    tail = (lane % bm) >= n - (last - first) * bm  # the last tile's slots past the rows
+    size = t_max * 2 * bm
+    ok = tail & (n > 0)
+    pltriton.store(out_ref.at[_masked(ok, last * (2 * bm) + lane, size)],
+                   jnp.zeros((2 * bm,), jnp.float32), mask=ok)
+    for i in range(-(-t_max // num_experts)):  # the tiles no expert has
+        dead = total + e + i * num_experts
+        ok = jnp.broadcast_to(dead < t_max, lane.shape)
+        pltriton.store(out_ref.at[_masked(ok, dead * (2 * bm) + lane, size)],
+                       jnp.zeros((2 * bm,), jnp.float32), mask=ok)
+    return _ExpertTiles(slots, out_ref, first, n, wsc_ref[e])
+
+
 def _select(gs_ref, *refs, num_experts: int, nb: int, ch: int, n_keep: int, m: int,
-            block_rows: int, has_rows: bool, has_valid: bool):
+            block_rows: int, has_rows: bool, has_valid: bool, slots: SlotScales | None):
     refs = list(refs)
     rows_ref = refs.pop(0) if has_rows else None
     valid_ref = refs.pop(0) if has_valid else None
-    scores_ref, amax_ref, finite_ref, coded_ref, g_ref = refs
+    act_ref, wsc_ref = (refs.pop(0), refs.pop(0)) if slots is not None else (None, None)
+    scores_ref, amax_ref, finite_ref, coded_ref, g_ref, *slot_ref = refs
     start, end = expert_range(gs_ref[...], pl.program_id(0), num_experts, m)
+    tiles = None if slots is None else expert_tiles(
+        gs_ref[...], pl.program_id(0), num_experts, slots, slot_ref[0], wsc_ref)
     br = block_rows
     chunks = [pl.ds(c * ch, ch) for c in range(nb // ch)]
 
     def loads(c):  # a step's rows and their scores (of the rows that are tokens), amax, finite
         i0, ours, t, votes = step_window(rows_ref, valid_ref, start, end, c, m, br)
-        return (i0, ours, step_scores(scores_ref, t, votes, chunks),
+        return (i0, ours, t, step_scores(scores_ref, t, votes, chunks),
                 [amax_ref[t, cols] for cols in chunks],
                 [finite_ref[t, cols] != 0 for cols in chunks])
 
     # The first step's loads are issued together, before the rank, and its rows are coded from
     # registers after it: at decode an expert's rows fit one step, and its amax and finiteness
     # then cost no second round of dependent loads.
-    i0, ours, first_scores, first_amax, first_finite = loads(0)
+    i0, ours, t, first_scores, first_amax, first_finite = loads(0)
     sums = summed_scores(first_scores, rows_ref, valid_ref, scores_ref, start, end, m, br,
                          chunks)
     keep = kept(sums, [c * ch + jnp.arange(ch) for c in range(len(chunks))], n_keep)
 
-    def code(i0, ours, amax, finite):
+    def code(i0, ours, t, amax, finite):
         sel = selected_amax(keep, amax)
         rows = pl.ds(i0, br)
         for a, f, k, cols in zip(amax, finite, keep, chunks, strict=True):
             pltriton.store(coded_ref.at[rows, cols], rac.code_block_amax(k[None, :], a, f),
                            mask=ours[:, None])
-        pltriton.store(g_ref.at[rows], nvfp4.decode_scale_from_amax(sel), mask=ours)
+        g = nvfp4.decode_scale_from_amax(sel)
+        pltriton.store(g_ref.at[rows], g, mask=ours)
+        if tiles is not None:
+            tiles.store_rows(i0 + jnp.arange(br) - start, ours, act_ref[t], g)
 
     def code_rows(c, carry):
-        i0, ours, _, amax, finite = loads(c)
-        code(i0, ours, amax, finite)
+        i0, ours, t, _, amax, finite = loads(c)
+        code(i0, ours, t, amax, finite)
         return carry
 
-    code(i0, ours, first_amax, first_finite)
+    code(i0, ours, t, first_amax, first_finite)
     steps = (end - start + br - 1) // br
     jax.lax.fori_loop(1, steps, code_rows, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("ratio", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("ratio", "config", "interpret", "tiles"))
 def grouped_rac_selection(scores: jax.Array, amax: jax.Array, finite: jax.Array,
                           rows: jax.Array | None, group_sizes: jax.Array, *, ratio: float,
                           row_valid: jax.Array | None = None,
                           config: RACSelectConfig = RACSelectConfig(),
-                          interpret: bool = False):
+                          interpret: bool = False,
+                          tiles: SlotScales | None = None,
+                          act_scales: jax.Array | None = None,
+                          w_scales: jax.Array | None = None):
     """RAC selection per expert, coded per GEMM row (module docstring).
 
     Returns ``(coded float32 [M, nb], g float32 [M])``: ``rac.code_block_amax`` of the
     selection and the residual's decode scales. ``rows`` None: the GEMM rows are the score
-    rows themselves (M = R; no index array is read, none has to be made)."""
+    rows themselves (M = R; no index array is read, none has to be made).
+
+    ``tiles``: None, or a ``SlotScales`` with ``act_scales`` float32 ``[R]`` and ``w_scales``
+    float32 ``[E]``: a third output, the tile kernels' epilogue scales float32 ``[T, 2, block_m]`` of the tile
+    plan (``w4a4_matmul.slot_scales`` of ``token_tiles``' scales, bit for bit): each GEMM row's
+    activation decode scale (``act_scales`` of its distinct row) and residual decode scale
+    times its expert's ``w_scales``, at its tile slot; 0 in empty slots and unused tiles."""
     r_rows, nb = scores.shape
     if amax.shape != (r_rows, nb) or finite.shape != (r_rows, nb):
         raise ValueError(f"grouped_rac_selection: scores {scores.shape}, amax {amax.shape} and "
@@ -266,27 +346,40 @@ def grouped_rac_selection(scores: jax.Array, amax: jax.Array, finite: jax.Array,
     fin = finite if finite.dtype == jnp.int8 else finite.astype(jnp.int8)
     valid = () if row_valid is None else (
         row_valid if row_valid.dtype == jnp.int8 else row_valid.astype(jnp.int8),)
-    args = (gs, *(() if rows is None else (rows.astype(jnp.int32),)), *valid,
+    slots, tile_args = tiles, ()
+    if slots is not None:
+        bm = slots.block_m
+        if (bm < 1 or bm & (bm - 1) or act_scales is None or w_scales is None
+                or act_scales.shape != (r_rows,) or w_scales.shape != (e,)):
+            raise ValueError(f"grouped_rac_selection: tiles' block_m={bm} must be a power of "
+                             f"two, act_scales {getattr(act_scales, 'shape', None)} [R] = "
+                             f"[{r_rows}] and w_scales {getattr(w_scales, 'shape', None)} [E] "
+                             f"= [{e}]")
+        tile_args = (act_scales.astype(jnp.float32), w_scales.astype(jnp.float32))
+    args = (gs, *(() if rows is None else (rows.astype(jnp.int32),)), *valid, *tile_args,
             scores.astype(jnp.float32),
             amax.astype(jnp.float32), fin)
     vary, args = varying_operands(*args)
     whole = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))  # noqa: E731
     kernel = functools.partial(_kernel, num_experts=e, nb=nb, ch=chunk(nb), n_keep=n_keep,
                                m=m, block_rows=br, has_rows=rows is not None,
-                               has_valid=row_valid is not None,
+                               has_valid=row_valid is not None, slots=slots,
                                exact_division=config.exact_division and not interpret)
-    coded, g = pl.pallas_call(
+    shapes = [(m, nb), (m,)] + ([] if slots is None else [(slots.num_tiles * 2 * slots.block_m,)])
+    outs = pl.pallas_call(
         kernel,
         grid=(e,),
         in_specs=[whole(a.shape) for a in args],
-        out_specs=[whole((m, nb)), whole((m,))],
-        out_shape=[jax.ShapeDtypeStruct((m, nb), jnp.float32, **vary),
-                   jax.ShapeDtypeStruct((m,), jnp.float32, **vary)],
+        out_specs=[whole(sh) for sh in shapes],
+        out_shape=[jax.ShapeDtypeStruct(sh, jnp.float32, **vary) for sh in shapes],
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=1),
         interpret=interpret,
         name="rac_select",
     )(*args)
-    return coded, g
+    if slots is None:
+        return tuple(outs)
+    coded, g, flat = outs
+    return coded, g, flat.reshape(slots.num_tiles, 2, slots.block_m)
 
 
 def grouped_rac_selection_reference(scores, amax, finite, rows, group_sizes, *, ratio: float,

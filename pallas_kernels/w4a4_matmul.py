@@ -63,7 +63,8 @@ class W4A4MatmulConfig:
       rac_select_kernel: grouped GEMMs with RAC select blocks and code the residual's scales
         in ``pallas_kernels.rac_select`` (where its ``supports`` holds), not in jnp;
         rac_select_block_rows: its ``RACSelectConfig.block_rows``; rac_select_in_operands:
-        in grouped decode calls, inside ``rac_operands`` instead (see the field's comment).
+        in grouped decode calls, inside ``rac_operands`` instead (see the field's comment);
+        rac_select_slot_scales: it also writes the tile kernels' epilogue scales.
       rac_operand_kernel: with RAC (coded residual, ``materialize_operands``, row windows and
         ``stack_operands``), the stacked B operands are written by
         ``pallas_kernels.rac_operands`` instead of an XLA gather fusion;
@@ -128,6 +129,11 @@ class W4A4MatmulConfig:
     # Every one of gate_up's 1 936 programs (242 row blocks x 8 column blocks) repeats its
     # expert's 128 x 128 rank, where rac_select ranks once per expert.
     rac_select_in_operands: bool = False
+    # Grouped RAC calls whose selection runs in rac_select (and block_m a power of two): the
+    # selection kernel also writes the tile kernels' epilogue scales [T, 2, block_m] (each
+    # expert's program knows its tiles), so XLA's two slot-scale fusions per layer (2.0 + 2.2
+    # us on an H100, 2026-12-07 trace) drop out. Opt-in until timed on a GPU.
+    rac_select_slot_scales: bool = False
     # On: the residual GEMM over the selected blocks. On the H200 (2026-12-05, 7e950af, M =
     # 8192, K x N = 4096 x 14336) it took 584 us against 1093 over all K, but the columns
     # gathered element by element (`b[:, cols]`, `wd[:, cols]`) took 355 + 2 x 264 us (device
@@ -585,6 +591,7 @@ def run_tiles(
     live_tiles: int | None = None,
     wide: bool = False,
     residual_blocks: jax.Array | None = None,
+    col_scales: jax.Array | None = None,
 ) -> jax.Array:
     """Run the kernel on token tiles, return the scaled rows ``[M, N]``.
 
@@ -597,7 +604,9 @@ def run_tiles(
     what the split-K choice counts. ``wide``: run two warpgroup pairs on items of at least two
     weight-row tiles (``W4A4MatmulConfig.wide_plain_decode`` / ``wide_rac_decode``) where the
     weight's row tiles pair up (with ``residual_blocks`` only where the pipeline keeps two
-    stages). ``residual_blocks``: the tile kernel's (``tile_block_bits``).
+    stages). ``residual_blocks``: the tile kernel's (``tile_block_bits``). ``col_scales``:
+    None, or the epilogue scales ``slot_scales(slot_g, ...)`` would make, computed elsewhere
+    (``rac_select``'s ``tiles``); ``slot_g`` is then not read.
     """
     num_sms = config.num_sms or _num_sms()
     check_n_group(config.n_group, w.n_pad)
@@ -621,7 +630,7 @@ def run_tiles(
             k_splits, tcfg = k_splits_w, tcfg_w
     out = nvfp4_tile_gemm(
         tiles, w, tile_expert, num_tiles, config=tcfg, interpret=interpret,
-        col_scales=slot_scales(slot_g, tile_expert, w),
+        col_scales=slot_scales(slot_g, tile_expert, w) if col_scales is None else col_scales,
         out_dtype=stored_dtype(out_dtype, k_splits), residual_blocks=residual_blocks,
     )
     return rows_from_tiles(out, row_slot, w.n, out_dtype)

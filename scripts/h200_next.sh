@@ -20,6 +20,9 @@
 #          44): the decode MoE operand checks with it (check-moe), then nvfp4_rac at batch 128
 #          with it and at the defaults, same call, traced (top 45 kernels; ~5 minutes);
 #          rscale2: without its GPU check, with 128 and 512 programs (rac_row_scale_programs)
+#   sslot  the selection kernel writing the tile kernels' epilogue scales
+#          (`rac_select_slot_scales`, session 44): check-moe with it, then nvfp4_rac at batch
+#          128 with it and at the defaults, same call, traced (~4 minutes)
 #   b32    the four arms at batch 32 / prompt 256
 #   b256   the four arms at batch 256 / prompt 256 (rows still missing in docs/BENCHMARKS.md)
 #   b256r  nvfp4_rac at batch 256 with the grouped GEMMs' prefill paths from 4 096 rows
@@ -450,6 +453,17 @@ rollout() {  # rollout TAG SECONDS ARGS...
     --out "$OUT/$tag" "$@" > "$OUT/$tag.log" 2>&1
   echo "$tag rc $?"; grep -E "^\||busy|^ +[0-9.]+ ms" "$OUT/$tag.log" | cut -c1-120
 }
+flag_ab() {  # flag_ab TAG FIELD=VALUE: the decode MoE operand checks with --w4a4-set FIELD=VALUE
+  # (check-moe), then nvfp4_rac at batch 128 with it (TAGown) and at the defaults (TAGdef),
+  # same call, traced (top 45 kernels)
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 10 100 python3 scripts/bench_kernels.py \
+    --part check-moe --w4a4-set "$2" --out "$OUT/mcheck$1" > "$OUT/mcheck$1.log" 2>&1
+  echo "mcheck$1 rc $?"; grep -E "PASS|FAIL" "$OUT/mcheck$1.log" | cut -c1-110
+  rollout "$1own" 110 --quick --profile-steps 4 --profile-top 45 --precisions nvfp4_rac \
+    --w4a4-set "$2" --budget-s 85
+  rollout "$1def" 110 --quick --profile-steps 4 --profile-top 45 --precisions nvfp4_rac \
+    --budget-s 85
+}
 continuous() {  # continuous TAG SECONDS ARGS...: the `cont` workload (bench_continuous.py)
   local tag=$1 limit=$2; shift 2
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -k 15 "$limit" python3 scripts/bench_continuous.py \
@@ -501,20 +515,14 @@ for step in "$@"; do
         cat $d/*after_optimizations.txt 2>/dev/null | grep -oE "command_buffer[A-Za-z0-9_.]*|kind=[A-Za-z]+" \
           | sed -E 's/[0-9]+$//' | sort | uniq -c | sort -rn | head -8
       done ;;
-    rscale) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 110 python3 scripts/bench_kernels.py \
-        --part check-moe --w4a4-set rac_row_scales=true --out "$OUT/mcheckrs" \
-        > "$OUT/mcheckrs.log" 2>&1
-      echo "mcheckrs rc $?"; grep -E "PASS|FAIL" "$OUT/mcheckrs.log" | cut -c1-110
-      rollout rsown 120 --quick --profile-steps 4 --profile-top 45 --precisions nvfp4_rac \
-        --w4a4-set rac_row_scales=true --budget-s 95
-      rollout rsdef 120 --quick --profile-steps 4 --profile-top 45 --precisions nvfp4_rac \
-        --budget-s 95 ;;
+    rscale) flag_ab rs rac_row_scales=true ;;
     rscale2) rollout rsown2 120 --quick --profile-steps 4 --profile-top 45 \
         --precisions nvfp4_rac --w4a4-set rac_row_scales=true --budget-s 95
       rollout rsown512 120 --quick --profile-steps 4 --profile-top 45 --precisions nvfp4_rac \
         --w4a4-set rac_row_scales=true --w4a4-set rac_row_scale_programs=512 --budget-s 95
       rollout rsdef2 120 --quick --profile-steps 4 --profile-top 45 --precisions nvfp4_rac \
         --budget-s 95 ;;
+    sslot) flag_ab ss rac_select_slot_scales=true ;;
     b128r) rollout b128r 200 --quick --profile-steps 4 --precisions nvfp4_rac,bf16 \
       --budget-s 160 ;;
     prng) rollout prng 220 --quick --profile-steps 4 --precisions nvfp4_rac,bf16 \

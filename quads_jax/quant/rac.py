@@ -276,6 +276,9 @@ class SelectedResidual:
     finite: jax.Array | None = None
     coded: jax.Array | None = None
     dtype: jnp.dtype = dataclasses.field(default=jnp.dtype(jnp.bfloat16), metadata={"static": True})
+    # None, or what the selector computed beside the selection for the kernels that consume
+    # it (``pallas_kernels.rac_select``: the tile kernels' epilogue scales).
+    selector_extra: jax.Array | None = None
 
     @property
     def has_coded_amax(self) -> bool:
@@ -350,13 +353,14 @@ def select_residual(
         ``"shared"`` reuses ``q``'s.
       rows / row_expert / num_experts / static_blocks: as ``selection_mask``.
       row_valid: None, or bool per row of ``x``: as ``row_block_scores``.
-      selector: None, or a function ``(scores, amax, finite, row_valid) -> (coded, g)`` of
-        the distinct rows' float32 block scores (before the ``row_valid`` mask) and amax and
-        finiteness ``[R, K/16]`` (bool, or the row pass's int8) that computes what the rest of
+      selector: None, or a function ``(scores, amax, finite, row_valid, act_scales) -> (coded,
+        g[, extra])`` of the distinct rows' float32 block scores (before the ``row_valid``
+        mask), amax and finiteness ``[R, K/16]`` (bool, or the row pass's int8) and their
+        activation decode scales ``[R]`` (``q``'s, float32) that computes what the rest of
         this function does, as ``code_block_amax`` of the selection ``[M, K/16]`` and the
         decode scales ``[M]``, in one kernel (``pallas_kernels.rac_select``, for the
         configurations its ``supports`` accepts; it traces this module's and ``nvfp4``'s
-        functions).
+        functions). ``extra`` (optional): kept as ``SelectedResidual.selector_extra``.
       row_stats: None, or ``(r, amax, finite, scores[, finite_i8])`` of the distinct rows as
         computed here (``scores`` before the ``row_valid`` mask; ``r`` None: computed here,
         where a consumer needs it): ``pallas_kernels.rac_rows``'s one-kernel row pass
@@ -372,12 +376,14 @@ def select_residual(
         finite_raw = finite_raw[0] if finite_raw else None
         r = nvfp4.residual(x, q) if r is None else r
     if selector is not None:
-        coded, g = selector(raw_scores, amax[..., 0],
-                            finite[..., 0] if finite_raw is None else finite_raw, row_valid)
+        coded, g, *extra = selector(
+            raw_scores, amax[..., 0], finite[..., 0] if finite_raw is None else finite_raw,
+            row_valid, jnp.asarray(q.global_scale, jnp.float32).reshape(-1))
         s, rcp = scales_from_coded_amax(coded, g[:, None])
         return SelectedResidual(r=r, scales=s.astype(jnp.float8_e4m3fn), reciprocals=rcp,
                                 mask=~(coded < 0), global_scale=g, rows=rows, coded=coded,
-                                dtype=jnp.dtype(x.dtype))
+                                dtype=jnp.dtype(x.dtype),
+                                selector_extra=extra[0] if extra else None)
     scores = valid_row_scores(raw_scores, row_valid)
     if rows is not None:
         amax, finite = amax[rows], finite[rows]

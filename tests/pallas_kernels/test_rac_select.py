@@ -75,17 +75,64 @@ def test_nan_scores_rank_last_and_ties_take_the_lower_block():
 def test_grouped_matmul_with_and_without_the_kernel_agree(with_valid):
     """The grouped RAC matmul through the selection kernel equals the jnp selection bit for bit
     (the tiles, the kernel's products and the scales are then the same), with a token mask
-    too (finished sequences do not vote)."""
-    x, src, w, gs = grouped_w4a4_case(7)
+    too (finished sequences do not vote); and with ``rac_select_slot_scales``, whose epilogue
+    scales come from the selection kernel (its third output is what the tile kernel reads)."""
+    from quads_jax.testing import pallas_calls
 
-    def run(flag):
-        cfg = W4A4MatmulConfig(a_via_smem=True, num_sms=2, rac_select_kernel=flag)
-        valid = (jnp.arange(12) % 3 != 1) if with_valid else None
+    x, src, w, gs = grouped_w4a4_case(7)
+    valid = (jnp.arange(12) % 3 != 1) if with_valid else None
+
+    def run(x, flag, slot_scales=False):
+        cfg = W4A4MatmulConfig(a_via_smem=True, num_sms=2, rac_select_kernel=flag,
+                               rac_select_slot_scales=slot_scales)
         return w4a4_grouped_matmul(x, w, gs, rac=aq.RACConfig(), config=cfg, interpret=True,
                                    source_rows=src, row_valid=valid)
 
-    np.testing.assert_array_equal(np.asarray(run(True), np.float32),
-                                  np.asarray(run(False), np.float32))
+    want = np.asarray(run(x, False), np.float32)
+    np.testing.assert_array_equal(np.asarray(run(x, True, with_valid), np.float32), want)
+    calls = pallas_calls(jax.make_jaxpr(lambda x: run(x, True, with_valid))(x))
+    assert [len(c.outvars) for c in calls if str(c.params["name"]) == "rac_select"] == [
+        3 if with_valid else 2]
+
+
+@pytest.mark.parametrize("r,m,nb,group_sizes,block_rows,block_m", [
+    (12, 30, 48, [5, 5, 0, 0, 3, 7], 16, 8),  # rows past the groups; 5 unused tiles of 9
+    (16, 40, 16, [17, 0, 23], 8, 8),  # groups over several tiles and walk steps
+    (8, 5, 24, [2, 3], 32, 16),
+])
+def test_slot_scales_equal_the_tile_plans(r, m, nb, group_sizes, block_rows, block_m):
+    """``tiles``: the third output equals ``w4a4_matmul.slot_scales`` of ``token_tiles``'
+    scales over the tile plan (each live slot's activation and residual decode scales times
+    its expert's weight scale, 0 in empty slots and unused tiles), bit for bit; the selection
+    itself is unchanged."""
+    from pallas_kernels.w4a4_grouped import tile_plan
+
+    scores, amax, finite, rows, valid = _inputs(r, m, nb, seed=r + nb)
+    gs = jnp.asarray(group_sizes, jnp.int32)
+    e = gs.shape[0]
+    k = jax.random.split(jax.random.key(m), 2)
+    act = jax.random.uniform(k[0], (r,), minval=0.5, maxval=2.0)
+    wsc = jax.random.uniform(k[1], (e,), minval=0.5, maxval=2.0)
+    row_index, tile_expert, *_ = tile_plan(gs, m, block_m)
+    t = row_index.shape[0]
+    cfg = rs.RACSelectConfig(block_rows=block_rows)
+    coded, g, slots = rs.grouped_rac_selection(
+        scores, amax, finite, rows, gs, ratio=0.5, row_valid=valid, config=cfg, interpret=True,
+        tiles=rs.SlotScales(block_m, t), act_scales=act, w_scales=wsc)
+    alone = rs.grouped_rac_selection(scores, amax, finite, rows, gs, ratio=0.5,
+                                     row_valid=valid, config=cfg, interpret=True)
+    for a, b in zip((coded, g), alone, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    live = row_index < m
+    at = jnp.minimum(row_index, m - 1)
+    want = jnp.stack([jnp.where(live, act[rows[at]], 0.0), jnp.where(live, g[at], 0.0)],
+                     axis=1) * wsc[tile_expert][:, None, None]
+    assert slots.shape == (t, 2, block_m)
+    np.testing.assert_array_equal(np.asarray(slots).view(np.uint32),
+                                  np.asarray(want).view(np.uint32))
+    with pytest.raises(ValueError, match="power of"):
+        rs.grouped_rac_selection(scores, amax, finite, rows, gs, ratio=0.5, interpret=True,
+                                 tiles=rs.SlotScales(24, t), act_scales=act, w_scales=wsc)
 
 
 def test_supports_only_what_it_computes():
@@ -109,6 +156,11 @@ def test_lowers_for_cuda(exact):
     assert ("div.rn.f32" in text) == exact  # arith.division: the kernel's division
     lower_for_h200(lambda *a: rs.grouped_rac_selection(*a[:3], None, a[4], ratio=0.5,
                                                        row_valid=a[5], config=cfg), *args)
+    # with the tile kernels' epilogue scales (the decode step's 192 tiles of 16)
+    text = lower_for_h200(lambda *a: rs.grouped_rac_selection(
+        *a[:5], ratio=0.5, row_valid=a[5], config=cfg, tiles=rs.SlotScales(16, 192),
+        act_scales=a[6], w_scales=a[7]), *args, jnp.ones((128,)), jnp.ones((128,)))
+    assert "ctlz" not in text
     # Ops Triton's NVIDIA backend cannot legalize (its compile runs only on a GPU): math.ctlz
     # (an unsigned clz) failed on the H200 on 2026-12-03.
     assert "ctlz" not in text
