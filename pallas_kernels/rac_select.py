@@ -196,10 +196,13 @@ def selected_amax(keep, amax) -> jax.Array:
 class SlotScales:
     """What the selection kernel needs to also write the tile kernels' epilogue scales
     (``w4a4_matmul.slot_scales``' ``[T, 2, block_m]``): tiles of ``block_m`` rows (a power of
-    two), ``num_tiles`` of them (``tile_plan.num_tiles_bound``)."""
+    two), ``num_tiles`` of them (``tile_plan.num_tiles_bound``), and the weights'
+    ``code_factor`` that multiplies each expert's global scale (in the kernel: XLA's multiply
+    of the layer's scales was a kernel of its own per GEMM)."""
 
     block_m: int
     num_tiles: int
+    code_factor: float = 1.0
 
 
 def _masked(ok, index, size: int):
@@ -254,7 +257,7 @@ def expert_tiles(gs, e, num_experts: int, slots: SlotScales, out_ref, wsc_ref) -
         ok = jnp.broadcast_to(dead < t_max, lane.shape)
         pltriton.store(out_ref.at[_masked(ok, dead * (2 * bm) + lane, size)],
                        jnp.zeros((2 * bm,), jnp.float32), mask=ok)
-    return _ExpertTiles(slots, out_ref, first, n, wsc_ref[e])
+    return _ExpertTiles(slots, out_ref, first, n, wsc_ref[e] * jnp.float32(slots.code_factor))
 
 
 def _select(gs_ref, *refs, num_experts: int, nb: int, ch: int, n_keep: int, m: int,
@@ -321,10 +324,11 @@ def grouped_rac_selection(scores: jax.Array, amax: jax.Array, finite: jax.Array,
     rows themselves (M = R; no index array is read, none has to be made).
 
     ``tiles``: None, or a ``SlotScales`` with ``act_scales`` float32 ``[R]`` and ``w_scales``
-    float32 ``[E]``: a third output, the tile kernels' epilogue scales float32 ``[T, 2, block_m]`` of the tile
-    plan (``w4a4_matmul.slot_scales`` of ``token_tiles``' scales, bit for bit): each GEMM row's
-    activation decode scale (``act_scales`` of its distinct row) and residual decode scale
-    times its expert's ``w_scales``, at its tile slot; 0 in empty slots and unused tiles."""
+    float32 ``[E]`` (the experts' global scales): a third output, the tile kernels' epilogue
+    scales float32 ``[T, 2, block_m]`` of the tile plan (``w4a4_matmul.slot_scales`` of
+    ``token_tiles``' scales, bit for bit): each GEMM row's activation decode scale
+    (``act_scales`` of its distinct row) and residual decode scale times its expert's
+    ``w_scales * code_factor``, at its tile slot; 0 in empty slots and unused tiles."""
     r_rows, nb = scores.shape
     if amax.shape != (r_rows, nb) or finite.shape != (r_rows, nb):
         raise ValueError(f"grouped_rac_selection: scores {scores.shape}, amax {amax.shape} and "

@@ -210,13 +210,13 @@ def rac_selector(rac, act_scale_mode: str, group_sizes: jax.Array, source_rows, 
 def selection_tiles(config: W4A4MatmulConfig, w: W4A4Weights, m: int, block_m: int):
     """``rac_selector``'s ``tiles`` where the selection kernel writes the epilogue scales
     (``rac_select_slot_scales``, ``block_m`` a power of two), else None: the tile plan's
-    ``SlotScales`` and each expert's weight scale as ``slot_scales`` applies it."""
+    ``SlotScales`` (with the weights' code factor) and each expert's global scale."""
     if not config.rac_select_slot_scales or block_m & (block_m - 1):
         return None
     e = w.num_experts
-    w_scales = jnp.broadcast_to(jnp.asarray(w.global_scale, jnp.float32).reshape(-1),
-                                (e,)) * jnp.float32(w.code_factor)
-    return rac_select.SlotScales(block_m, num_tiles_bound(m, e, block_m)), w_scales
+    w_scales = jnp.broadcast_to(jnp.asarray(w.global_scale, jnp.float32).reshape(-1), (e,))
+    return rac_select.SlotScales(block_m, num_tiles_bound(m, e, block_m),
+                                 float(w.code_factor)), w_scales
 
 
 def select_config(config: W4A4MatmulConfig) -> rac_select.RACSelectConfig:

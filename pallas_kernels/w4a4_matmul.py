@@ -132,7 +132,11 @@ class W4A4MatmulConfig:
     # Grouped RAC calls whose selection runs in rac_select (and block_m a power of two): the
     # selection kernel also writes the tile kernels' epilogue scales [T, 2, block_m] (each
     # expert's program knows its tiles), so XLA's two slot-scale fusions per layer (2.0 + 2.2
-    # us on an H100, 2026-12-07 trace) drop out. Opt-in until timed on a GPU.
+    # us on an H100, 2026-12-07 trace) drop out. Measured (H100, ef612da, `h200_next.sh
+    # sslot`; GPU check PASS): the step 8.30 against 8.30 ms: the fusions were gone, but
+    # rac_select took +0.6 / +0.4 us and the weights' scales times the code factor became two
+    # XLA multiplies of 1.4 / 1.6 us. Since then the kernel multiplies by the code factor
+    # itself (not timed on a GPU). Off until it is.
     rac_select_slot_scales: bool = False
     # On: the residual GEMM over the selected blocks. On the H200 (2026-12-05, 7e950af, M =
     # 8192, K x N = 4096 x 14336) it took 584 us against 1093 over all K, but the columns

@@ -118,7 +118,7 @@ def test_slot_scales_equal_the_tile_plans(r, m, nb, group_sizes, block_rows, blo
     cfg = rs.RACSelectConfig(block_rows=block_rows)
     coded, g, slots = rs.grouped_rac_selection(
         scores, amax, finite, rows, gs, ratio=0.5, row_valid=valid, config=cfg, interpret=True,
-        tiles=rs.SlotScales(block_m, t), act_scales=act, w_scales=wsc)
+        tiles=rs.SlotScales(block_m, t, 0.5), act_scales=act, w_scales=wsc)
     alone = rs.grouped_rac_selection(scores, amax, finite, rows, gs, ratio=0.5,
                                      row_valid=valid, config=cfg, interpret=True)
     for a, b in zip((coded, g), alone, strict=True):
@@ -126,7 +126,7 @@ def test_slot_scales_equal_the_tile_plans(r, m, nb, group_sizes, block_rows, blo
     live = row_index < m
     at = jnp.minimum(row_index, m - 1)
     want = jnp.stack([jnp.where(live, act[rows[at]], 0.0), jnp.where(live, g[at], 0.0)],
-                     axis=1) * wsc[tile_expert][:, None, None]
+                     axis=1) * (wsc[tile_expert] * jnp.float32(0.5))[:, None, None]
     assert slots.shape == (t, 2, block_m)
     np.testing.assert_array_equal(np.asarray(slots).view(np.uint32),
                                   np.asarray(want).view(np.uint32))
