@@ -413,8 +413,10 @@
 # Session 44 (H100): `cbuf` (XLA's default command buffers 8.30 ms; none 8.91; with WHILE +
 # CONDITIONAL 8.89: the default stays), `rscale` / `rscale2` (rac_rows computing the rows'
 # decode scales: GPU check PASS, 8.43-8.59 ms against 8.36-8.41: off), `b128` at e712677
-# (nvfp4_rac 8.45: 1.86x bf16's 15.73, 1.16x fp8's 9.80). Two asks for an H200 got none. Next,
-# on an H200: `b128` (48 layers), `w41`, `kdense0 kgroup kgroup2`, `s39h`.
+# (nvfp4_rac 8.45: 1.86x bf16's 15.73, 1.16x fp8's 9.80), `sslot` (the selection kernel writing
+# the epilogue scales: PASS, 8.30 against 8.30 ms; off). Two asks for an H200 got none. Next:
+# `sslot` again (the code factor now multiplied in the kernel, bdc807c); on an H200: `b128`
+# (48 layers), `w41`, `kdense0 kgroup kgroup2`, `s39h`.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
