@@ -43,6 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.rac_operands import check_row_grid
+from pallas_kernels.triton_grid import masked_index
 from pallas_kernels.vma import varying_operands
 from quads_jax.quant import nvfp4
 
@@ -149,7 +150,9 @@ def _row_chunk(x, g, rows, cols, place_ref, vals_ref, r_ref, amax_ref, fin_ref, 
         # arrays and slices): rows scattered, columns and lanes in order.
         blocks_k = vals.shape[1]
         col = cols.start + jnp.arange(blocks_k, dtype=jnp.int32)
-        pltriton.store(vals_ref.at[jnp.where(ok, dest, 0)[:, None, None], col[None, :, None],
+        # (The buffer holds 2 * placed rows: a masked row's index past them.)
+        pltriton.store(vals_ref.at[masked_index(ok, dest, 2 * placed)[:, None, None],
+                                   col[None, :, None],
                                    jnp.arange(BLOCK, dtype=jnp.int32)[None, None, :]],
                        vals.astype(vals_ref.dtype),
                        mask=jnp.broadcast_to(ok[:, None, None], vals.shape))

@@ -47,9 +47,10 @@ the H200, no faster than the jnp path; it was off by default until ``rac_operand
 code the scales itself.
 
 Shapes: scores / amax float32 and finite bool or int8 (nonzero: finite) ``[R, K/16]`` (one
-row per distinct activation row), rows int32 ``[M]`` (GEMM row -> distinct row), group_sizes
-int ``[E]``, row_valid None or bool / int ``[R]``. Outputs float32: coded ``[M, K/16]``,
-decode scales ``[M]``.
+row per distinct activation row), rows None or int32 ``[M]`` (GEMM row -> distinct row),
+group_sizes int ``[E]``, row_valid None or bool / int ``[R]``. Outputs float32: coded ``[M,
+K/16]``, decode scales ``[M]``; with ``tiles`` (``SlotScales``) also the tile kernels'
+epilogue scales ``[T, 2, block_m]`` (``grouped_rac_selection``).
 """
 
 from __future__ import annotations
@@ -63,7 +64,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.triton_grid import check_num_warps, check_pow2_fields, pow2_at_least
+from pallas_kernels.triton_grid import (
+    check_num_warps,
+    check_pow2_fields,
+    masked_index,
+    pow2_at_least,
+)
 from pallas_kernels.vma import varying_operands
 from quads_jax.quant import arith, nvfp4, ops, rac
 
@@ -205,14 +211,6 @@ class SlotScales:
     code_factor: float = 1.0
 
 
-def _masked(ok, index, size: int):
-    """A masked store's indices: the masked-off lanes' at ``size`` (past the end). The GPU
-    never writes them; the interpreter runs the store as a scatter of the old values there,
-    which drops indices past the end, where an in-range index could overwrite a live lane's
-    value (two lanes, one index)."""
-    return jnp.where(ok, index, size)
-
-
 class _ExpertTiles:
     """One expert program's tiles of the slot scales, flattened ``[T * 2 * block_m]``: tile
     ``t``'s operand ``a`` slot ``s`` at ``(t * 2 + a) * block_m + s``."""
@@ -230,7 +228,7 @@ class _ExpertTiles:
         live = ours & (local >= 0) & (local < self.n_rows)
         base = (self.first_tile + local // self.bm) * (2 * self.bm) + local % self.bm
         for a, g in enumerate((act_g, res_g)):
-            pltriton.store(self.out_ref.at[_masked(live, base + a * self.bm, self.size)],
+            pltriton.store(self.out_ref.at[masked_index(live, base + a * self.bm, self.size)],
                            g * self.w_scale, mask=live)
 
 
@@ -250,12 +248,12 @@ def expert_tiles(gs, e, num_experts: int, slots: SlotScales, out_ref, wsc_ref) -
     tail = (lane % bm) >= n - (last - first) * bm  # the last tile's slots past the rows
     size = t_max * 2 * bm
     ok = tail & (n > 0)
-    pltriton.store(out_ref.at[_masked(ok, last * (2 * bm) + lane, size)],
+    pltriton.store(out_ref.at[masked_index(ok, last * (2 * bm) + lane, size)],
                    jnp.zeros((2 * bm,), jnp.float32), mask=ok)
     for i in range(-(-t_max // num_experts)):  # the tiles no expert has
         dead = total + e + i * num_experts
         ok = jnp.broadcast_to(dead < t_max, lane.shape)
-        pltriton.store(out_ref.at[_masked(ok, dead * (2 * bm) + lane, size)],
+        pltriton.store(out_ref.at[masked_index(ok, dead * (2 * bm) + lane, size)],
                        jnp.zeros((2 * bm,), jnp.float32), mask=ok)
     return _ExpertTiles(slots, out_ref, first, n, wsc_ref[e] * jnp.float32(slots.code_factor))
 

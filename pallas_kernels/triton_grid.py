@@ -1,10 +1,13 @@
-"""Checks and sizes shared by the Triton-backend kernels' tuning dataclasses.
+"""Checks and sizes shared by the Triton-backend kernels' tuning dataclasses, and their
+masked scatter stores' indices.
 
 Triton's arrays have power-of-two shapes and a program runs 1, 2, 4 or 8 warps: each config's
 ``__post_init__`` raises a ``ValueError`` naming the field, its value and what it must be.
 """
 
 from __future__ import annotations
+
+import jax.numpy as jnp
 
 WARPS = (1, 2, 4, 8)
 
@@ -28,3 +31,12 @@ def check_num_warps(config) -> None:
     if config.num_warps not in WARPS:
         raise ValueError(f"{type(config).__name__}.num_warps={config.num_warps}: one of "
                          f"{', '.join(map(str, WARPS))}")
+
+
+def masked_index(ok, index, past_end: int):
+    """A masked scatter store's indices: the masked-off lanes' at ``past_end`` (past the
+    array's end). The GPU never writes masked lanes; the interpreter runs the store as a
+    scatter that writes their old values back, which drops indices past the end, where an
+    in-range index could land on a live lane's and overwrite its value (two lanes, one
+    index)."""
+    return jnp.where(ok, index, past_end)
