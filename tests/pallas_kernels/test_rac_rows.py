@@ -85,12 +85,12 @@ def test_rac_matmul_with_the_row_kernel_equals_the_jnp_path():
     # The last: the row kernels on other grids (W4A4MatmulConfig's row-kernel fields; the plan
     # has P = 72 window rows, placed at 4 or 8 prefill rows per program) with rac_operands
     # recomputing the placed values (one call for all: any of them wrong changes the result).
-    # The row pass with its own decode scales, placed and not (whole rows per program).
+    # The last: the row pass with its own decode scales (whole rows per program), placed.
     other = dict(rac_row_block_rows=16, rac_row_block_k=128, rac_row_warps=2, operand_warps=8,
                  rac_operand_block_rows_prefill=8, rac_operand_recompute_placed=True)
     own = dict(rac_row_scales=True, rac_row_block_k=128)
     for row_kernel, placed, grid in ((True, False, {}), (False, False, {}), (True, True, {}),
-                                     (True, True, other), (True, False, own), (True, True, own)):
+                                     (True, True, other), (True, True, own)):
         cfg = W4A4MatmulConfig(a_via_smem=True, rac_row_kernel=row_kernel,
                                rac_placed_values=placed, prefill_min_rows=16, **grid)
         w = prepare_w4a4_weights(_weights(4, n, k, 1), mma_dtype=cfg.mma_dtype)
