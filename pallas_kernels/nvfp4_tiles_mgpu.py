@@ -520,6 +520,8 @@ def nvfp4_tile_gemm(
     out_dtype=jnp.float32,
     interpret: bool = False,
     residual_blocks: jax.Array | None = None,
+    expert_scales: jax.Array | None = None,
+    expert_factor: float = 1.0,
 ) -> jax.Array:
     """Run the kernel.
 
@@ -534,6 +536,11 @@ def nvfp4_tile_gemm(
         are combined on chip, so the output is one array, not two) and stores it in
         ``out_dtype``.
       out_dtype: the stored dtype with ``col_scales`` (float32 without).
+      expert_scales / expert_factor: None, or float32 ``[E]`` (with ``col_scales``): each
+        tile's column scales are first multiplied by ``expert_scales[tile_expert[t]] *
+        expert_factor`` (one scalar per tile, in the epilogue): the weights' global scales,
+        which the caller then need not fold into ``col_scales`` (``w4a4_matmul.slot_scales``
+        does that in an XLA kernel per call). The same products, in the same order.
       residual_blocks: None, or int32 ``[T, ceil(Kp / 512)]``: bit ``b % 32`` of word ``b //
         32`` set where 16-column K block ``b`` of tile ``t``'s second B operand (RAC's
         residual, unstacked) may be nonzero; the second operand's wgmmas are issued for those
@@ -579,6 +586,11 @@ def nvfp4_tile_gemm(
     else:
         out_dtype, num_out = jnp.dtype(out_dtype), 1
         check_col_scales(col_scales, (t_max, num_ops, block_m))
+    if expert_scales is not None and (
+            col_scales is None or expert_scales.shape != (w.num_experts,)
+            or expert_scales.dtype != jnp.float32):
+        raise ValueError(f"expert_scales: {expert_scales.dtype}{list(expert_scales.shape)}; "
+                         f"need float32 [E] = [{w.num_experts}], with col_scales")
     num_wgs = config.compute_wgs
     # Each pair of compute warpgroups covers the 128 rows of tiles_per_wg of the item's tiles.
     tiles_per_wg = n_group // (num_wgs // NUM_COMPUTE_WGS)
@@ -643,6 +655,8 @@ def nvfp4_tile_gemm(
     def kernel(tile_expert_gmem, num_tiles_gmem, row0_gmem, codes_gmem, scales_gmem, *rest):
         if col_scales is not None:
             cs_gmem, rest = rest[0], rest[1:]
+        if expert_scales is not None:
+            es_gmem, rest = rest[0], rest[1:]
         if residual_blocks is not None:
             rb_gmem, rest = rest[0], rest[1:]
         b_gmems = rest[:num_acc]
@@ -718,6 +732,9 @@ def nvfp4_tile_gemm(
                         col = plgpu.Layout.WGMMA.reduce(0)
                         scales = [plgpu.load(cs_gmem.at[t, a], layout=col, optimized=False)
                                   for a in range(num_acc)]
+                        if expert_scales is not None:  # slot_scales' product, in its order
+                            w_t = es_gmem[expert] * jnp.float32(expert_factor)
+                            scales = [s * w_t for s in scales]
                         eval_pipeline(acc_refs)
                         for j in range(tiles_per_wg):
                             y = None
@@ -841,7 +858,7 @@ def nvfp4_tile_gemm(
         scratch_types=scratch,
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    optional = tuple(a for a in (col_scales, residual_blocks) if a is not None)
+    optional = tuple(a for a in (col_scales, expert_scales, residual_blocks) if a is not None)
     # jax's register split for 4 compute warpgroups deadlocks (compute_registers).
     fitted = _fitted_compute_registers() if num_wgs != NUM_COMPUTE_WGS else contextlib.nullcontext()
     with fitted:
@@ -851,7 +868,8 @@ def nvfp4_tile_gemm(
 def tile_gemm_reference(
     b_tiles: TokenTiles | tuple[jax.Array, ...], w: W4A4Weights, tile_expert: jax.Array,
     col_scales: jax.Array | None = None, out_dtype=jnp.float32,
-    residual_blocks: jax.Array | None = None,
+    residual_blocks: jax.Array | None = None, expert_scales: jax.Array | None = None,
+    expert_factor: float = 1.0,
 ) -> jax.Array:
     """The kernel's result with ``k_splits=1`` in jnp: float32 ``[T, 1, A, block_m, Np]``, or
     with ``col_scales`` ``[T, A, block_m]`` their weighted sum ``[T, 1, 1, block_m, Np]`` in
@@ -878,5 +896,8 @@ def tile_gemm_reference(
     ]
     if col_scales is None:
         return jnp.stack(outs, axis=1)[:, None]
+    if expert_scales is not None:
+        w_t = expert_scales[jnp.clip(tile_expert, 0, e - 1)] * jnp.float32(expert_factor)
+        col_scales = col_scales * w_t[:, None, None]
     y = sum(o * col_scales[:, a, :, None] for a, o in enumerate(outs))
     return y[:, None, None].astype(out_dtype)

@@ -50,7 +50,7 @@ Shapes: scores / amax float32 and finite bool or int8 (nonzero: finite) ``[R, K/
 row per distinct activation row), rows None or int32 ``[M]`` (GEMM row -> distinct row),
 group_sizes int ``[E]``, row_valid None or bool / int ``[R]``. Outputs float32: coded ``[M,
 K/16]``, decode scales ``[M]``; with ``tiles`` (``SlotScales``) also the tile kernels'
-epilogue scales ``[T, 2, block_m]`` (``grouped_rac_selection``).
+token-slot scales ``[T, 2, block_m]`` (``grouped_rac_selection``).
 """
 
 from __future__ import annotations
@@ -200,39 +200,36 @@ def selected_amax(keep, amax) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class SlotScales:
-    """What the selection kernel needs to also write the tile kernels' epilogue scales
-    (``w4a4_matmul.slot_scales``' ``[T, 2, block_m]``): tiles of ``block_m`` rows (a power of
-    two), ``num_tiles`` of them (``tile_plan.num_tiles_bound``), and the weights'
-    ``code_factor`` that multiplies each expert's global scale (in the kernel: XLA's multiply
-    of the layer's scales was a kernel of its own per GEMM)."""
+    """What the selection kernel needs to also write the tile kernels' token-slot scales
+    (``token_tiles``' ``[T, 2, block_m]``, before the weights' scales, which the tile kernel
+    applies itself: ``nvfp4_tile_gemm(expert_scales=...)``): tiles of ``block_m`` rows (a power
+    of two), ``num_tiles`` of them (``tile_plan.num_tiles_bound``)."""
 
     block_m: int
     num_tiles: int
-    code_factor: float = 1.0
 
 
 class _ExpertTiles:
     """One expert program's tiles of the slot scales, flattened ``[T * 2 * block_m]``: tile
     ``t``'s operand ``a`` slot ``s`` at ``(t * 2 + a) * block_m + s``."""
 
-    def __init__(self, slots: SlotScales, out_ref, first_tile, n_rows, w_scale):
+    def __init__(self, slots: SlotScales, out_ref, first_tile, n_rows):
         self.bm, self.out_ref = slots.block_m, out_ref
         self.size = slots.num_tiles * 2 * slots.block_m
-        self.first_tile, self.n_rows, self.w_scale = first_tile, n_rows, w_scale
+        self.first_tile, self.n_rows = first_tile, n_rows
 
     def store_rows(self, local, ours, act_g, res_g):
         """Rows ``local`` (within the expert's group) of a walk step: their two scales, the
-        activations' and the residual's decode scale times the expert's weight scale (the
-        product ``slot_scales`` makes), at their tile slots; rows past the group (the last
-        expert's rows past the groups) belong to no tile."""
+        activations' and the residual's decode scale, at their tile slots; rows past the group
+        (the last expert's rows past the groups) belong to no tile."""
         live = ours & (local >= 0) & (local < self.n_rows)
         base = (self.first_tile + local // self.bm) * (2 * self.bm) + local % self.bm
         for a, g in enumerate((act_g, res_g)):
             pltriton.store(self.out_ref.at[masked_index(live, base + a * self.bm, self.size)],
-                           g * self.w_scale, mask=live)
+                           g, mask=live)
 
 
-def expert_tiles(gs, e, num_experts: int, slots: SlotScales, out_ref, wsc_ref) -> _ExpertTiles:
+def expert_tiles(gs, e, num_experts: int, slots: SlotScales, out_ref) -> _ExpertTiles:
     """Expert ``e``'s tiles (the tile plan's: ``ceil(rows / block_m)`` per expert, in expert
     order): writes zeros where no row will land (its last tile's slots past its rows, and this
     program's share of the tiles past every expert's, ``e``, ``e + E``, ...), then returns the
@@ -255,7 +252,7 @@ def expert_tiles(gs, e, num_experts: int, slots: SlotScales, out_ref, wsc_ref) -
         ok = jnp.broadcast_to(dead < t_max, lane.shape)
         pltriton.store(out_ref.at[masked_index(ok, dead * (2 * bm) + lane, size)],
                        jnp.zeros((2 * bm,), jnp.float32), mask=ok)
-    return _ExpertTiles(slots, out_ref, first, n, wsc_ref[e] * jnp.float32(slots.code_factor))
+    return _ExpertTiles(slots, out_ref, first, n)
 
 
 def _select(gs_ref, *refs, num_experts: int, nb: int, ch: int, n_keep: int, m: int,
@@ -263,11 +260,11 @@ def _select(gs_ref, *refs, num_experts: int, nb: int, ch: int, n_keep: int, m: i
     refs = list(refs)
     rows_ref = refs.pop(0) if has_rows else None
     valid_ref = refs.pop(0) if has_valid else None
-    act_ref, wsc_ref = (refs.pop(0), refs.pop(0)) if slots is not None else (None, None)
+    act_ref = refs.pop(0) if slots is not None else None
     scores_ref, amax_ref, finite_ref, coded_ref, g_ref, *slot_ref = refs
     start, end = expert_range(gs_ref[...], pl.program_id(0), num_experts, m)
     tiles = None if slots is None else expert_tiles(
-        gs_ref[...], pl.program_id(0), num_experts, slots, slot_ref[0], wsc_ref)
+        gs_ref[...], pl.program_id(0), num_experts, slots, slot_ref[0])
     br = block_rows
     chunks = [pl.ds(c * ch, ch) for c in range(nb // ch)]
 
@@ -313,20 +310,18 @@ def grouped_rac_selection(scores: jax.Array, amax: jax.Array, finite: jax.Array,
                           config: RACSelectConfig = RACSelectConfig(),
                           interpret: bool = False,
                           tiles: SlotScales | None = None,
-                          act_scales: jax.Array | None = None,
-                          w_scales: jax.Array | None = None):
+                          act_scales: jax.Array | None = None):
     """RAC selection per expert, coded per GEMM row (module docstring).
 
     Returns ``(coded float32 [M, nb], g float32 [M])``: ``rac.code_block_amax`` of the
     selection and the residual's decode scales. ``rows`` None: the GEMM rows are the score
     rows themselves (M = R; no index array is read, none has to be made).
 
-    ``tiles``: None, or a ``SlotScales`` with ``act_scales`` float32 ``[R]`` and ``w_scales``
-    float32 ``[E]`` (the experts' global scales): a third output, the tile kernels' epilogue
-    scales float32 ``[T, 2, block_m]`` of the tile plan (``w4a4_matmul.slot_scales`` of
-    ``token_tiles``' scales, bit for bit): each GEMM row's activation decode scale
-    (``act_scales`` of its distinct row) and residual decode scale times its expert's
-    ``w_scales * code_factor``, at its tile slot; 0 in empty slots and unused tiles."""
+    ``tiles``: None, or a ``SlotScales`` with ``act_scales`` float32 ``[R]``: a third output,
+    the token-slot scales float32 ``[T, 2, block_m]`` of the tile plan (``token_tiles``'
+    scales, bit for bit): each GEMM row's activation decode scale (``act_scales`` of its
+    distinct row) and residual decode scale at its tile slot, 0 in empty slots and unused
+    tiles."""
     r_rows, nb = scores.shape
     if amax.shape != (r_rows, nb) or finite.shape != (r_rows, nb):
         raise ValueError(f"grouped_rac_selection: scores {scores.shape}, amax {amax.shape} and "
@@ -351,13 +346,11 @@ def grouped_rac_selection(scores: jax.Array, amax: jax.Array, finite: jax.Array,
     slots, tile_args = tiles, ()
     if slots is not None:
         bm = slots.block_m
-        if (bm < 1 or bm & (bm - 1) or act_scales is None or w_scales is None
-                or act_scales.shape != (r_rows,) or w_scales.shape != (e,)):
+        if bm < 1 or bm & (bm - 1) or act_scales is None or act_scales.shape != (r_rows,):
             raise ValueError(f"grouped_rac_selection: tiles' block_m={bm} must be a power of "
-                             f"two, act_scales {getattr(act_scales, 'shape', None)} [R] = "
-                             f"[{r_rows}] and w_scales {getattr(w_scales, 'shape', None)} [E] "
-                             f"= [{e}]")
-        tile_args = (act_scales.astype(jnp.float32), w_scales.astype(jnp.float32))
+                             f"two and act_scales {getattr(act_scales, 'shape', None)} [R] = "
+                             f"[{r_rows}]")
+        tile_args = (act_scales.astype(jnp.float32),)
     args = (gs, *(() if rows is None else (rows.astype(jnp.int32),)), *valid, *tile_args,
             scores.astype(jnp.float32),
             amax.astype(jnp.float32), fin)

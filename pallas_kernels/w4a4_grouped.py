@@ -17,7 +17,6 @@ import numpy as np
 
 from pallas_kernels import nvfp4_quantize as aq
 from pallas_kernels import rac_select
-from pallas_kernels.layout import W4A4Weights
 from pallas_kernels.nvfp4_tiles_mgpu import ROW_ALIGN
 from pallas_kernels.tile_plan import (
     TilePlanConfig,
@@ -189,34 +188,29 @@ def rac_selector(rac, act_scale_mode: str, group_sizes: jax.Array, source_rows, 
     """The RAC selection kernel as ``rac.select_residual``'s ``selector`` for a grouped GEMM of
     ``m`` rows, or None (no RAC, ``config.rac_select_kernel`` off, more than
     ``rac_select.MAX_ROWS`` rows, or a configuration the kernel does not compute: the jnp path
-    runs). ``tiles``: None, or ``(rac_select.SlotScales, w_scales [E])``: the selection also
-    returns the tile kernels' epilogue scales (``SelectedResidual.selector_extra``)."""
+    runs). ``tiles``: None, or a ``rac_select.SlotScales``: the selection also returns the
+    tile kernels' token-slot scales (``SelectedResidual.selector_extra``)."""
     if (rac is None or not config.rac_select_kernel or m > rac_select.MAX_ROWS
             or not rac_select.supports(rac, act_scale_mode)):
         return None
     cfg = select_config(config)
-    slots, w_scales = tiles if tiles is not None else (None, None)
 
     def select(scores, amax, finite, row_valid, act_scales):
         # no source rows: the kernel reads the score rows as the GEMM rows (no iota array)
         return rac_select.grouped_rac_selection(
             scores, amax, finite, source_rows, group_sizes, ratio=rac.rac_ratio,
-            row_valid=row_valid, config=cfg, interpret=interpret, tiles=slots,
-            act_scales=None if slots is None else act_scales, w_scales=w_scales)
+            row_valid=row_valid, config=cfg, interpret=interpret, tiles=tiles,
+            act_scales=None if tiles is None else act_scales)
 
     return select
 
 
-def selection_tiles(config: W4A4MatmulConfig, w: W4A4Weights, m: int, block_m: int):
-    """``rac_selector``'s ``tiles`` where the selection kernel writes the epilogue scales
-    (``rac_select_slot_scales``, ``block_m`` a power of two), else None: the tile plan's
-    ``SlotScales`` (with the weights' code factor) and each expert's global scale."""
+def selection_tiles(config: W4A4MatmulConfig, e: int, m: int, block_m: int):
+    """``rac_selector``'s ``tiles`` where the selection kernel writes the token-slot scales
+    (``rac_select_slot_scales``, ``block_m`` a power of two), else None."""
     if not config.rac_select_slot_scales or block_m & (block_m - 1):
         return None
-    e = w.num_experts
-    w_scales = jnp.broadcast_to(jnp.asarray(w.global_scale, jnp.float32).reshape(-1), (e,))
-    return rac_select.SlotScales(block_m, num_tiles_bound(m, e, block_m),
-                                 float(w.code_factor)), w_scales
+    return rac_select.SlotScales(block_m, num_tiles_bound(m, e, block_m))
 
 
 def select_config(config: W4A4MatmulConfig) -> rac_select.RACSelectConfig:
@@ -327,7 +321,7 @@ def w4a4_grouped_matmul(
                                     interpret)
     else:
         selector = rac_selector(rac, act_scale_mode, gs, source_rows, m, config, interpret,
-                                selection_tiles(config, w, m, block_m))
+                                selection_tiles(config, e, m, block_m))
         acts = _grouped_acts(x_sorted, rexp, e, act_scale_mode, rac, rac_blocks,
                              act_global_scale, source_rows, selector, row_valid,
                              config.rac_row_pass(interpret, values_placement(
@@ -349,16 +343,16 @@ def w4a4_grouped_matmul(
             residual_blocks = tile_block_bits(acts.mask, row_index, w.k_pad)
     tiles, slot_g = token_tiles(operand_of, row_index, row0, window_rows,
                                 config.windowed_operands)
-    # The selection kernel's epilogue scales, where it wrote them and its selection is the
+    # The selection kernel's token-slot scales, where it wrote them and its selection is the
     # one used (XLA then drops token_tiles' scale fusions).
-    col_scales = (acts.residual.selector_extra
+    token_scales = (acts.residual.selector_extra
                   if acts is not None and selection is None
                   and isinstance(acts.residual, SelectedResidual) else None)
     return run_tiles(tiles, slot_g, output_row_slots(row_slot, output_rows), w, tile_expert,
                      num_tiles, config, interpret, x_sorted.dtype,
                      live_tiles=expected_tiles(m, e, block_m),
                      wide=config.wide_decode(m, rac=rac is not None),
-                     residual_blocks=residual_blocks, col_scales=col_scales)
+                     residual_blocks=residual_blocks, token_scales=token_scales)
 
 
 def w4a4_grouped_matmul_reference(

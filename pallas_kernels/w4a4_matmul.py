@@ -135,8 +135,10 @@ class W4A4MatmulConfig:
     # us on an H100, 2026-12-07 trace) drop out. Measured (H100, ef612da, `h200_next.sh
     # sslot`; GPU check PASS): the step 8.30 against 8.30 ms: the fusions were gone, but
     # rac_select took +0.6 / +0.4 us and the weights' scales times the code factor became two
-    # XLA multiplies of 1.4 / 1.6 us. Since then the kernel multiplies by the code factor
-    # itself (not timed on a GPU). Off until it is.
+    # XLA multiplies of 1.4 / 1.6 us. Since then the tile kernel applies the weights' global
+    # scales in its epilogue (`nvfp4_tile_gemm(expert_scales=)`: a dynamic slice of the
+    # stacked layers' scales, which XLA passes to Mosaic calls without a copy) and rac_select
+    # writes the token scales alone (not timed on a GPU). Off until it is.
     rac_select_slot_scales: bool = False
     # On: the residual GEMM over the selected blocks. On the H200 (2026-12-05, 7e950af, M =
     # 8192, K x N = 4096 x 14336) it took 584 us against 1093 over all K, but the columns
@@ -582,6 +584,12 @@ def slot_scales(slot_g: tuple[jax.Array, ...], tile_expert: jax.Array,
     return jnp.stack(slot_g, axis=1) * g_t[:, None, None]
 
 
+def expert_global_scales(w: W4A4Weights) -> jax.Array:
+    """float32 ``[E]``: each expert's weight global scale (one per tensor: repeated)."""
+    return jnp.broadcast_to(jnp.asarray(w.global_scale, jnp.float32).reshape(-1),
+                            (w.num_experts,))
+
+
 def run_tiles(
     tiles: TokenTiles,
     slot_g: tuple[jax.Array, ...],
@@ -595,7 +603,7 @@ def run_tiles(
     live_tiles: int | None = None,
     wide: bool = False,
     residual_blocks: jax.Array | None = None,
-    col_scales: jax.Array | None = None,
+    token_scales: jax.Array | None = None,
 ) -> jax.Array:
     """Run the kernel on token tiles, return the scaled rows ``[M, N]``.
 
@@ -608,9 +616,10 @@ def run_tiles(
     what the split-K choice counts. ``wide``: run two warpgroup pairs on items of at least two
     weight-row tiles (``W4A4MatmulConfig.wide_plain_decode`` / ``wide_rac_decode``) where the
     weight's row tiles pair up (with ``residual_blocks`` only where the pipeline keeps two
-    stages). ``residual_blocks``: the tile kernel's (``tile_block_bits``). ``col_scales``:
-    None, or the epilogue scales ``slot_scales(slot_g, ...)`` would make, computed elsewhere
-    (``rac_select``'s ``tiles``); ``slot_g`` is then not read.
+    stages). ``residual_blocks``: the tile kernel's (``tile_block_bits``). ``token_scales``:
+    None, or ``slot_g`` stacked ``[T, A, block_m]`` as computed elsewhere (``rac_select``'s
+    ``tiles``); ``slot_g`` is then not read, and the tile kernel applies the weights' global
+    scales itself (``expert_scales``), where ``slot_scales`` folds them in with XLA.
     """
     num_sms = config.num_sms or _num_sms()
     check_n_group(config.n_group, w.n_pad)
@@ -634,7 +643,9 @@ def run_tiles(
             k_splits, tcfg = k_splits_w, tcfg_w
     out = nvfp4_tile_gemm(
         tiles, w, tile_expert, num_tiles, config=tcfg, interpret=interpret,
-        col_scales=slot_scales(slot_g, tile_expert, w) if col_scales is None else col_scales,
+        col_scales=slot_scales(slot_g, tile_expert, w) if token_scales is None else token_scales,
+        expert_scales=None if token_scales is None else expert_global_scales(w),
+        expert_factor=w.code_factor,
         out_dtype=stored_dtype(out_dtype, k_splits), residual_blocks=residual_blocks,
     )
     return rows_from_tiles(out, row_slot, w.n, out_dtype)

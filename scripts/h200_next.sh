@@ -415,7 +415,7 @@
 # decode scales: GPU check PASS, 8.43-8.59 ms against 8.36-8.41: off), `b128` at e712677
 # (nvfp4_rac 8.45: 1.86x bf16's 15.73, 1.16x fp8's 9.80), `sslot` (the selection kernel writing
 # the epilogue scales: PASS, 8.30 against 8.30 ms; off). Two asks for an H200 got none. Next:
-# `sslot` again (the code factor now multiplied in the kernel, bdc807c); on an H200: `b128`
+# `sslot` again (the experts' scales now applied in the tile kernel's epilogue); on an H200: `b128`
 # (48 layers), `w41`, `kdense0 kgroup kgroup2`, `s39h`.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1

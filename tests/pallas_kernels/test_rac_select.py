@@ -101,24 +101,20 @@ def test_grouped_matmul_with_and_without_the_kernel_agree(with_valid):
     (8, 5, 24, [2, 3], 32, 16),
 ])
 def test_slot_scales_equal_the_tile_plans(r, m, nb, group_sizes, block_rows, block_m):
-    """``tiles``: the third output equals ``w4a4_matmul.slot_scales`` of ``token_tiles``'
-    scales over the tile plan (each live slot's activation and residual decode scales times
-    its expert's weight scale, 0 in empty slots and unused tiles), bit for bit; the selection
-    itself is unchanged."""
+    """``tiles``: the third output equals ``token_tiles``' scales over the tile plan (each live
+    slot's activation and residual decode scales, 0 in empty slots and unused tiles), bit for
+    bit; the selection itself is unchanged."""
     from pallas_kernels.w4a4_grouped import tile_plan
 
     scores, amax, finite, rows, valid = _inputs(r, m, nb, seed=r + nb)
     gs = jnp.asarray(group_sizes, jnp.int32)
-    e = gs.shape[0]
-    k = jax.random.split(jax.random.key(m), 2)
-    act = jax.random.uniform(k[0], (r,), minval=0.5, maxval=2.0)
-    wsc = jax.random.uniform(k[1], (e,), minval=0.5, maxval=2.0)
-    row_index, tile_expert, *_ = tile_plan(gs, m, block_m)
+    act = jax.random.uniform(jax.random.key(m), (r,), minval=0.5, maxval=2.0)
+    row_index, *_ = tile_plan(gs, m, block_m)
     t = row_index.shape[0]
     cfg = rs.RACSelectConfig(block_rows=block_rows)
     coded, g, slots = rs.grouped_rac_selection(
         scores, amax, finite, rows, gs, ratio=0.5, row_valid=valid, config=cfg, interpret=True,
-        tiles=rs.SlotScales(block_m, t, 0.5), act_scales=act, w_scales=wsc)
+        tiles=rs.SlotScales(block_m, t), act_scales=act)
     alone = rs.grouped_rac_selection(scores, amax, finite, rows, gs, ratio=0.5,
                                      row_valid=valid, config=cfg, interpret=True)
     for a, b in zip((coded, g), alone, strict=True):
@@ -126,13 +122,13 @@ def test_slot_scales_equal_the_tile_plans(r, m, nb, group_sizes, block_rows, blo
     live = row_index < m
     at = jnp.minimum(row_index, m - 1)
     want = jnp.stack([jnp.where(live, act[rows[at]], 0.0), jnp.where(live, g[at], 0.0)],
-                     axis=1) * (wsc[tile_expert] * jnp.float32(0.5))[:, None, None]
+                     axis=1)
     assert slots.shape == (t, 2, block_m)
     np.testing.assert_array_equal(np.asarray(slots).view(np.uint32),
                                   np.asarray(want).view(np.uint32))
     with pytest.raises(ValueError, match="power of"):
         rs.grouped_rac_selection(scores, amax, finite, rows, gs, ratio=0.5, interpret=True,
-                                 tiles=rs.SlotScales(24, t), act_scales=act, w_scales=wsc)
+                                 tiles=rs.SlotScales(24, t), act_scales=act)
 
 
 def test_supports_only_what_it_computes():
@@ -159,7 +155,7 @@ def test_lowers_for_cuda(exact):
     # with the tile kernels' epilogue scales (the decode step's 192 tiles of 16)
     text = lower_for_h200(lambda *a: rs.grouped_rac_selection(
         *a[:5], ratio=0.5, row_valid=a[5], config=cfg, tiles=rs.SlotScales(16, 192),
-        act_scales=a[6], w_scales=a[7]), *args, jnp.ones((128,)), jnp.ones((128,)))
+        act_scales=a[6]), *args, jnp.ones((128,)))
     assert "ctlz" not in text
     # Ops Triton's NVIDIA backend cannot legalize (its compile runs only on a GPU): math.ctlz
     # (an unsigned clz) failed on the H200 on 2026-12-03.

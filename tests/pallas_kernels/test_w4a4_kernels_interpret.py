@@ -258,6 +258,24 @@ def test_tile_gemm_epilogue_scales_sums_and_stores(out_dtype, stack):
     if cs is not None:  # the sum of the scaled products, not of the raw ones
         raw = tile_gemm_reference(b, w, te)
         assert _rel(y, jnp.sum(raw, axis=2, keepdims=True)) > 1e-2
+    if out_dtype == jnp.bfloat16 and stack:
+        # expert_scales: the experts' scales applied in the epilogue give the bits of scales
+        # folded into col_scales beforehand (slot_scales' product, in its order)
+        es = jnp.array([0.75, 1.5], jnp.float32)
+        folded = cs * (es[te] * jnp.float32(0.5))[:, None, None]
+        got = nvfp4_tile_gemm(b, w, te, jnp.array([t], jnp.int32), config=cfg, interpret=True,
+                              col_scales=cs, out_dtype=out_dtype, expert_scales=es,
+                              expert_factor=0.5)
+        ref = nvfp4_tile_gemm(b, w, te, jnp.array([t], jnp.int32), config=cfg, interpret=True,
+                              col_scales=folded, out_dtype=out_dtype)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(ref, np.float32))
+        np.testing.assert_array_equal(
+            np.asarray(tile_gemm_reference(b, w, te, cs, out_dtype, expert_scales=es,
+                                           expert_factor=0.5), np.float32),
+            np.asarray(tile_gemm_reference(b, w, te, folded, out_dtype), np.float32))
+        with pytest.raises(ValueError, match="expert_scales"):
+            nvfp4_tile_gemm(b, w, te, jnp.array([t], jnp.int32), config=cfg, interpret=True,
+                            expert_scales=es)
 
 
 @pytest.mark.parametrize("t,live,n,k,sms,chain", [

@@ -115,6 +115,19 @@ def test_tile_kernel_residual_blocks_lower_for_cuda(wgs, mma_k):
                                                               jnp.int32))
 
 
+def test_grouped_rac_slot_scales_from_the_selection_lower_for_cuda():
+    """The grouped RAC matmul at the rollout's defaults with the selection kernel writing the
+    token-slot scales and the tile kernel applying the experts' global scales
+    (``rac_select_slot_scales``: its third output, ``nvfp4_tile_gemm(expert_scales=)``)."""
+    wq = nvfp4.quantize(jax.random.normal(jax.random.key(6), (4, 256, 256)), scale_mode="expert")
+    w = prepare_w4a4_weights(wq, bits="signs_high", scale_dtype="float8_e4m3fn")
+    x = jnp.ones((24, 256), jnp.bfloat16)
+    gs = jnp.asarray([8, 0, 10, 6], jnp.int32)
+    cfg = W4A4MatmulConfig(rac_select_slot_scales=True)
+    _export(lambda x, w, gs: w4a4_grouped_matmul(x, w, gs, rac=aq.RACConfig(), config=cfg),
+            x, w, gs)
+
+
 def test_grouped_rac_selected_wgmmas_lower_for_cuda():
     """The grouped RAC matmul passing its selection to the kernel (``rac_selected_wgmmas``)."""
     wq = nvfp4.quantize(jax.random.normal(jax.random.key(5), (4, 256, 512)), scale_mode="expert")
