@@ -816,10 +816,12 @@ def enable_smoke():
     from pallas_kernels import w8a8_matmul as w8
 
     def stand_in(b_tiles, w, tile_expert, num_tiles, *, config, interpret=False,
-                 col_scales=None, out_dtype=jnp.float32, residual_blocks=None):
+                 col_scales=None, out_dtype=jnp.float32, residual_blocks=None,
+                 expert_scales=None, expert_factor=1.0):
         del num_tiles, config, interpret
         return nvfp4_tiles_mgpu.tile_gemm_reference(b_tiles, w, tile_expert, col_scales,
-                                                    out_dtype, residual_blocks)
+                                                    out_dtype, residual_blocks, expert_scales,
+                                                    expert_factor)
 
     def fp8_stand_in(b_tiles, w, tile_expert, num_tiles, *, config, col_scales,
                      out_dtype=jnp.float32, interpret=False):
