@@ -137,8 +137,9 @@ class W4A4MatmulConfig:
     # rac_select took +0.6 / +0.4 us and the weights' scales times the code factor became two
     # XLA multiplies of 1.4 / 1.6 us. Since then the tile kernel applies the weights' global
     # scales in its epilogue (`nvfp4_tile_gemm(expert_scales=)`: a dynamic slice of the
-    # stacked layers' scales, which XLA passes to Mosaic calls without a copy) and rac_select
-    # writes the token scales alone (not timed on a GPU). Off until it is.
+    # stacked layers' scales: XLA passes the weight codes to Mosaic calls that way without a
+    # copy, `dynamic-slice-fusion`, and should these too) and rac_select writes the token
+    # scales alone (not timed on a GPU, the HLO not read). Off until it is.
     rac_select_slot_scales: bool = False
     # On: the residual GEMM over the selected blocks. On the H200 (2026-12-05, 7e950af, M =
     # 8192, K x N = 4096 x 14336) it took 584 us against 1093 over all K, but the columns
