@@ -135,13 +135,19 @@ def _kernel(*refs, exact_division: bool, **static):
         _select(*refs, **static)
 
 
+def group_offset(sizes: jax.Array, e):
+    """``(sum(sizes[:e]), sizes[e])`` of a per-expert vector, by masked sums (Triton has no
+    gather from registers)."""
+    ids = jnp.arange(sizes.shape[0])
+    return jnp.sum(jnp.where(ids < e, sizes, 0)), jnp.sum(jnp.where(ids == e, sizes, 0))
+
+
 def expert_range(gs: jax.Array, e, num_experts: int, m: int):
     """Expert ``e``'s GEMM rows ``[start, end)`` from the group sizes ``gs`` (padded with
     empty groups); the last expert also takes the rows past ``sum(gs)``, as the jnp path's
     clipped row experts do."""
-    ids = jnp.arange(gs.shape[0])
-    start = jnp.sum(jnp.where(ids < e, gs, 0))
-    end = jnp.where(e == num_experts - 1, m, start + jnp.sum(jnp.where(ids == e, gs, 0)))
+    start, size = group_offset(gs, e)
+    end = jnp.where(e == num_experts - 1, m, start + size)
     return start, end
 
 
@@ -222,7 +228,7 @@ class _ExpertTiles:
         """Rows ``local`` (within the expert's group) of a walk step: their two scales, the
         activations' and the residual's decode scale, at their tile slots; rows past the group
         (the last expert's rows past the groups) belong to no tile."""
-        live = ours & (local >= 0) & (local < self.n_rows)
+        live = ours & (local < self.n_rows)  # ours: the step's rows, so local >= 0
         base = (self.first_tile + local // self.bm) * (2 * self.bm) + local % self.bm
         for a, g in enumerate((act_g, res_g)):
             pltriton.store(self.out_ref.at[masked_index(live, base + a * self.bm, self.size)],
@@ -235,13 +241,12 @@ def expert_tiles(gs, e, num_experts: int, slots: SlotScales, out_ref) -> _Expert
     program's share of the tiles past every expert's, ``e``, ``e + E``, ...), then returns the
     writer of its rows' scales. ``gs``: the group sizes, padded with empty groups."""
     bm, t_max = slots.block_m, slots.num_tiles
-    ids = jnp.arange(gs.shape[0])
     counts = (gs + (bm - 1)) // bm
-    first = jnp.sum(jnp.where(ids < e, counts, 0))
-    n = jnp.sum(jnp.where(ids == e, gs, 0))
+    first, tiles = group_offset(counts, e)
+    _, n = group_offset(gs, e)
     total = jnp.sum(counts)
     lane = jnp.arange(2 * bm)
-    last = first + jnp.sum(jnp.where(ids == e, counts, 0)) - 1
+    last = first + tiles - 1
     tail = (lane % bm) >= n - (last - first) * bm  # the last tile's slots past the rows
     size = t_max * 2 * bm
     ok = tail & (n > 0)
@@ -327,8 +332,8 @@ def grouped_rac_selection(scores: jax.Array, amax: jax.Array, finite: jax.Array,
         raise ValueError(f"grouped_rac_selection: scores {scores.shape}, amax {amax.shape} and "
                          f"finite {finite.shape} must all be [R, nb]")
     if (rows is not None and rows.ndim != 1) or group_sizes.ndim != 1:
-        raise ValueError(f"grouped_rac_selection: rows {rows.shape} must be [M] and "
-                         f"group_sizes {group_sizes.shape} [E]")
+        raise ValueError(f"grouped_rac_selection: rows {getattr(rows, 'shape', None)} must "
+                         f"be None or [M] and group_sizes {group_sizes.shape} [E]")
     if row_valid is not None and row_valid.shape != (r_rows,):
         raise ValueError(f"grouped_rac_selection: row_valid {row_valid.shape} must be [R] = "
                          f"[{r_rows}]")

@@ -169,6 +169,8 @@ def test_bad_input():
         rs.grouped_rac_selection(s, jnp.ones((4, 8)), s > 0, rows, gs, ratio=0.5, interpret=True)
     with pytest.raises(ValueError, match="rows"):
         rs.grouped_rac_selection(s, s, s > 0, rows[None], gs, ratio=0.5, interpret=True)
+    with pytest.raises(ValueError, match=r"rows None must be None or \[M\] and group_sizes"):
+        rs.grouped_rac_selection(s, s, s > 0, None, gs[None], ratio=0.5, interpret=True)
     with pytest.raises(ValueError, match="row_valid"):
         rs.grouped_rac_selection(s, s, s > 0, rows, gs, ratio=0.5, row_valid=jnp.ones(3, bool),
                                  interpret=True)
