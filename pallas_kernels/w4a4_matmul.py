@@ -64,7 +64,7 @@ class W4A4MatmulConfig:
         in ``pallas_kernels.rac_select`` (where its ``supports`` holds), not in jnp;
         rac_select_block_rows: its ``RACSelectConfig.block_rows``; rac_select_in_operands:
         in grouped decode calls, inside ``rac_operands`` instead (see the field's comment);
-        rac_select_slot_scales: it also writes the tile kernels' epilogue scales.
+        rac_select_slot_scales: it also writes the tile kernels' token-slot scales.
       rac_operand_kernel: with RAC (coded residual, ``materialize_operands``, row windows and
         ``stack_operands``), the stacked B operands are written by
         ``pallas_kernels.rac_operands`` instead of an XLA gather fusion;
@@ -585,12 +585,6 @@ def slot_scales(slot_g: tuple[jax.Array, ...], tile_expert: jax.Array,
     return jnp.stack(slot_g, axis=1) * g_t[:, None, None]
 
 
-def expert_global_scales(w: W4A4Weights) -> jax.Array:
-    """float32 ``[E]``: each expert's weight global scale (one per tensor: repeated)."""
-    return jnp.broadcast_to(jnp.asarray(w.global_scale, jnp.float32).reshape(-1),
-                            (w.num_experts,))
-
-
 def run_tiles(
     tiles: TokenTiles,
     slot_g: tuple[jax.Array, ...],
@@ -645,7 +639,7 @@ def run_tiles(
     out = nvfp4_tile_gemm(
         tiles, w, tile_expert, num_tiles, config=tcfg, interpret=interpret,
         col_scales=slot_scales(slot_g, tile_expert, w) if token_scales is None else token_scales,
-        expert_scales=None if token_scales is None else expert_global_scales(w),
+        expert_scales=None if token_scales is None else w.global_scale,  # float32 [E]
         expert_factor=w.code_factor,
         out_dtype=stored_dtype(out_dtype, k_splits), residual_blocks=residual_blocks,
     )
