@@ -23,6 +23,12 @@
 #   sslot  the selection kernel writing the tile kernels' epilogue scales
 #          (`rac_select_slot_scales`, session 44): check-moe with it, then nvfp4_rac at batch
 #          128 with it and at the defaults, same call, traced (~4 minutes)
+#   cconc  how the command buffers may run independent kernels at once
+#          (`--xla_gpu_command_buffer_scheduling_mode`: XLA's default LHS overlaps only what
+#          the latency-hiding schedule made async; CONCURRENT_REGIONS lets regions of small
+#          latency-bound kernels run side by side; CONCURRENT any independent ones; session 45):
+#          nvfp4_rac at batch 128 with each, bf16 with LHS and CONCURRENT_REGIONS, untraced (a
+#          profiling session runs the kernels outside the graphs) (~9 minutes)
 #   b32    the four arms at batch 32 / prompt 256
 #   b256   the four arms at batch 256 / prompt 256 (rows still missing in docs/BENCHMARKS.md)
 #   b256r  nvfp4_rac at batch 256 with the grouped GEMMs' prefill paths from 4 096 rows
@@ -525,6 +531,11 @@ for step in "$@"; do
       rollout rsdef2 120 --quick --profile-steps 4 --profile-top 45 --precisions nvfp4_rac \
         --budget-s 95 ;;
     sslot) flag_ab ss rac_select_slot_scales=true ;;
+    cconc) for arm in nvfp4_rac:LHS nvfp4_rac:CONCURRENT_REGIONS nvfp4_rac:CONCURRENT \
+        bf16:LHS bf16:CONCURRENT_REGIONS; do
+        XLA_FLAGS="--xla_gpu_command_buffer_scheduling_mode=${arm#*:}" \
+          rollout "cc_${arm%:*}_${arm#*:}" 110 --quick --precisions "${arm%:*}" --budget-s 80
+      done ;;
     b128r) rollout b128r 200 --quick --profile-steps 4 --precisions nvfp4_rac,bf16 \
       --budget-s 160 ;;
     prng) rollout prng 220 --quick --profile-steps 4 --precisions nvfp4_rac,bf16 \
