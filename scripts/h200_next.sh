@@ -28,7 +28,9 @@
 #          the latency-hiding schedule made async; CONCURRENT_REGIONS lets regions of small
 #          latency-bound kernels run side by side; CONCURRENT any independent ones; session 45):
 #          nvfp4_rac at batch 128 with each, bf16 with LHS and CONCURRENT_REGIONS, untraced (a
-#          profiling session runs the kernels outside the graphs) (~9 minutes)
+#          profiling session runs the kernels outside the graphs) (~2.5 minutes on an H100);
+#          cconc2: CONCURRENT against LHS for every arm, twice for nvfp4_rac and bf16, the
+#          decode MoE operand checks under CONCURRENT, and `sslot`'s flag under both (~6 min)
 #   b32    the four arms at batch 32 / prompt 256
 #   b256   the four arms at batch 256 / prompt 256 (rows still missing in docs/BENCHMARKS.md)
 #   b256r  nvfp4_rac at batch 256 with the grouped GEMMs' prefill paths from 4 096 rows
@@ -535,6 +537,16 @@ for step in "$@"; do
         bf16:LHS bf16:CONCURRENT_REGIONS; do
         XLA_FLAGS="--xla_gpu_command_buffer_scheduling_mode=${arm#*:}" \
           rollout "cc_${arm%:*}_${arm#*:}" 110 --quick --precisions "${arm%:*}" --budget-s 80
+      done ;;
+    cconc2) XLA_FLAGS=--xla_gpu_command_buffer_scheduling_mode=CONCURRENT check check-moe 100
+      for arm in nvfp4_rac:LHS nvfp4_rac:CONCURRENT bf16:LHS bf16:CONCURRENT fp8:LHS \
+        fp8:CONCURRENT nvfp4:LHS nvfp4:CONCURRENT bf16:CONCURRENT nvfp4_rac:CONCURRENT \
+        bf16:LHS nvfp4_rac:LHS nvfp4_rac:LHS:rac_select_slot_scales=true \
+        nvfp4_rac:CONCURRENT:rac_select_slot_scales=true; do
+        IFS=: read -r prec mode flag <<< "$arm"
+        XLA_FLAGS="--xla_gpu_command_buffer_scheduling_mode=$mode" \
+          rollout "c2_${prec}_${mode}${flag:+_ss}" 70 --quick --precisions "$prec" \
+          ${flag:+--w4a4-set "$flag"} --budget-s 50
       done ;;
     b128r) rollout b128r 200 --quick --profile-steps 4 --precisions nvfp4_rac,bf16 \
       --budget-s 160 ;;
