@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import json
 import os
 import statistics
@@ -286,6 +287,15 @@ def profile_decode(dec, params, start, steps: int, tag: str, top: int = 16) -> d
     return summary
 
 
+CB_SCHEDULES = ("LHS", "SERIALIZE", "CONCURRENT", "CONCURRENT_REGIONS")
+CB_OPTION = "xla_gpu_command_buffer_scheduling_mode"
+
+
+def digest(x: jax.Array) -> str:
+    """A short hex digest of an array's bytes (bit-identity across runs and processes)."""
+    return hashlib.sha256(jax.device_get(x).tobytes()).hexdigest()[:16]
+
+
 def bench_case(params, cfg, recipe, batch, prompt, args, bandwidth, tag="") -> dict:
     """One (batch, prompt) case: ``batch`` decode rows, ``batch / n_samples`` prompts (GRPO
     groups of ``--n-samples``, their prompt's cache shared with ``--share-prompt-cache``)."""
@@ -324,7 +334,8 @@ def bench_case(params, cfg, recipe, batch, prompt, args, bandwidth, tag="") -> d
     # Decode donates its state: every run starts from a copy of the one prefilled state.
     fresh = jax.jit(lambda s: jax.tree.map(jnp.copy, s))
     t = time.perf_counter()
-    dec = engine._decode_jit.lower(params, state, jnp.int32(1), **static).compile()
+    schedule = {CB_OPTION: args.cb_schedule} if args.cb_schedule else None
+    dec = engine._decode_jit.lower(params, state, jnp.int32(1), **static).compile(schedule)
     compile_decode = time.perf_counter() - t
     mem = dec.memory_analysis()
     temp = int(getattr(mem, "temp_size_in_bytes", 0) or 0)
@@ -340,7 +351,7 @@ def bench_case(params, cfg, recipe, batch, prompt, args, bandwidth, tag="") -> d
         fast_forward_s = time.perf_counter() - t
     else:
         fast_forward_s = 0.0
-    times = []
+    times, digests = [], {}
     for _ in range(args.reps):
         # One run's output is dropped before the next copy: at batch 256 a state holds 32 GB of
         # cache, and three at once (state, the last output, the next copy) beside the 61 GB
@@ -350,6 +361,8 @@ def bench_case(params, cfg, recipe, batch, prompt, args, bandwidth, tag="") -> d
         out = jax.block_until_ready(dec(params, start, jnp.int32(steps)))
         times.append(time.perf_counter() - t)
         ran = int(out.step) - int(state.step)
+        digests = digests or {"tokens_digest": digest(out.tokens),
+                              "logprobs_digest": digest(out.logprobs)}
         del out
     profile = {}
     if args.profile_steps:
@@ -383,6 +396,8 @@ def bench_case(params, cfg, recipe, batch, prompt, args, bandwidth, tag="") -> d
         compile_prefill_s=compile_prefill, compile_decode_s=compile_decode,
         decode_temp_bytes=temp, profile=profile, decode_at=args.decode_at,
         decode_position=int(state.step) + prompt, fast_forward_s=fast_forward_s,
+        cb_schedule=args.cb_schedule or engine.DECODE_COMPILER_OPTIONS.get(CB_OPTION, "LHS"),
+        **digests,
     )
 
 
@@ -573,6 +588,11 @@ def parse_args(argv):
                    default="threefry2x32",
                    help="the sampling key's PRNG implementation (jax.random.key(..., impl=)); "
                    "the rollout engine takes any key (jax's default: threefry2x32)")
+    p.add_argument("--cb-schedule", choices=CB_SCHEDULES, default=None,
+                   help="the decode program's xla_gpu_command_buffer_scheduling_mode (default: "
+                   "engine.DECODE_COMPILER_OPTIONS'); rows record it and digests of the "
+                   "first timed run's tokens and log-probs, equal across modes when the "
+                   "kernels compute the same bits")
     p.add_argument("--kv-cache-dtype", choices=("bfloat16", "float8_e4m3fn"), default="bfloat16",
                    help="the rollout's KV cache (SamplerConfig.kv_cache_dtype); FP8 halves the "
                    "decode attention's reads, in every arm")

@@ -31,6 +31,9 @@
 #          profiling session runs the kernels outside the graphs) (~2.5 minutes on an H100);
 #          cconc2: CONCURRENT against LHS for every arm, twice for nvfp4_rac and bf16, the
 #          decode MoE operand checks under CONCURRENT, and `sslot`'s flag under both (~6 min)
+#   cdef   the four arms at batch 128 at the engine's default (CONCURRENT since session 45),
+#          nvfp4_rac and bf16 also with --cb-schedule LHS; each run's token and log-prob
+#          digests (the same bits under both schedules) (~3.5 minutes on an H100)
 #   b32    the four arms at batch 32 / prompt 256
 #   b256   the four arms at batch 256 / prompt 256 (rows still missing in docs/BENCHMARKS.md)
 #   b256r  nvfp4_rac at batch 256 with the grouped GEMMs' prefill paths from 4 096 rows
@@ -547,6 +550,17 @@ for step in "$@"; do
         XLA_FLAGS="--xla_gpu_command_buffer_scheduling_mode=$mode" \
           rollout "c2_${prec}_${mode}${flag:+_ss}" 70 --quick --precisions "$prec" \
           ${flag:+--w4a4-set "$flag"} --budget-s 50
+      done ;;
+    cdef) for arm in nvfp4_rac: nvfp4_rac:LHS bf16: bf16:LHS fp8: nvfp4:; do
+        IFS=: read -r prec mode <<< "$arm"
+        tag="cd_${prec}_${mode:-default}"
+        rollout "$tag" 70 --quick --precisions "$prec" ${mode:+--cb-schedule "$mode"} \
+          --budget-s 50
+        python3 -c "import json, sys
+for r in map(json.loads, open(sys.argv[1])):
+    if r['kind'] == 'rollout':
+        print(' ', r['precision'], r['cb_schedule'], r['tokens_digest'], r['logprobs_digest'])
+" "$OUT/$tag/rollout.jsonl"
       done ;;
     b128r) rollout b128r 200 --quick --profile-steps 4 --precisions nvfp4_rac,bf16 \
       --budget-s 160 ;;

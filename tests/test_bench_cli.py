@@ -30,6 +30,8 @@ def test_bench_rollout_runs_with_kernel_overrides(tmp_path):
     import pathlib
     import sys
 
+    import numpy as np
+
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
     import bench_rollout
 
@@ -48,7 +50,7 @@ def test_bench_rollout_runs_with_kernel_overrides(tmp_path):
             "--w4a4-set", "operand_warps=2", "--w4a4-scales", "float8_e4m3fn",
             "--w4a4-set", "mma_k=128",  # also a dedicated flag's field (--w4a4-mma-k): wins
             "--pack-layer-vectors", "--fp8-set", "store_buffers=2",
-            "--fp8-set", "windowed_operands=false",
+            "--fp8-set", "windowed_operands=false", "--cb-schedule", "LHS",
             "--out", str(tmp_path)]
     try:
         assert bench_rollout.main(argv) == 0
@@ -83,6 +85,13 @@ def test_bench_rollout_runs_with_kernel_overrides(tmp_path):
             for r in rows if r["kind"] == "device"] == [("per_group", 2, 4)]
     assert [(r["precision"], r["n_samples"], r["share_prompt_cache"])
             for r in rows if r["kind"] == "rollout"] == [("nvfp4_rac", 2, True)]
+    # The decode program's command-buffer schedule (ignored on the CPU) and the digests that
+    # show two schedules computed the same bits.
+    (row,) = [r for r in rows if r["kind"] == "rollout"]
+    assert row["cb_schedule"] == "LHS"
+    assert all(len(row[k]) == 16 and int(row[k], 16) >= 0
+               for k in ("tokens_digest", "logprobs_digest"))
+    assert bench_rollout.digest(np.arange(3)) != bench_rollout.digest(np.arange(1, 4))
 
 
 def test_bench_rollout_refuses_a_bad_w4a4_field():

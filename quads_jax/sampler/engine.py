@@ -527,10 +527,18 @@ _STATIC = ("config", "model_config", "recipe")
 # the weights concatenated anew at every step: a 21 MB copy per layer, 13 us of a decode step's
 # ~420 us per layer (2026-12-03 trace, every arm); three GEMMs read the weights in place, and
 # a synced tree holds them stacked once (``models.fuse_qkv``): one GEMM, no copy.
+# XLA runs the decode step's kernels as CUDA graphs (command buffers); by default (LHS) each
+# graph is a chain. CONCURRENT makes it a DAG of the kernels' data dependencies, so small
+# latency-bound kernels that do not wait on each other run side by side (a MoE layer's RAC row
+# pass beside the router, top-k, slot sort and tile plan): on an H100 (2026-12-07, 24 layers,
+# batch 128, docs/BENCHMARKS.md "Session 45") nvfp4_rac 8.34 -> 8.14 ms, nvfp4 7.96 -> 7.78,
+# fp8 9.71 -> 9.46, bf16 16.16 -> 16.14 (few small kernels). CONCURRENT_REGIONS failed to
+# compile (an XLA RET_CHECK: "Concurrent region ids are not monotonic").
 DECODE_COMPILER_OPTIONS = {
     "xla_gpu_enable_triton_gemm": False,
     "xla_gpu_enable_dynamic_slice_fusion": True,
     "xla_disable_hlo_passes": "dot-merger",
+    "xla_gpu_command_buffer_scheduling_mode": "CONCURRENT",
 }
 
 
