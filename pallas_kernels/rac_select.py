@@ -4,8 +4,9 @@ For a grouped (MoE) W4A4 GEMM with ``online_batch`` selection, RAC picks one blo
 expert from the summed residual scores of the expert's GEMM rows (the rows that are tokens),
 then each GEMM row gets a residual decode scale (the amax of its selected blocks / 2688), and
 the stacked-operand kernel (``pallas_kernels.rac_operands``) codes each selected block's E4M3
-scale and reciprocal from the block's amax itself. Written in jnp the selection is a
-zero-fill and scatter-add (the per-expert sums), a pairwise rank, a masked row reduction
+scale and reciprocal from the block's amax itself. Written in jnp the selection was (when
+measured) a zero-fill and scatter-add (the per-expert sums; a segmented scan since session 45,
+``rac.ordered_segment_sum``), a pairwise rank, a masked row reduction
 writing the coded block amax (``rac.code_block_amax``) and the decode scales: five XLA
 kernels per GEMM, on an H100 (2026-12-06, 04546c3, batch-128 decode step, traced) 10.3 us for
 gate_up and 8.3 us for down per layer, plus a launch gap each. Here it is one kernel per GEMM,
@@ -30,9 +31,10 @@ rows stay inside ``[0, M)`` (a step near the end is moved back and masks the row
 own): the interpreter clamps windows that cross the end.
 
 The per-expert sums add a step's rows as a tree, then the steps in order: where float32
-addition is inexact the last bit of a sum can differ from ``segment_sum``'s order (XLA's GPU
-scatter-add adds in any order anyway), and two sums within an ulp may then rank the other
-way. With exactly representable sums (the tests) the results are bit-identical.
+addition is inexact the last bit of a sum can differ from the jnp path's order
+(``rac.ordered_segment_sum``: a segmented prefix scan; both orders are fixed, so each path
+repeats its own bits), and two sums within an ulp may then rank the other way. With exactly
+representable sums (the tests) the results are bit-identical.
 
 Measured on an H100 (2026-12-06, d126d0a, ``kernel_probe --rac-select``, traced, 1 024 GEMM
 rows over 128 experts): 6.0 / 3.6 us for gate_up / down against 12.9 / 10.0 us for the jnp

@@ -34,6 +34,10 @@
 #   cdef   the four arms at batch 128 at the engine's default (CONCURRENT since session 45),
 #          nvfp4_rac and bf16 also with --cb-schedule LHS; each run's token and log-prob
 #          digests (the same bits under both schedules) (~3.5 minutes on an H100)
+#   determ nvfp4_rac at batch 128 in three processes with the same seed, then nvfp4 twice:
+#          their token / log-prob digests must repeat (session 45: nvfp4_rac's did not, from
+#          the prefill's scatter-add expert sums, since replaced by rac.ordered_segment_sum;
+#          ~3 minutes on an H100)
 #   b32    the four arms at batch 32 / prompt 256
 #   b256   the four arms at batch 256 / prompt 256 (rows still missing in docs/BENCHMARKS.md)
 #   b256r  nvfp4_rac at batch 256 with the grouped GEMMs' prefill paths from 4 096 rows
@@ -428,6 +432,12 @@
 # the epilogue scales: PASS, 8.30 against 8.30 ms; off). Two asks for an H200 got none. Next:
 # `sslot` again (the experts' scales now applied in the tile kernel's epilogue); on an H200: `b128`
 # (48 layers), `w41`, `kdense0 kgroup kgroup2`, `s39h`.
+# Session 45 (H100): `cconc` / `cconc2` (CONCURRENT command-buffer scheduling: nvfp4_rac 8.34 ->
+# 8.13 ms, bf16 unchanged; the default since 2300907; `sslot` equal under it: off), `cdef` (the
+# four arms at the new default: nvfp4_rac 8.19, 1.96x bf16's 16.06) and a repeat that found
+# nvfp4_rac's rollout not reproducible (the prefill's scatter-add expert sums, replaced). Next:
+# `determ` (the repeat, at the fix), then on an H200: `b128` (48 layers), `w41`, `kdense0
+# kgroup kgroup2`.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
@@ -551,9 +561,12 @@ for step in "$@"; do
           rollout "c2_${prec}_${mode}${flag:+_ss}" 70 --quick --precisions "$prec" \
           ${flag:+--w4a4-set "$flag"} --budget-s 50
       done ;;
-    cdef) for arm in nvfp4_rac: nvfp4_rac:LHS bf16: bf16:LHS fp8: nvfp4:; do
+    cdef|determ) arms="nvfp4_rac: nvfp4_rac:LHS bf16: bf16:LHS fp8: nvfp4:"
+      [ "$step" = determ ] && arms="nvfp4_rac: nvfp4_rac: nvfp4: nvfp4_rac: nvfp4:"
+      n=0
+      for arm in $arms; do
         IFS=: read -r prec mode <<< "$arm"
-        tag="cd_${prec}_${mode:-default}"
+        n=$((n + 1)); tag="${step}${n}_${prec}_${mode:-default}"
         rollout "$tag" 70 --quick --precisions "$prec" ${mode:+--cb-schedule "$mode"} \
           --budget-s 50
         python3 -c "import json, sys

@@ -90,7 +90,45 @@ def aggregate_scores(
         return jnp.max(row_scores, 0) if score == "act_amax" else jnp.sum(row_scores, 0)
     if score == "act_amax":
         return jax.ops.segment_max(row_scores, row_expert, num_segments=num_experts)
-    return jax.ops.segment_sum(row_scores, row_expert, num_segments=num_experts)
+    return ordered_segment_sum(row_scores, row_expert, num_experts)
+
+
+def ordered_segment_sum(values: jax.Array, segment_ids: jax.Array,
+                        num_segments: int) -> jax.Array:
+    """``jax.ops.segment_sum(values, segment_ids, num_segments)`` added in one fixed order on
+    every backend: the rows stably sorted by segment, a segmented prefix sum
+    (``lax.associative_scan``, elementwise kernels), each segment's last prefix.
+
+    ``segment_sum`` is a scatter-add, which XLA's GPU backend runs with atomics: its float32
+    sums come out in any order, two block sums within an ulp rank either way, and RAC's block
+    sets change from run to run. On an H100 (2026-12-07, bench_rollout digests) the
+    nvfp4_rac rollout gave different tokens in two processes with the same seed (its prefill
+    selects with the jnp path: 262 144 GEMM rows) while nvfp4 and bf16 repeated bit for bit.
+
+    values ``[M, ...]``; segment_ids int ``[M]`` (ids outside ``[0, num_segments)`` are
+    dropped, as ``segment_sum`` drops them); returns ``[num_segments, ...]`` in values' dtype,
+    0 for empty segments. A non-finite value stays in its own segment's sum."""
+    m = segment_ids.shape[0]
+    if values.shape[:1] != (m,) or segment_ids.ndim != 1:
+        raise ValueError(f"ordered_segment_sum: values {list(values.shape)} and segment_ids "
+                         f"{list(segment_ids.shape)} need the same leading length M")
+    if m == 0:
+        return jnp.zeros((num_segments,) + values.shape[1:], values.dtype)
+    order = jnp.argsort(segment_ids, stable=True)
+    ids = segment_ids[order]
+    rows = values[order]
+    starts = jnp.concatenate([jnp.ones((1,), bool), ids[1:] != ids[:-1]])
+    flags = starts.reshape((m,) + (1,) * (values.ndim - 1))
+
+    def add_within_segment(a, b):  # (prefix, starts a segment): b's prefix restarts at a start
+        (va, fa), (vb, fb) = a, b
+        return jnp.where(fb, vb, va + vb), fa | fb
+
+    prefix, _ = jax.lax.associative_scan(add_within_segment, (rows, flags))
+    segment = jnp.arange(num_segments, dtype=ids.dtype)
+    last = jnp.clip(jnp.searchsorted(ids, segment, side="right") - 1, 0, m - 1)
+    present = (ids[last] == segment).reshape((num_segments,) + (1,) * (values.ndim - 1))
+    return jnp.where(present, prefix[last], jnp.zeros((), values.dtype))
 
 
 # Above this many pairwise comparisons (rows x nb x nb) ``select_blocks`` ranks by sorting.

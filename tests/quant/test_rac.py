@@ -164,3 +164,29 @@ def test_captured_energy_grows_with_ratio_and_meets_target(xw):
     m = rac.block_mask(x, r, rec(rac_ratio=1.0, rac_energy_target=0.8))
     assert float(rac.captured_energy(r, m)) >= 0.8
     assert int(m[0].sum()) < K // 16
+
+
+def test_ordered_segment_sum_is_segment_sum_without_a_scatter():
+    """The expert sums of ``online_batch`` add in one fixed order: with exactly representable
+    values they equal ``segment_sum`` (unsorted ids, empty segments, ids past the segments
+    dropped, a NaN or inf kept in its own segment), and the program has no scatter (XLA's
+    GPU scatter-add adds float32 in any order: RAC's block sets changed from run to run)."""
+    rng = np.random.default_rng(0)
+    for m, e in ((1, 1), (9, 3), (200, 16)):
+        values = rng.integers(0, 64, (m, 5)).astype(np.float32)
+        ids = rng.integers(0, e + 2, m).astype(np.int32)
+        got = rac.ordered_segment_sum(jnp.asarray(values), jnp.asarray(ids), e)
+        np.testing.assert_array_equal(np.asarray(got), jax.ops.segment_sum(values, ids, e))
+    values = np.ones((6, 2), np.float32)
+    values[2, 0], values[4, 1] = np.nan, np.inf
+    ids = np.array([3, 0, 1, 1, 2, 0], np.int32)
+    got = np.asarray(rac.ordered_segment_sum(jnp.asarray(values), jnp.asarray(ids), 5))
+    np.testing.assert_array_equal(got, [[2, 2], [np.nan, 2], [1, np.inf], [1, 1], [0, 0]])
+    np.testing.assert_array_equal(
+        np.asarray(rac.ordered_segment_sum(jnp.zeros((0, 3)), jnp.zeros((0,), jnp.int32), 2)),
+        np.zeros((2, 3)))
+    hlo = jax.jit(lambda v, i: rac.aggregate_scores(v, "residual_l2", i, 4)).lower(
+        values, ids).as_text()
+    assert "scatter" not in hlo
+    with pytest.raises(ValueError, match="same leading length"):
+        rac.ordered_segment_sum(jnp.ones((4, 2)), jnp.zeros((3,), jnp.int32), 2)
