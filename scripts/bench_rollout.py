@@ -296,6 +296,28 @@ def digest(x: jax.Array) -> str:
     return hashlib.sha256(jax.device_get(x).tobytes()).hexdigest()[:16]
 
 
+@jax.jit
+def state_checksum(tree) -> jax.Array:
+    """uint32 checksum of the bits of every array in ``tree`` (a decode state: its KV cache is
+    gigabytes, so it is summed on the device, not copied out): each leaf's words weighted by
+    their position and summed with wrap-around (integer addition: the same result in any
+    order), leaves combined in tree order."""
+    total = jnp.uint32(0)
+    for leaf in jax.tree.leaves(tree):
+        if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        if leaf.dtype == jnp.bool_:
+            leaf = leaf.astype(jnp.uint8)
+        unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[leaf.dtype.itemsize]
+        words = jax.lax.bitcast_convert_type(leaf, unsigned).astype(jnp.uint32)
+        words = words.reshape(words.shape[0] if words.ndim else 1, -1)
+        row = jax.lax.broadcasted_iota(jnp.uint32, words.shape, 0)
+        col = jax.lax.broadcasted_iota(jnp.uint32, words.shape, 1)
+        weight = (row * jnp.uint32(0x9E3779B1) + col * jnp.uint32(0x85EBCA77)) | jnp.uint32(1)
+        total = total * jnp.uint32(31) + jnp.sum(words * weight, dtype=jnp.uint32)
+    return total
+
+
 def bench_case(params, cfg, recipe, batch, prompt, args, bandwidth, tag="") -> dict:
     """One (batch, prompt) case: ``batch`` decode rows, ``batch / n_samples`` prompts (GRPO
     groups of ``--n-samples``, their prompt's cache shared with ``--share-prompt-cache``)."""
@@ -330,6 +352,7 @@ def bench_case(params, cfg, recipe, batch, prompt, args, bandwidth, tag="") -> d
         if i == 0 and pre_times[0] > args.slow_prefill_s:
             break
     t_pre = statistics.median(pre_times[1:] or pre_times)
+    prefill_digest = f"{int(state_checksum(state)):08x}"  # cache, first tokens, log-probs
 
     # Decode donates its state: every run starts from a copy of the one prefilled state.
     fresh = jax.jit(lambda s: jax.tree.map(jnp.copy, s))
@@ -397,7 +420,7 @@ def bench_case(params, cfg, recipe, batch, prompt, args, bandwidth, tag="") -> d
         decode_temp_bytes=temp, profile=profile, decode_at=args.decode_at,
         decode_position=int(state.step) + prompt, fast_forward_s=fast_forward_s,
         cb_schedule=args.cb_schedule or engine.DECODE_COMPILER_OPTIONS.get(CB_OPTION, "LHS"),
-        **digests,
+        prefill_digest=prefill_digest, **digests,
     )
 
 
@@ -590,9 +613,10 @@ def parse_args(argv):
                    "the rollout engine takes any key (jax's default: threefry2x32)")
     p.add_argument("--cb-schedule", choices=CB_SCHEDULES, default=None,
                    help="the decode program's xla_gpu_command_buffer_scheduling_mode (default: "
-                   "engine.DECODE_COMPILER_OPTIONS'); rows record it and digests of the "
-                   "first timed run's tokens and log-probs, equal across modes when the "
-                   "kernels compute the same bits")
+                   "engine.DECODE_COMPILER_OPTIONS'); rows record it, a checksum of the "
+                   "prefilled state and digests of the first timed run's tokens and "
+                   "log-probs, equal across modes and runs when the kernels compute the "
+                   "same bits")
     p.add_argument("--kv-cache-dtype", choices=("bfloat16", "float8_e4m3fn"), default="bfloat16",
                    help="the rollout's KV cache (SamplerConfig.kv_cache_dtype); FP8 halves the "
                    "decode attention's reads, in every arm")

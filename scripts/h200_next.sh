@@ -34,10 +34,10 @@
 #   cdef   the four arms at batch 128 at the engine's default (CONCURRENT since session 45),
 #          nvfp4_rac and bf16 also with --cb-schedule LHS; each run's token and log-prob
 #          digests (the same bits under both schedules) (~3.5 minutes on an H100)
-#   determ nvfp4_rac at batch 128 in three processes with the same seed, then nvfp4 twice:
-#          their token / log-prob digests must repeat (session 45: nvfp4_rac's did not, from
-#          the prefill's scatter-add expert sums, since replaced by rac.ordered_segment_sum;
-#          ~3 minutes on an H100)
+#   determ nvfp4_rac at batch 128 in three processes with the same seed, nvfp4 in two: their
+#          prefill checksums and token / log-prob digests must repeat (session 45: nvfp4_rac's
+#          did not, from the prefill's scatter-add expert sums, since replaced by
+#          rac.ordered_segment_sum; ~3 minutes on an H100)
 #   b32    the four arms at batch 32 / prompt 256
 #   b256   the four arms at batch 256 / prompt 256 (rows still missing in docs/BENCHMARKS.md)
 #   b256r  nvfp4_rac at batch 256 with the grouped GEMMs' prefill paths from 4 096 rows
@@ -572,7 +572,8 @@ for step in "$@"; do
         python3 -c "import json, sys
 for r in map(json.loads, open(sys.argv[1])):
     if r['kind'] == 'rollout':
-        print(' ', r['precision'], r['cb_schedule'], r['tokens_digest'], r['logprobs_digest'])
+        print(' ', r['precision'], r['cb_schedule'], r.get('prefill_digest'), r['tokens_digest'],
+              r['logprobs_digest'])
 " "$OUT/$tag/rollout.jsonl"
       done ;;
     b128r) rollout b128r 200 --quick --profile-steps 4 --precisions nvfp4_rac,bf16 \

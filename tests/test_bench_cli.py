@@ -30,6 +30,8 @@ def test_bench_rollout_runs_with_kernel_overrides(tmp_path):
     import pathlib
     import sys
 
+    import jax
+    import jax.numpy as jnp
     import numpy as np
 
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
@@ -91,7 +93,18 @@ def test_bench_rollout_runs_with_kernel_overrides(tmp_path):
     assert row["cb_schedule"] == "LHS"
     assert all(len(row[k]) == 16 and int(row[k], 16) >= 0
                for k in ("tokens_digest", "logprobs_digest"))
+    assert len(row["prefill_digest"]) == 8 and int(row["prefill_digest"], 16) >= 0
     assert bench_rollout.digest(np.arange(3)) != bench_rollout.digest(np.arange(1, 4))
+    # The device-side checksum sees one changed bit and a swap of two values.
+    tree = {"a": jnp.arange(6, dtype=jnp.bfloat16).reshape(2, 3), "k": jax.random.key(0),
+            "b": jnp.array([True, False]), "f": jnp.zeros((2, 2), jnp.float8_e4m3fn)}
+    base = int(bench_rollout.state_checksum(tree))
+    assert base == int(bench_rollout.state_checksum(jax.tree.map(lambda x: x, tree)))
+    for changed in ({**tree, "a": tree["a"].at[1, 2].set(6)},
+                    {**tree, "a": tree["a"][:, ::-1]},
+                    {**tree, "b": ~tree["b"]},
+                    {**tree, "k": jax.random.key(1)}):
+        assert int(bench_rollout.state_checksum(changed)) != base
 
 
 def test_bench_rollout_refuses_a_bad_w4a4_field():
