@@ -38,6 +38,10 @@
 #          prefill checksums and token / log-prob digests must repeat (session 45: nvfp4_rac's
 #          did not, from the prefill's scatter-add expert sums, since replaced by
 #          rac.ordered_segment_sum; ~3 minutes on an H100)
+#   cprof  nvfp4_rac and bf16 at batch 128 traced with the command buffers kept while profiling
+#          (`--xla_enable_command_buffers_during_profiling=true`: otherwise a profiling session
+#          runs every kernel outside the graphs, one after another, and the trace cannot show
+#          what CONCURRENT overlaps), top 90 kernels (~1.5 minutes on an H100)
 #   b32    the four arms at batch 32 / prompt 256
 #   b256   the four arms at batch 256 / prompt 256 (rows still missing in docs/BENCHMARKS.md)
 #   b256r  nvfp4_rac at batch 256 with the grouped GEMMs' prefill paths from 4 096 rows
@@ -436,7 +440,8 @@
 # 8.13 ms, bf16 unchanged; the default since 2300907; `sslot` equal under it: off), `cdef` (the
 # four arms at the new default: nvfp4_rac 8.19, 1.96x bf16's 16.06) and a repeat that found
 # nvfp4_rac's rollout not reproducible (the prefill's scatter-add expert sums, replaced). Next:
-# `determ` (the repeat, at the fix), then on an H200: `b128` (48 layers), `w41`, `kdense0
+# `determ` (the repeat, at the fix) and `cprof` (what the concurrent graphs overlap), then on an
+# H200: `b128` (48 layers), `w41`, `kdense0
 # kgroup kgroup2`.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -576,6 +581,8 @@ for r in map(json.loads, open(sys.argv[1])):
               r['logprobs_digest'])
 " "$OUT/$tag/rollout.jsonl"
       done ;;
+    cprof) XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true rollout cprof 150 \
+        --quick --profile-steps 4 --profile-top 90 --precisions nvfp4_rac,bf16 --budget-s 110 ;;
     b128r) rollout b128r 200 --quick --profile-steps 4 --precisions nvfp4_rac,bf16 \
       --budget-s 160 ;;
     prng) rollout prng 220 --quick --profile-steps 4 --precisions nvfp4_rac,bf16 \
