@@ -441,8 +441,7 @@
 # four arms at the new default: nvfp4_rac 8.19, 1.96x bf16's 16.06) and a repeat that found
 # nvfp4_rac's rollout not reproducible (the prefill's scatter-add expert sums, replaced). Next:
 # `determ` (the repeat, at the fix) and `cprof` (what the concurrent graphs overlap), then on an
-# H200: `b128` (48 layers), `w41`, `kdense0
-# kgroup kgroup2`.
+# H200: `b128` (48 layers), `w41`, `kdense0 kgroup kgroup2`.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
