@@ -266,8 +266,10 @@ def test_loop_resume_equals_straight_run(tmp_path, compile_cache):
             "rollout.share_prompt_cache=true",
             "rollout.max_new_tokens=2", "model.config.hidden_size=64",
             "model.config.num_hidden_layers=2", "rollout.prompts_per_step=8",
-            "grpo.num_generations=8", "rl.eval_every=100", "rl.eval_prompts=4",
-            "rl.eval_samples=1", "rl.analysis_every=0", "checkpoint.every_steps=2"]
+            "grpo.num_generations=8", "rl.eval_every=100", "rl.analysis_every=0",
+            "checkpoint.every_steps=2",
+            # the evaluations sample 8 prompts x 8 like a step's rollout: one compiled program
+            "rl.eval_prompts=8", "rl.eval_samples=8"]
 
     def run(name, steps):
         cfg = cfglib.load(TrainConfig, ROOT / "configs" / "tiny_cpu.yaml",
