@@ -102,8 +102,9 @@ def ordered_segment_sum(values: jax.Array, segment_ids: jax.Array,
     ``segment_sum`` is a scatter-add, which XLA's GPU backend runs with atomics: its float32
     sums come out in any order, two block sums within an ulp rank either way, and RAC's block
     sets change from run to run. On an H100 (2026-12-07, bench_rollout digests) the
-    nvfp4_rac rollout gave different tokens in two processes with the same seed (its prefill
-    selects with the jnp path: 262 144 GEMM rows) while nvfp4 and bf16 repeated bit for bit.
+    nvfp4_rac rollout gave different tokens in two processes with the same seed while nvfp4
+    and bf16 repeated bit for bit; its prefill selects with this jnp path (262 144 GEMM rows),
+    the rollout's one float scatter-add (the repeat with this function: not yet run).
 
     values ``[M, ...]``; segment_ids int ``[M]`` (ids outside ``[0, num_segments)`` are
     dropped, as ``segment_sum`` drops them); returns ``[num_segments, ...]`` in values' dtype,
