@@ -138,7 +138,8 @@ def test_static_rac_run_calibrates_at_sync(tmp_path, monkeypatch):
     assert trainer.trainer_recipe.kv_quant == "float8_e4m3fn"  # and aligns the trainer
     try:
         trainer.run()
-        rp = trainer.sync(trainer.final_state.params)  # sync 2 (0-1 ran): calibrates again
+        with jax.set_mesh(trainer.mesh):  # the loop's mesh: its compiled sync programs
+            rp = trainer.sync(trainer.final_state.params)  # sync 2 (0-1 ran): calibrates again
     finally:
         trainer.close()
     assert len(batches) == 2  # sync 0 of the run (sync 1 reused it), then 2
