@@ -207,8 +207,9 @@ def test_keep_first_layers_bf16_splits_scans_and_matches():
     np.testing.assert_array_equal(np.asarray(a.logits), np.asarray(b.logits))
     # Manually fake-quantize layer 1's experts: the bf16 recipe must give the same logits.
     ex = split["layers"][1]["mlp"]["experts"]
-    ex["gate_up"] = nvfp4.qdq(ex["gate_up"], scale_mode="expert")
-    ex["down"] = nvfp4.qdq(ex["down"], scale_mode="expert")
+    qdq = jax.jit(nvfp4.qdq, static_argnames="scale_mode")  # eagerly, every small op compiled
+    ex["gate_up"] = qdq(ex["gate_up"], scale_mode="expert")
+    ex["down"] = qdq(ex["down"], scale_mode="expert")
     c = FWD(two, split, jnp.asarray(tok), attention_mask=jnp.asarray(mask))
     np.testing.assert_allclose(np.asarray(a.logits), np.asarray(c.logits), atol=1e-5)
     plain = FWD(two, params, jnp.asarray(tok), attention_mask=jnp.asarray(mask))
@@ -272,16 +273,17 @@ def test_collect_site_inputs_and_static_rac_calibration():
     # Static calibration on this very batch must reproduce online_batch selection exactly.
     static = online.replace(rac_selection="static")
     calibrated = split_layer_groups(cfg, params, static)
+    # Jitted, as the weight sync runs it (sampler.calibration): one compile per shape instead
+    # of a dispatch of every small op (12 of this test's 20 s on 2 cores).
+    calibrate = jax.jit(lambda x, gs: rac.calibrate_blocks(
+        x, online, row_expert=ops.expert_of_rows(gs, x.shape[0]), num_experts=8))
     for g, (_, start, stop) in zip(calibrated["layers"], cfg.layer_groups, strict=True):
         if "experts" not in g["mlp"]:
             continue
         for name in ("gate_up", "down"):
             blocks = []
             for i in range(start, stop):
-                x, gs = inputs[f"layers.{i}.mlp.experts.{name}"]
-                row_expert = ops.expert_of_rows(gs, x.shape[0])
-                blocks.append(rac.calibrate_blocks(x, online, row_expert=row_expert,
-                                                   num_experts=8))
+                blocks.append(calibrate(*inputs[f"layers.{i}.mlp.experts.{name}"]))
             g["mlp"]["experts"][name] = rac.CalibratedWeight(
                 g["mlp"]["experts"][name], rac_blocks=jnp.stack(blocks))
     got = FWD(cfg, calibrated, jnp.asarray(tok), attention_mask=jnp.asarray(mask),

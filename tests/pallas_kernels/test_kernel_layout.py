@@ -96,21 +96,23 @@ def test_prepare_dequantizes_to_the_nvfp4_values(shape, mma_dtype, decode, bits,
 
 def test_prepare_rejects_bad_weights():
     x = jax.random.normal(jax.random.key(2), (4, 128, 64))
+    # jitted, each once (eagerly, every small op compiled): the weights only need to be valid
+    quantize = jax.jit(nvfp4.quantize, static_argnames="scale_mode")
     with pytest.raises(ValueError, match="global_scale"):
-        prepare_w4a4_weights(nvfp4.quantize(x, scale_mode="row"))
+        prepare_w4a4_weights(quantize(x, scale_mode="row"))
     with pytest.raises(ValueError, match="NVFP4Tensor"):
         prepare_w4a4_weights(x)
+    wq = quantize(x[0])
     with pytest.raises(ValueError, match="mma_dtype"):
-        prepare_w4a4_weights(nvfp4.quantize(x[0]), mma_dtype="float32")
+        prepare_w4a4_weights(wq, mma_dtype="float32")
     with pytest.raises(ValueError, match="decode"):
-        prepare_w4a4_weights(nvfp4.quantize(x[0]), decode="fast")
+        prepare_w4a4_weights(wq, decode="fast")
     with pytest.raises(ValueError, match=r"bits='bytes' is not one of \('nibbles', 'signs_high'\)"):
-        prepare_w4a4_weights(nvfp4.quantize(x[0]), bits="bytes")
+        prepare_w4a4_weights(wq, bits="bytes")
     with pytest.raises(ValueError, match=r"scale_dtype='float8_e4m3fn' needs mma_dtype='float16'"):
-        prepare_w4a4_weights(nvfp4.quantize(x[0]), mma_dtype="bfloat16",
-                             scale_dtype="float8_e4m3fn")
+        prepare_w4a4_weights(wq, mma_dtype="bfloat16", scale_dtype="float8_e4m3fn")
     with pytest.raises(ValueError, match=r"scale_dtype='float32': None, 'float16' or"):
-        prepare_w4a4_weights(nvfp4.quantize(x[0]), scale_dtype="float32")
+        prepare_w4a4_weights(wq, scale_dtype="float32")
 
 
 def test_tile_rows_stores_each_kernel_tile_contiguously():

@@ -111,13 +111,16 @@ def test_packed_leaf_equals_master(data, mode):
 def test_grouped_equals_per_expert_loop(data, mode):
     x, _, we = data
     recipe = recipe_for(mode)
+    # jitted, as the model runs them: one compile per shape (eagerly, every small op compiled)
+    grouped = jax.jit(lambda x, w, gs: ops.grouped_linear(x, w, gs, SITE, recipe))
+    linear = jax.jit(lambda x, w: ops.linear(x, w, SITE, recipe))
     gs = np.array([9, 0, 15, 0])  # experts 1 and 3 get no rows
-    y = ops.grouped_linear(x.astype(jnp.bfloat16), we, jnp.asarray(gs), SITE, recipe)
+    y = grouped(x.astype(jnp.bfloat16), we, jnp.asarray(gs))
     assert y.dtype == jnp.bfloat16
     start = 0
     for e, n in enumerate(gs):
         if n:
-            ref = ops.linear(x[start:start + n].astype(jnp.bfloat16), we[e], SITE, recipe)
+            ref = linear(x[start:start + n].astype(jnp.bfloat16), we[e])
             np.testing.assert_allclose(f64(y[start:start + n]), f64(ref), rtol=1e-2,
                                        atol=1e-2 * float(jnp.abs(ref).max()))
         start += n
@@ -142,9 +145,11 @@ def test_grouped_source_rows_equal_the_gathered_rows(data, mode, monkeypatch):
     src = jnp.asarray([3, 3, 0, 5, 1, 1, 1, 7, 2], jnp.int32)
     gs = jnp.asarray([4, 0, 5, 0], jnp.int32)
     xb = x.astype(jnp.bfloat16)
-    want = ops.grouped_linear(xb[src], we, gs, SITE, recipe)
-    np.testing.assert_array_equal(ops.grouped_linear(xb, we, gs, SITE, recipe, source_rows=src),
-                                  want)
+    # jitted, as the model runs it: one compile per call (eagerly, every small op compiled)
+    grouped = jax.jit(lambda x, w, gs, src=None: ops.grouped_linear(x, w, gs, SITE, recipe,
+                                                                    source_rows=src))
+    want = grouped(xb[src], we, gs)
+    np.testing.assert_array_equal(grouped(xb, we, gs, src), want)
     seen = []
 
     def kernel(x, w, group_sizes, *, recipe, site, interpret, source_rows=None):

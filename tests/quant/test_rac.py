@@ -114,12 +114,13 @@ def test_static_calibration_on_same_batch_equals_online(xw):
     calibrate = jax.jit(lambda x: rac.calibrate_blocks(x, rec()))
     blocks = calibrate(x)
     assert blocks.shape == (K // 16,) and int(blocks.sum()) == 4
-    leaf = rac.CalibratedWeight(nvfp4.quantize(w, scale_mode="expert"), rac_blocks=blocks)
+    quantize = jax.jit(nvfp4.quantize, static_argnames="scale_mode")
+    leaf = rac.CalibratedWeight(quantize(w, scale_mode="expert"), rac_blocks=blocks)
     static = jax.jit(lambda x, leaf: ops.linear(x, leaf, SITE, rec(rac_selection="static")))
     online = jax.jit(lambda x, w: ops.linear(x, w, SITE, rec()))
     np.testing.assert_array_equal(static(x, leaf), online(x, w))
-    with pytest.raises(ValueError, match="static"):
-        ops.linear(x, w, SITE, rec(rac_selection="static"))
+    with pytest.raises(ValueError, match="static"):  # an uncalibrated weight: refused
+        static(x, w)
     # grouped calibration: one block set per expert
     row_expert = jnp.asarray([0] * 5 + [2] * 7, jnp.int32)
     per_expert = jax.jit(lambda x, e: rac.calibrate_blocks(x, rec(), row_expert=e,
@@ -172,18 +173,21 @@ def test_ordered_segment_sum_is_segment_sum_without_a_scatter():
     dropped, a NaN or inf kept in its own segment), and the program has no scatter (XLA's
     GPU scatter-add adds float32 in any order: RAC's block sets changed from run to run)."""
     rng = np.random.default_rng(0)
+    # jitted, as online_batch runs it: one compile per shape (eagerly, every small op compiled)
+    ordered = jax.jit(rac.ordered_segment_sum, static_argnums=2)
+    segment_sum = jax.jit(jax.ops.segment_sum, static_argnums=2)
     for m, e in ((1, 1), (9, 3), (200, 16)):
         values = rng.integers(0, 64, (m, 5)).astype(np.float32)
         ids = rng.integers(0, e + 2, m).astype(np.int32)
-        got = rac.ordered_segment_sum(jnp.asarray(values), jnp.asarray(ids), e)
-        np.testing.assert_array_equal(np.asarray(got), jax.ops.segment_sum(values, ids, e))
+        got = ordered(jnp.asarray(values), jnp.asarray(ids), e)
+        np.testing.assert_array_equal(np.asarray(got), segment_sum(values, ids, e))
     values = np.ones((6, 2), np.float32)
     values[2, 0], values[4, 1] = np.nan, np.inf
     ids = np.array([3, 0, 1, 1, 2, 0], np.int32)
-    got = np.asarray(rac.ordered_segment_sum(jnp.asarray(values), jnp.asarray(ids), 5))
+    got = np.asarray(ordered(jnp.asarray(values), jnp.asarray(ids), 5))
     np.testing.assert_array_equal(got, [[2, 2], [np.nan, 2], [1, np.inf], [1, 1], [0, 0]])
     np.testing.assert_array_equal(
-        np.asarray(rac.ordered_segment_sum(jnp.zeros((0, 3)), jnp.zeros((0,), jnp.int32), 2)),
+        np.asarray(ordered(jnp.zeros((0, 3)), jnp.zeros((0,), jnp.int32), 2)),
         np.zeros((2, 3)))
     hlo = jax.jit(lambda v, i: rac.aggregate_scores(v, "residual_l2", i, 4)).lower(
         values, ids).as_text()

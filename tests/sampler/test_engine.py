@@ -352,9 +352,11 @@ def test_fp8_kv_rollout_logprobs_equal_the_aligned_trainer_forward(model):
     resp = np.asarray(r8.response_mask).astype(bool)
     toks = np.asarray(r8.tokens)
 
+    # the forwards jitted, as the trainer runs them (eagerly, every small op compiled)
     def token_logprobs(recipe):
-        logits = models.forward(cfg, params, r8.tokens, attention_mask=r8.attention_mask,
-                                recipe=recipe).logits
+        logits = jax.jit(lambda p, t, m: models.forward(cfg, p, t, attention_mask=m,
+                                                        recipe=recipe).logits)(
+            params, r8.tokens, r8.attention_mask)
         lp = jax.nn.log_softmax(np.asarray(logits, np.float32), axis=-1)
         got = np.take_along_axis(np.asarray(lp)[:, :-1], toks[:, 1:, None], axis=-1)[..., 0]
         return got[resp[:, 1:]]
@@ -370,7 +372,7 @@ def test_fp8_kv_rollout_logprobs_equal_the_aligned_trainer_forward(model):
                              recipe=get_recipe("bf16", kv_quant="float8_e4m3fn"))
         return jnp.mean(out.logits**2)
 
-    grads = jax.grad(loss)(params)
+    grads = jax.jit(jax.grad(loss))(params)
     g = grads["layers"][0]["attn"]
     key = "k_proj" if "k_proj" in g else "qkv_proj"
     assert np.isfinite(np.asarray(g[key])).all() and np.abs(np.asarray(g[key])).max() > 0
