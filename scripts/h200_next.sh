@@ -38,6 +38,8 @@
 #          prefill checksums and token / log-prob digests must repeat (session 45: nvfp4_rac's
 #          did not, from the prefill's scatter-add expert sums, since replaced by
 #          rac.ordered_segment_sum; ~3 minutes on an H100)
+#   hdef   the H200 row at 48 layers (session 46): the four arms at the engine's defaults, one
+#          process each, nvfp4_rac first and last (its digests must repeat); ~5-6 minutes
 #   cprof  nvfp4_rac and bf16 at batch 128 traced with the command buffers kept while profiling
 #          (`--xla_enable_command_buffers_during_profiling=true`: otherwise a profiling session
 #          runs every kernel outside the graphs, one after another, and the trace cannot show
@@ -565,14 +567,15 @@ for step in "$@"; do
           rollout "c2_${prec}_${mode}${flag:+_ss}" 70 --quick --precisions "$prec" \
           ${flag:+--w4a4-set "$flag"} --budget-s 50
       done ;;
-    cdef|determ) arms="nvfp4_rac: nvfp4_rac:LHS bf16: bf16:LHS fp8: nvfp4:"
+    cdef|determ|hdef) arms="nvfp4_rac: nvfp4_rac:LHS bf16: bf16:LHS fp8: nvfp4:" limit=70
       [ "$step" = determ ] && arms="nvfp4_rac: nvfp4_rac: nvfp4: nvfp4_rac: nvfp4:"
+      [ "$step" = hdef ] && arms="nvfp4_rac: bf16: fp8: nvfp4: nvfp4_rac:" limit=110
       n=0
       for arm in $arms; do
         IFS=: read -r prec mode <<< "$arm"
         n=$((n + 1)); tag="${step}${n}_${prec}_${mode:-default}"
-        rollout "$tag" 70 --quick --precisions "$prec" ${mode:+--cb-schedule "$mode"} \
-          --budget-s 50
+        rollout "$tag" "$limit" --quick --precisions "$prec" ${mode:+--cb-schedule "$mode"} \
+          --budget-s $((limit - 20))
         python3 -c "import json, sys
 for r in map(json.loads, open(sys.argv[1])):
     if r['kind'] == 'rollout':
