@@ -40,6 +40,8 @@
 #          rac.ordered_segment_sum; ~3 minutes on an H100)
 #   hdef   the H200 row at 48 layers (session 46): the four arms at the engine's defaults, one
 #          process each, nvfp4_rac first and last (its digests must repeat); ~5-6 minutes
+#   segp   RAC's per-expert score sums at the prefill's row counts: segment_sum (a scatter-add)
+#          against rac.ordered_segment_sum, time per call and repeats (probe_segment_sum.py)
 #   cprof  nvfp4_rac and bf16 at batch 128 traced with the command buffers kept while profiling
 #          (`--xla_enable_command_buffers_during_profiling=true`: otherwise a profiling session
 #          runs every kernel outside the graphs, one after another, and the trace cannot show
@@ -583,6 +585,8 @@ for r in map(json.loads, open(sys.argv[1])):
               r['logprobs_digest'])
 " "$OUT/$tag/rollout.jsonl"
       done ;;
+    segp) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 10 150 python3 scripts/probe_segment_sum.py \
+        > "$OUT/segp.log" 2>&1; echo "segp rc $?"; cut -c1-300 "$OUT/segp.log" | tail -8 ;;
     cprof) XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true rollout cprof 150 \
         --quick --profile-steps 4 --profile-top 90 --precisions nvfp4_rac,bf16 --budget-s 110 ;;
     b128r) rollout b128r 200 --quick --profile-steps 4 --precisions nvfp4_rac,bf16 \
