@@ -40,6 +40,8 @@
 #          rac.ordered_segment_sum; ~3 minutes on an H100)
 #   hdef   the H200 row at 48 layers (session 46): the four arms at the engine's defaults, one
 #          process each, nvfp4_rac first and last (its digests must repeat); ~5-6 minutes
+#   hall   hdef in one process (model init once; session 46's device time was short): the four
+#          arms at 48 layers on an H200, untraced, nvfp4_rac and bf16 first (~6-7 minutes)
 #   segp   RAC's per-expert score sums at the prefill's row counts: segment_sum (a scatter-add)
 #          against rac.ordered_segment_sum, time per call and repeats (probe_segment_sum.py)
 #   cprof  nvfp4_rac and bf16 at batch 128 traced with the command buffers kept while profiling
@@ -585,6 +587,7 @@ for r in map(json.loads, open(sys.argv[1])):
               r['logprobs_digest'])
 " "$OUT/$tag/rollout.jsonl"
       done ;;
+    hall) rollout hall 470 --quick --precisions nvfp4_rac,bf16,fp8,nvfp4 --budget-s 420 ;;
     segp) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 10 150 python3 scripts/probe_segment_sum.py \
         > "$OUT/segp.log" 2>&1; echo "segp rc $?"; cut -c1-300 "$OUT/segp.log" | tail -8 ;;
     cprof) XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true rollout cprof 150 \
