@@ -40,6 +40,9 @@
 #          rac.ordered_segment_sum; ~3 minutes on an H100)
 #   hdef   the H200 row at 48 layers (session 46): the four arms at the engine's defaults, one
 #          process each, nvfp4_rac first and last (its digests must repeat); ~5-6 minutes
+#   dauto  nvfp4 in three processes with XLA's autotuning off (--xla_gpu_autotune_level=0):
+#          do its prefill checksums and log-prob digests repeat then (session 46: they did not
+#          with autotuning, in two processes)? ~3.5 minutes on an H100
 #   hall   hdef in one process (model init once; session 46's device time was short): the four
 #          arms at 48 layers on an H200, untraced, nvfp4_rac and bf16 first (~6-7 minutes)
 #   segp   RAC's per-expert score sums at the prefill's row counts: segment_sum (a scatter-add)
@@ -571,7 +574,9 @@ for step in "$@"; do
           rollout "c2_${prec}_${mode}${flag:+_ss}" 70 --quick --precisions "$prec" \
           ${flag:+--w4a4-set "$flag"} --budget-s 50
       done ;;
-    cdef|determ|hdef) arms="nvfp4_rac: nvfp4_rac:LHS bf16: bf16:LHS fp8: nvfp4:" limit=70
+    cdef|determ|hdef|dauto) arms="nvfp4_rac: nvfp4_rac:LHS bf16: bf16:LHS fp8: nvfp4:" limit=70
+      [ "$step" = dauto ] && arms="nvfp4: nvfp4: nvfp4:" limit=80 \
+        && export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0"
       [ "$step" = determ ] && arms="nvfp4_rac: nvfp4_rac: nvfp4: nvfp4_rac: nvfp4:"
       [ "$step" = hdef ] && arms="nvfp4_rac: bf16: fp8: nvfp4: nvfp4_rac:" limit=110
       n=0
