@@ -33,6 +33,7 @@ import time
 import jax
 import numpy as np
 
+from quads_jax import xla_runtime
 from quads_jax.quant.recipe import ROLLOUT_PRECISIONS as PRECISIONS
 
 
@@ -65,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how a token is drawn from its log-probs (sampling.SAMPLERS)")
     p.add_argument("--n", type=int, default=1, help="samples of the prompt")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--autotune-cache", metavar="DIR", help="keep XLA:GPU's autotuning results in DIR, shared by every process given it: their compiled GEMMs then sum in one order, so a re-run repeats bit for bit (quads_jax.xla_runtime)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="compute dtype")
     p.add_argument("--kv-cache-dtype", default="model",
@@ -190,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     from quads_jax.sampler.engine import FINISH_STOP, compile_generate, left_pad
 
     try:
+        if args.autotune_cache is not None:
+            xla_runtime.use_autotune_cache(args.autotune_cache)
         texts = read_prompts(args)
         for flag, value, low in (("--decode-rows", args.decode_rows, 0),
                                  ("--segment-steps", args.segment_steps, 1)):

@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from quads_jax import config as cfglib
-from quads_jax import models, profiling
+from quads_jax import models, profiling, xla_runtime
 from quads_jax.models import ModelConfig
 from quads_jax.quant import ops
 from quads_jax.quant.recipe import ROLLOUT_PRECISIONS, get_recipe
@@ -611,6 +611,7 @@ def parse_args(argv):
                    default="threefry2x32",
                    help="the sampling key's PRNG implementation (jax.random.key(..., impl=)); "
                    "the rollout engine takes any key (jax's default: threefry2x32)")
+    p.add_argument("--autotune-cache", metavar="DIR", help="keep XLA:GPU's autotuning results in DIR, shared by every process given it: their compiled GEMMs then sum in one order, so a re-run repeats bit for bit (quads_jax.xla_runtime)")
     p.add_argument("--cb-schedule", choices=CB_SCHEDULES, default=None,
                    help="the decode program's xla_gpu_command_buffer_scheduling_mode (default: "
                    "engine.DECODE_COMPILER_OPTIONS'); rows record it, a checksum of the "
@@ -739,6 +740,8 @@ def set_fields(items: list[str], flag: str = "--w4a4-set") -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.autotune_cache is not None:
+        xla_runtime.use_autotune_cache(args.autotune_cache)
     if args.bf16_path:
         BF16_PATH["path"] = args.bf16_path
     from pallas_kernels.decode_attention import DecodeAttentionConfig

@@ -13,6 +13,7 @@ import sys
 import time
 
 from quads_jax import config as cfglib
+from quads_jax import xla_runtime
 from quads_jax.train.config import TrainConfig
 
 
@@ -48,10 +49,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="YAML config (see configs/)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument("--autotune-cache", metavar="DIR", help="keep XLA:GPU's autotuning results in DIR, shared by every process given it: their compiled GEMMs then sum in one order, so a re-run repeats bit for bit (quads_jax.xla_runtime)")
     args = parser.parse_args(argv)
     try:
         config = cfglib.load(TrainConfig, args.config, args.overrides)
-    except (ValueError, OSError) as err:
+        if args.autotune_cache is not None:
+            xla_runtime.use_autotune_cache(args.autotune_cache)
+    except (ValueError, OSError, RuntimeError) as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
 
