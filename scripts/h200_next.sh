@@ -43,6 +43,8 @@
 #   dauto  nvfp4 in three processes with XLA's autotuning off (--xla_gpu_autotune_level=0):
 #          do its prefill checksums and log-prob digests repeat then (session 46: they did not
 #          with autotuning, in two processes)? ~3.5 minutes on an H100
+#   datc   nvfp4 in two processes sharing one autotune cache (--autotune-cache): the second
+#          compiles with the first's tuned kernels, so the digests repeat (~2.5 minutes)
 #   hall   hdef in one process (model init once; session 46's device time was short): the four
 #          arms at 48 layers on an H200, untraced, nvfp4_rac and bf16 first (~6-7 minutes)
 #   segp   RAC's per-expert score sums at the prefill's row counts: segment_sum (a scatter-add)
@@ -591,6 +593,11 @@ for r in map(json.loads, open(sys.argv[1])):
         print(' ', r['precision'], r['cb_schedule'], r.get('prefill_digest'), r['tokens_digest'],
               r['logprobs_digest'])
 " "$OUT/$tag/rollout.jsonl"
+      done ;;
+    datc) for i in 1 2; do  # two processes sharing one autotune cache: the same digests
+        rollout "datc$i" 80 --quick --precisions nvfp4 --autotune-cache /tmp/datc --budget-s 60
+        grep -o '"prefill_tok_s": [0-9.]*\|"[a-z]*_digest": "[0-9a-f]*"' "$OUT/datc$i.log" \
+          | paste -sd' '
       done ;;
     hall) rollout hall 470 --quick --precisions nvfp4_rac,bf16,fp8,nvfp4 --budget-s 420 ;;
     segp) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 10 150 python3 scripts/probe_segment_sum.py \
