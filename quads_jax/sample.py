@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how a token is drawn from its log-probs (sampling.SAMPLERS)")
     p.add_argument("--n", type=int, default=1, help="samples of the prompt")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--autotune-cache", metavar="DIR", help="keep XLA:GPU's autotuning results in DIR, shared by every process given it: their compiled GEMMs then sum in one order, so a re-run repeats bit for bit (quads_jax.xla_runtime)")
+    xla_runtime.add_autotune_cache_argument(p)
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="compute dtype")
     p.add_argument("--kv-cache-dtype", default="model",

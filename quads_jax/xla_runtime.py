@@ -25,6 +25,15 @@ def _backends_started() -> bool:
     return xla_bridge.backends_are_initialized()
 
 
+def add_autotune_cache_argument(parser) -> None:
+    """``--autotune-cache DIR`` on an entry point's argparse parser (train, sample,
+    bench_rollout); the entry point passes its value to ``use_autotune_cache`` first thing."""
+    parser.add_argument("--autotune-cache", metavar="DIR",
+                        help="keep XLA:GPU's autotuning results in DIR, shared by every process "
+                        "given it: their compiled GEMMs then sum in one order, so a re-run "
+                        "repeats bit for bit (quads_jax.xla_runtime)")
+
+
 def use_autotune_cache(directory: str | os.PathLike) -> str:
     """Keep XLA:GPU's autotuning results in ``directory`` (created if missing), read by every
     later compile in this and other processes. Appends ``AUTOTUNE_CACHE_FLAG`` to ``XLA_FLAGS``;

@@ -611,7 +611,7 @@ def parse_args(argv):
                    default="threefry2x32",
                    help="the sampling key's PRNG implementation (jax.random.key(..., impl=)); "
                    "the rollout engine takes any key (jax's default: threefry2x32)")
-    p.add_argument("--autotune-cache", metavar="DIR", help="keep XLA:GPU's autotuning results in DIR, shared by every process given it: their compiled GEMMs then sum in one order, so a re-run repeats bit for bit (quads_jax.xla_runtime)")
+    xla_runtime.add_autotune_cache_argument(p)
     p.add_argument("--cb-schedule", choices=CB_SCHEDULES, default=None,
                    help="the decode program's xla_gpu_command_buffer_scheduling_mode (default: "
                    "engine.DECODE_COMPILER_OPTIONS'); rows record it, a checksum of the "

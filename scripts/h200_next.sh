@@ -577,16 +577,17 @@ for step in "$@"; do
           ${flag:+--w4a4-set "$flag"} --budget-s 50
       done ;;
     cdef|determ|hdef|dauto) arms="nvfp4_rac: nvfp4_rac:LHS bf16: bf16:LHS fp8: nvfp4:" limit=70
+      extra=  # dauto's XLA flag, for this step's runs only (not exported to later steps)
       [ "$step" = dauto ] && arms="nvfp4: nvfp4: nvfp4:" limit=80 \
-        && export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0"
+        extra=--xla_gpu_autotune_level=0
       [ "$step" = determ ] && arms="nvfp4_rac: nvfp4_rac: nvfp4: nvfp4_rac: nvfp4:"
       [ "$step" = hdef ] && arms="nvfp4_rac: bf16: fp8: nvfp4: nvfp4_rac:" limit=110
       n=0
       for arm in $arms; do
         IFS=: read -r prec mode <<< "$arm"
         n=$((n + 1)); tag="${step}${n}_${prec}_${mode:-default}"
-        rollout "$tag" "$limit" --quick --precisions "$prec" ${mode:+--cb-schedule "$mode"} \
-          --budget-s $((limit - 20))
+        XLA_FLAGS="${XLA_FLAGS:-}${extra:+ $extra}" rollout "$tag" "$limit" --quick \
+          --precisions "$prec" ${mode:+--cb-schedule "$mode"} --budget-s $((limit - 20))
         python3 -c "import json, sys
 for r in map(json.loads, open(sys.argv[1])):
     if r['kind'] == 'rollout':

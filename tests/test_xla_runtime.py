@@ -15,8 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_refuses_bad_directories_and_a_started_backend(tmp_path, monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    (tmp_path / "f").write_text("")
     with pytest.raises(ValueError, match="is a file"):
-        (tmp_path / "f").write_text("")
         xla_runtime.use_autotune_cache(tmp_path / "f")
     with pytest.raises(ValueError, match="whitespace"):
         xla_runtime.use_autotune_cache(tmp_path / "a b")

@@ -531,7 +531,8 @@ _STATIC = ("config", "model_config", "recipe")
 # graph is a chain. CONCURRENT makes it a DAG of the kernels' data dependencies, so small
 # latency-bound kernels that do not wait on each other can run side by side (a MoE layer's RAC
 # row pass needs only the normed hidden state, not the router's top-k, slot sort or tile plan;
-# which kernels overlap is not traced yet: `h200_next.sh cprof`): on an H100 (2026-12-07, 24 layers,
+# which kernels overlap is not known: session 46's trace with the graphs kept, `h200_next.sh
+# cprof`, gives each kernel's span, not what ran side by side): on an H100 (2026-12-07, 24 layers,
 # batch 128, docs/BENCHMARKS.md "Session 45") nvfp4_rac 8.34 -> 8.14 ms, nvfp4 7.96 -> 7.78,
 # fp8 9.71 -> 9.46, bf16 16.16 -> 16.14 (few small kernels). CONCURRENT_REGIONS failed to
 # compile (an XLA RET_CHECK: "Concurrent region ids are not monotonic").

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="YAML config (see configs/)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    parser.add_argument("--autotune-cache", metavar="DIR", help="keep XLA:GPU's autotuning results in DIR, shared by every process given it: their compiled GEMMs then sum in one order, so a re-run repeats bit for bit (quads_jax.xla_runtime)")
+    xla_runtime.add_autotune_cache_argument(parser)
     args = parser.parse_args(argv)
     try:
         config = cfglib.load(TrainConfig, args.config, args.overrides)
