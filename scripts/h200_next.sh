@@ -111,6 +111,10 @@
 #          float16 scales its 56 KB stages left 2 of them for gate_up (session 38: no gain on
 #          the H100), E4M3 scales fit 4; GPU checks, the kernel alone (and n_group 4: 2 stages
 #          for gate_up, 1 for down), nvfp4_rac at batch 128 at n_group 2 and 1
+#   tune   ng2 and store cut to one call (~7.5 minutes on an H100; session 47: neither was
+#          run since E4M3 scales became the default): GPU checks of both, the grouped kernel
+#          alone (default, n_group 2, store_buffers 2, both), then nvfp4_rac at batch 128,
+#          untraced, at the defaults, n_group 2, store_buffers 2, and the defaults again
 #   store  the epilogue's output copies waited for when their staging buffer is next written
 #          (store_buffers 1 / 2, session 39) instead of at once: GPU checks, the grouped W4A4
 #          and FP8 kernels alone, then nvfp4_rac and fp8 at batch 128 with 2 and 0 (~8 minutes)
@@ -722,6 +726,12 @@ for r in map(json.loads, open(sys.argv[1])):
       rollout ng2 100 --quick --profile-steps 4 --precisions nvfp4_rac --w4a4-n-group 2 \
       --budget-s 80
       rollout ng1 100 --quick --profile-steps 4 --precisions nvfp4_rac --budget-s 80 ;;
+    tune) probe tunek 170 "default n_group 2,default store2" \
+      "default,default n_group 2,default store2,default n_group 2 store2"
+      rollout tdef 100 --quick --precisions nvfp4_rac --budget-s 80
+      rollout tng2 100 --quick --precisions nvfp4_rac --w4a4-n-group 2 --budget-s 80
+      rollout tst2 100 --quick --precisions nvfp4_rac --w4a4-set store_buffers=2 --budget-s 80
+      rollout tdef2 100 --quick --precisions nvfp4_rac --budget-s 80 ;;
     store) probe storek 170 "default store2" \
       "default,default store1,default store2,fp8 store2"
       rollout store 150 --quick --profile-steps 4 --precisions nvfp4_rac,fp8 \
