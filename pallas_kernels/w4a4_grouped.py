@@ -351,7 +351,7 @@ def w4a4_grouped_matmul(
     return run_tiles(tiles, slot_g, output_row_slots(row_slot, output_rows), w, tile_expert,
                      num_tiles, config, interpret, x_sorted.dtype,
                      live_tiles=expected_tiles(m, e, block_m),
-                     wide=config.wide_decode(m, rac=rac is not None),
+                     wide=config.wide_decode(m, rac=rac is not None, k_pad=w.k_pad),
                      residual_blocks=residual_blocks, token_scales=token_scales)
 
 

@@ -239,6 +239,12 @@ class W4A4MatmulConfig:
     # at batch 128 (24 layers, `h200_next.sh widerac`) 9.07 ms (mma_k 256), 8.94 (mma_k 128),
     # 9.84 (unstacked, `rac_selected_wgmmas`) against 8.43 on one pair.
     wide_rac_decode: bool = False
+    # Grouped RAC decode calls with K at most this (the padded K; 0: none) run on two pairs
+    # even with wide_rac_decode off: on the H200 (session 40) the down projection's RAC call
+    # (K = 768 at Qwen3-30B-A3B's shape) took 41.6 us on two pairs against 47.1 on one, while
+    # gate_up's (K = 2048) got slower; on the H100 (session 42) both got slower. 0 until the
+    # rollout on an H200 says otherwise (`h200_next.sh wdown`).
+    wide_rac_decode_max_k: int = 0
     # Grouped RAC calls with unstacked operands: the residual operand's wgmmas only for the K
     # blocks selected in each token tile (``nvfp4_tile_gemm``'s ``residual_blocks``, from the
     # selection's mask; the others multiply zeros): at ratio 0.5 half of them. Off: on the H100
@@ -263,6 +269,10 @@ class W4A4MatmulConfig:
         self.act_operands_config()
         self.rac_row_pass(False)
         self.tile_plan_config()
+        wk = self.wide_rac_decode_max_k
+        if not isinstance(wk, int) or isinstance(wk, bool) or wk < 0:
+            raise ValueError(f"W4A4MatmulConfig.wide_rac_decode_max_k={wk!r}: an int >= 0 "
+                             "(0: no RAC call by its K alone)")
         p = self.prefill_min_rows
         if p is not None and (not isinstance(p, int) or p < 1):
             raise ValueError(f"W4A4MatmulConfig.prefill_min_rows={p!r}: None or an int >= 1")
@@ -271,10 +281,15 @@ class W4A4MatmulConfig:
                              "wgmmas per selected block: needs stack_operands=False and "
                              f"mma_overlap=0 (got {self.stack_operands}, {self.mma_overlap})")
 
-    def wide_decode(self, m: int, rac: bool) -> bool:
-        """A grouped call of ``m`` rows (with RAC's second operand or not) asks for two
-        warpgroup pairs (``wide_plain_decode`` / ``wide_rac_decode``; decode calls only)."""
-        return (self.wide_rac_decode if rac else self.wide_plain_decode) and not self.is_prefill(m)
+    def wide_decode(self, m: int, rac: bool, k_pad: int) -> bool:
+        """A grouped call of ``m`` rows and padded depth ``k_pad`` (with RAC's second operand
+        or not) asks for two warpgroup pairs (``wide_plain_decode`` / ``wide_rac_decode`` /
+        ``wide_rac_decode_max_k``; decode calls only)."""
+        if self.is_prefill(m):
+            return False
+        if not rac:
+            return self.wide_plain_decode
+        return self.wide_rac_decode or k_pad <= self.wide_rac_decode_max_k
 
     def is_prefill(self, m: int) -> bool:
         """A call of ``m`` GEMM rows runs the prefill paths (``prefill_min_rows``)."""

@@ -111,6 +111,10 @@
 #          float16 scales its 56 KB stages left 2 of them for gate_up (session 38: no gain on
 #          the H100), E4M3 scales fit 4; GPU checks, the kernel alone (and n_group 4: 2 stages
 #          for gate_up, 1 for down), nvfp4_rac at batch 128 at n_group 2 and 1
+#   wdown  RAC's down-projection decode calls on two warpgroup pairs (wide_rac_decode_max_k
+#          1024: K = 768 goes wide, gate_up's K = 2048 stays on one pair; session 40's H200
+#          kernel alone: 41.6 against 47.1 us): check-moe with it, then nvfp4_rac with it and
+#          at the defaults, untraced (~5.5 minutes at 48 layers on an H200)
 #   tune   ng2 and store cut to one call (~7.5 minutes on an H100; session 47: neither was
 #          run since E4M3 scales became the default): GPU checks of both, the grouped kernel
 #          alone (default, n_group 2, store_buffers 2, both), then nvfp4_rac at batch 128,
@@ -726,6 +730,13 @@ for r in map(json.loads, open(sys.argv[1])):
       rollout ng2 100 --quick --profile-steps 4 --precisions nvfp4_rac --w4a4-n-group 2 \
       --budget-s 80
       rollout ng1 100 --quick --profile-steps 4 --precisions nvfp4_rac --budget-s 80 ;;
+    wdown) XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 10 100 python3 scripts/bench_kernels.py \
+        --part check-moe --w4a4-set wide_rac_decode_max_k=1024 --out "$OUT/mcheckwd" \
+        > "$OUT/mcheckwd.log" 2>&1
+      echo "mcheckwd rc $?"; grep -E "PASS|FAIL" "$OUT/mcheckwd.log" | cut -c1-110
+      rollout wdown 150 --quick --precisions nvfp4_rac --w4a4-set wide_rac_decode_max_k=1024 \
+        --budget-s 130
+      rollout wdef 150 --quick --precisions nvfp4_rac --budget-s 130 ;;
     tune) probe tunek 170 "default n_group 2,default store2" \
       "default,default n_group 2,default store2,default n_group 2 store2"
       rollout tdef 100 --quick --precisions nvfp4_rac --budget-s 80

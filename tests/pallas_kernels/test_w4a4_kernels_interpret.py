@@ -401,6 +401,13 @@ def test_grouped_plain_decode_runs_wide_with_the_same_bits():
                 np.testing.assert_array_equal(np.asarray(run(rac_wide, wq, aq.RACConfig())),
                                               np.asarray(run(rac_narrow, wq, aq.RACConfig())))
             assert registers(rac_wide, wq, aq.RACConfig()) == (104 if wide else 232)
+        # RAC calls by their K alone (``wide_rac_decode_max_k``): K = 256 goes wide at 256,
+        # not at 255; prefill-sized calls stay narrow.
+        by_k = dataclasses.replace(cfg, wide_rac_decode_max_k=k)
+        assert registers(by_k, wq, aq.RACConfig()) == (104 if wide else 232)
+        below = dataclasses.replace(by_k, wide_rac_decode_max_k=k - 1)
+        assert registers(below, wq, aq.RACConfig()) == 232
+        assert registers(dataclasses.replace(by_k, prefill_min_rows=8), wq, aq.RACConfig()) == 232
         # With the residual's wgmmas per selected block, two pairs only where the pipeline
         # keeps two stages (or has one K step; nvfp4_tile_gemm refuses the rest): here one
         # K step, and at K = 512 a one-stage pipeline (the interpreter's A tiles in SMEM).
@@ -410,8 +417,15 @@ def test_grouped_plain_decode_runs_wide_with_the_same_bits():
     wq = nvfp4.quantize(jax.random.normal(jax.random.key(7), (e, 256, 2 * k)), scale_mode="expert")
     x = jnp.concatenate([x, x], axis=1)
     assert registers(sel, wq, aq.RACConfig()) == 232
+    assert registers(dataclasses.replace(cfg, wide_rac_decode_max_k=k), wq, aq.RACConfig()) == 232
     two = dataclasses.replace(sel, max_concurrent_steps=2, mma_k=128)  # 2 stages fit
     assert registers(two, wq, aq.RACConfig()) == 104
+
+
+def test_wide_rac_decode_max_k_refuses_what_is_not_a_depth():
+    for bad in (-1, 1.5, True, "768"):
+        with pytest.raises(ValueError, match="wide_rac_decode_max_k"):
+            W4A4MatmulConfig(wide_rac_decode_max_k=bad)
 
 
 @pytest.mark.parametrize("n_group,stack", [(2, True), (4, False)])
