@@ -242,8 +242,10 @@ class W4A4MatmulConfig:
     # Grouped RAC decode calls with K at most this (the padded K; 0: none) run on two pairs
     # even with wide_rac_decode off: on the H200 (session 40) the down projection's RAC call
     # (K = 768 at Qwen3-30B-A3B's shape) took 41.6 us on two pairs against 47.1 on one, while
-    # gate_up's (K = 2048) got slower; on the H100 (session 42) both got slower. 0 until the
-    # rollout on an H200 says otherwise (`h200_next.sh wdown`).
+    # gate_up's (K = 2048) got slower; on the H100 (session 42) both got slower. In the
+    # rollout on the H200 (2026-12-07, 6fe280d, nvfp4_rac at batch 128, 48 layers,
+    # `h200_next.sh wdown`; GPU check PASS) 1024 made the step slower: 14.47 ms against
+    # 14.07-14.31 at 0. Off (0).
     wide_rac_decode_max_k: int = 0
     # Grouped RAC calls with unstacked operands: the residual operand's wgmmas only for the K
     # blocks selected in each token tile (``nvfp4_tile_gemm``'s ``residual_blocks``, from the
