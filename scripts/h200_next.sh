@@ -98,6 +98,12 @@
 #   ptxas  the grouped tile kernel at the defaults compiled with Mosaic GPU's PTX and ptxas dumps
 #          ($OUT/dump): registers, spills, and whether ptxas serialized the wgmmas (C7515-style
 #          "Potential Performance Loss" notes), wgmma counts per PTX (session 38)
+#   pair2  why RAC's grouped decode calls lose on two warpgroup pairs on the H200 (session 47: its
+#          +14.4 % over nvfp4 there is RAC's calls staying on one pair): the two-pair kernels
+#          (plain and RAC stacked, mma_k 256) compiled with ptxas and SASS dumps, ptxas's
+#          per-kernel lines in order (entry, registers, spills, C75xx wgmma-serialization notes),
+#          then the kernel alone, +-RAC: one pair, two pairs stacked / unstacked, and unstacked
+#          without the residual's wgmmas on one and two pairs (~6 minutes)
 #   e4m3   E4M3 block scales in the kernel layout (session 38: 0.5625 streamed bytes per weight
 #          instead of 0.625; on the H100 the grouped decode kernel's pipeline alone took 94 % of
 #          its time): GPU checks, the grouped kernel alone with f16 / E4M3 scales (+ no compute),
@@ -709,6 +715,20 @@ for r in map(json.loads, open(sys.argv[1])):
         | sort | uniq -c | head -20
       for pat in wgmma.mma_async wgmma.wait_group wgmma.fence cvt.rn.f16x2.e4m3x2; do
         echo "$pat: $(grep -c "$pat" /tmp/ptxas.log)"; done ;;
+    pair2) mkdir -p "$OUT/dump2"
+      MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO="$OUT/dump2" \
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 170 python3 scripts/kernel_probe.py \
+      --grouped-ablations --out "$OUT/ptxas2k" --variants "default wg4" > /tmp/ptxas2.log 2>&1
+      echo "ptxas2 rc $?"; grep -E "^  grouped|Error" /tmp/ptxas2.log | cut -c1-130
+      # In order, so each kernel's registers and notes follow its entry line.
+      grep -hE "Compiling entry|Used [0-9]+ registers|spill|C75[0-9]+|[Ss]erializ" \
+        /tmp/ptxas2.log "$OUT"/dump2/* 2>/dev/null | cut -c1-220 | head -60
+      for pat in "HGMMA" "WARPGROUP.ARRIVE" "WARPGROUP.DEPBAR" "LDL" "STL"; do
+        echo "$pat: $(cat /tmp/ptxas2.log "$OUT"/dump2/* 2>/dev/null | grep -c "$pat")"; done
+      gzip -c /tmp/ptxas2.log > "$OUT/ptxas2.log.gz"; tar -czf "$OUT/dump2.tgz" -C "$OUT" dump2 && rm -rf "$OUT/dump2"
+      ls -la "$OUT" | grep -E "ptxas2|dump2"
+      GABL2_VARIANTS="default,default wg4,default wg4 unstacked,default unstacked no_second_mma,default wg4 unstacked no_second_mma" \
+        bash "$0" gabl2 ;;
     e4m3) e4m3_probe 170 "default f16 scales,default,default f16 no_compute,default no_compute"
       rollout e4m3 110 --quick --profile-steps 4 --precisions nvfp4_rac \
       --w4a4-scales float8_e4m3fn --budget-s 90
