@@ -125,6 +125,13 @@ class TileGemmConfig:
         -> 38.1 at mma_k 256 (128 / 64: 2-5 % slower); with RAC's stacked operand gate_up
         89.9 -> 93.8 (mma_k 128) and down 47.1 -> 41.6. ``W4A4MatmulConfig.wide_plain_decode``
         picks 4 for grouped decode calls without RAC.
+      memory_registers: registers per thread the copy warpgroup lowers itself to
+        (``setmaxnreg.dec``, a multiple of 8 in [24, 256]); the compute warpgroups raise
+        themselves by what it frees (``compute_registers``): on four compute warpgroups 40
+        gives them 104, 24 gives 112. On two pairs RAC's calls ran out of registers at 104
+        (H100, 2026-12-07, bd982e0, ptxas: 100-220 bytes of spills and "wgmma.mma_async
+        instructions are serialized due to insufficient register resources", which the
+        plain calls' kernels did not report), the likely reason they were slower there.
     """
 
     k_splits: int = 1
@@ -140,9 +147,14 @@ class TileGemmConfig:
     stack_operands: bool = False
     store_buffers: int = 0
     compute_wgs: int = 2
+    memory_registers: int = 40
 
     def __post_init__(self):
         check_schedule(self)
+        mr = self.memory_registers
+        if not isinstance(mr, int) or isinstance(mr, bool) or mr % 8 or not 24 <= mr <= 256:
+            raise ValueError(f"TileGemmConfig.memory_registers={mr!r}: a multiple of 8 in "
+                             "[24, 256] (setmaxnreg's range)")
         if self.n_group not in N_GROUPS:
             raise ValueError(f"TileGemmConfig.n_group={self.n_group!r}: one of {N_GROUPS}")
         check_compute_wgs(self)
@@ -668,7 +680,7 @@ def nvfp4_tile_gemm(
             return plgpu.emit_pipeline_warp_specialized(
                 body,
                 grid=(k_steps,),
-                memory_registers=40,
+                memory_registers=config.memory_registers,
                 in_specs=in_specs,
                 wg_axis="wg",
                 num_compute_wgs=num_wgs,
@@ -859,8 +871,11 @@ def nvfp4_tile_gemm(
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
     optional = tuple(a for a in (col_scales, expert_scales, residual_blocks) if a is not None)
-    # jax's register split for 4 compute warpgroups deadlocks (compute_registers).
-    fitted = _fitted_compute_registers() if num_wgs != NUM_COMPUTE_WGS else contextlib.nullcontext()
+    # jax's register split for 4 compute warpgroups deadlocks (compute_registers); for 2 it is
+    # the same split, except where the copy warpgroup keeps fewer than 40.
+    fitted = (_fitted_compute_registers()
+              if num_wgs != NUM_COMPUTE_WGS or config.memory_registers != 40
+              else contextlib.nullcontext())
     with fitted:
         return call(tile_expert, num_tiles, tiles.row0, w.codes, w.scales, *optional, *b_arrays)
 

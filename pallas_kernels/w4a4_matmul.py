@@ -254,6 +254,10 @@ class W4A4MatmulConfig:
     # residual's wgmmas took 17.5 of 114.6 us and issuing them for a random half of the blocks,
     # one k16 wgmma per block under a branch, 114.3: no gain.
     rac_selected_wgmmas: bool = False
+    # The tile kernel's copy-warpgroup registers (``TileGemmConfig.memory_registers``) in calls
+    # on two warpgroup pairs, where the compute warpgroups get 104 registers at 40 and 112 at
+    # 24; one-pair calls keep 40 (232 each).
+    wide_memory_registers: int = 40
 
     def __post_init__(self):
         bm = self.block_m
@@ -266,6 +270,7 @@ class W4A4MatmulConfig:
                 f"W4A4MatmulConfig.mma_dtype={self.mma_dtype!r}: one of ('float16', 'bfloat16')"
             )
         self.tile_config(1, self.num_sms, self.n_group)
+        TileGemmConfig(memory_registers=self.wide_memory_registers)
         self.rac_operands_config()
         self.rac_operands_config(prefill=True)
         self.act_operands_config()
@@ -343,13 +348,15 @@ class W4A4MatmulConfig:
                     compute_wgs: int | None = None) -> TileGemmConfig:
         """The tile kernel's config for a call with ``k_splits`` on ``num_sms`` SMs
         (``n_group`` / ``compute_wgs``: the call's, None: this config's compute_wgs)."""
+        wgs = self.compute_wgs if compute_wgs is None else compute_wgs
         return TileGemmConfig(
             k_splits=k_splits, max_concurrent_steps=self.max_concurrent_steps,
             a_via_smem=self.a_via_smem, num_sms=num_sms, decode_impl=self.decode_impl,
             mma_overlap=self.mma_overlap, mma_k=self.mma_k, n_group=n_group,
             chain_items=self.chain_items,
             stack_operands=self.stack_operands, store_buffers=self.store_buffers,
-            compute_wgs=self.compute_wgs if compute_wgs is None else compute_wgs)
+            compute_wgs=wgs,
+            memory_registers=self.wide_memory_registers if wgs == 4 else 40)
 
 
 def _round_up(v: int, m: int) -> int:

@@ -104,6 +104,12 @@
 #          per-kernel lines in order (entry, registers, spills, C75xx wgmma-serialization notes),
 #          then the kernel alone, +-RAC: one pair, two pairs stacked / unstacked, and unstacked
 #          without the residual's wgmmas on one and two pairs (~6 minutes)
+#   mem24  the copy warpgroup at 24 registers on two pairs (TileGemmConfig.memory_registers; the
+#          compute warpgroups 112 instead of 104), after pair2 found RAC's two-pair kernels
+#          spilling with their wgmmas serialized: ptxas lines of the two-pair RAC kernels at
+#          mma_k 256 / 128 / 64 with 24 and at 128 / 64 with 40, GPU checks, the kernel
+#          alone, then nvfp4_rac with RAC's decode calls on two pairs at 24 against the
+#          defaults (~8 minutes on an H100)
 #   e4m3   E4M3 block scales in the kernel layout (session 38: 0.5625 streamed bytes per weight
 #          instead of 0.625; on the H100 the grouped decode kernel's pipeline alone took 94 % of
 #          its time): GPU checks, the grouped kernel alone with f16 / E4M3 scales (+ no compute),
@@ -729,6 +735,20 @@ for r in map(json.loads, open(sys.argv[1])):
       ls -la "$OUT" | grep -E "ptxas2|dump2"
       GABL2_VARIANTS="default,default wg4,default wg4 unstacked,default unstacked no_second_mma,default wg4 unstacked no_second_mma" \
         bash "$0" gabl2 ;;
+    mem24) mkdir -p "$OUT/dump3"
+      MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO="$OUT/dump3" XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 \
+      timeout 200 python3 scripts/kernel_probe.py --grouped-ablations --out "$OUT/mem24k" \
+      --check-variants "default wg4 mem24,default wg4 mma_k 128 mem24" \
+      --variants "default,default wg4,default wg4 mem24,default wg4 mma_k 128,default wg4 mma_k 128 mem24,default wg4 mma_k 64 mem24" \
+      > /tmp/mem24.log 2>&1
+      echo "mem24k rc $?"; grep -E "^  grouped|PASS|FAIL|Error" /tmp/mem24.log | cut -c1-130
+      # In compile order: FP8, then each variant plain and +RAC (gate_up, then down).
+      grep -hE "Compiling entry|Used [0-9]+ registers|spill stores|C751[0-9]" /tmp/mem24.log \
+        | sed -E 's/in function .kernel_mosaic_gpu_kernel.//' | cut -c1-150 | head -80
+      gzip -c /tmp/mem24.log > "$OUT/mem24.log.gz"; rm -rf "$OUT/dump3"
+      rollout m24 150 --quick --precisions nvfp4_rac --w4a4-set wide_rac_decode=true \
+        --w4a4-set wide_memory_registers=24 --budget-s 130
+      rollout m24def 150 --quick --precisions nvfp4_rac --budget-s 130 ;;
     e4m3) e4m3_probe 170 "default f16 scales,default,default f16 no_compute,default no_compute"
       rollout e4m3 110 --quick --profile-steps 4 --precisions nvfp4_rac \
       --w4a4-scales float8_e4m3fn --budget-s 90

@@ -645,6 +645,15 @@ GROUPED_VARIANTS = (
                                    stack_operands=False)),
     ("default wg4 store2", dict(ROLLOUT_TILES, n_group=2, compute_wgs=4, mma_k=128,
                                 store_buffers=2)),
+    # The copy warpgroup at 24 registers instead of 40: the compute warpgroups of two pairs get
+    # 112 instead of 104. At 104 ptxas serialized the RAC kernels' wgmmas for want of
+    # registers and spilled (H100, bd982e0, mma_k 256; the plain kernels spilled less and kept
+    # their wgmmas async); mma_k 128 / 64 hold 32 / 48 fewer decoded registers.
+    ("default wg4 mem24", dict(ROLLOUT_TILES, n_group=2, compute_wgs=4, memory_registers=24)),
+    ("default wg4 mma_k 128 mem24", dict(ROLLOUT_TILES, n_group=2, compute_wgs=4, mma_k=128,
+                                         memory_registers=24)),
+    ("default wg4 mma_k 64 mem24", dict(ROLLOUT_TILES, n_group=2, compute_wgs=4, mma_k=64,
+                                        memory_registers=24)),
     # RAC's second operand's wgmmas left out (unstacked operands, wrong results): if they are
     # what bounds RAC's calls, issuing them only for the expert's selected K blocks (half of
     # them at ratio 0.5: the rest multiply zeros) would pay.
@@ -723,6 +732,8 @@ def run_grouped_ablations(tokens: int = 128, variants: tuple[str, ...] | None = 
     for v in checks:
         kw = dict(dict(GROUPED_VARIANTS)[v])
         bits, scales = kw.pop("bits", "nibbles"), kw.pop("scales", None)
+        if "memory_registers" in kw:  # the grouped matmul's field for two-pair calls
+            kw["wide_memory_registers"] = kw.pop("memory_registers")
         cfg = W4A4MatmulConfig(**kw)
         for n, k, name in ((2 * GN, GK, "gate_up"), (GK, GN, "down")):
             wq, ww = weights(940 + n, (GE, n, k), "subnormal", bits, scales)
