@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from compiled import jit_call
 
 from pallas_kernels import act_operands as ao
 from pallas_kernels import nvfp4_quantize as aq
@@ -54,9 +55,9 @@ def test_skip_leaves_padding_rows_unwritten_and_the_rest_equal():
     x = _x(6, 64, seed=3)
     window = jnp.asarray([0, 1, 6, 2, 3, 6, 4, 5], jnp.int32)
     kw = dict(k_pad=256, interpret=True)
-    zeros = ao.act_window_operand(x, ao.row_decode_scales(x), window, **kw)
-    skip = ao.act_window_operand(x, ao.row_decode_scales(x), window,
-                                 config=ao.ActOperandsConfig(padding_rows="skip"), **kw)
+    zeros = jit_call(ao.act_window_operand, x, jit_call(ao.row_decode_scales, x), window, **kw)
+    skip = jit_call(ao.act_window_operand, x, jit_call(ao.row_decode_scales, x), window,
+                    config=ao.ActOperandsConfig(padding_rows="skip"), **kw)
     live = np.asarray(window) < 6
     np.testing.assert_array_equal(np.asarray(skip)[live].view(np.uint16),
                                   np.asarray(zeros)[live].view(np.uint16))
@@ -68,11 +69,11 @@ def _cfg(flag):
 
 
 def test_grouped_matmul_agrees_with_and_without_the_kernel():
-    x, src, w, gs = grouped_w4a4_case(11)
+    x, src, w, gs = jit_call(grouped_w4a4_case, 11)
 
     def grouped(flag):
-        return np.asarray(w4a4_grouped_matmul(x, w, gs, config=_cfg(flag), interpret=True,
-                                              source_rows=src), np.float32)
+        return np.asarray(jit_call(w4a4_grouped_matmul, x, w, gs, config=_cfg(flag),
+                                   interpret=True, source_rows=src), np.float32)
 
     np.testing.assert_array_equal(grouped(True), grouped(False))
 
@@ -90,8 +91,9 @@ def test_the_kernel_only_where_it_applies(monkeypatch):
     monkeypatch.setattr(ao, "act_window_operand",
                         lambda *a, **kw: calls.append(1) or real(*a, **kw))
     x = jax.ShapeDtypeStruct((8, 256), jnp.bfloat16)
-    wd = prepare_w4a4_weights(nvfp4.quantize(jax.random.normal(jax.random.key(13), (64, 256)),
-                                             scale_mode="expert"))
+    wq = jit_call(nvfp4.quantize, jax.random.normal(jax.random.key(13), (64, 256)),
+                  scale_mode="expert")
+    wd = jit_call(prepare_w4a4_weights, wq)
     for kw, used in ((dict(), 1), (dict(rac=aq.RACConfig()), 0),
                      (dict(act_scale_mode="per_batch"), 0)):
         calls.clear()

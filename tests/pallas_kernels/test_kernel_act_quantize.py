@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from compiled import jit_call
 
 from pallas_kernels import nvfp4_quantize as aq
 from quads_jax.quant import nvfp4, ops, rac
@@ -11,7 +12,7 @@ from quads_jax.quant.recipe import QuantRecipe
 
 
 def _same(a, b):
-    np.testing.assert_array_equal(nvfp4.codes_of(a), nvfp4.codes_of(b))
+    np.testing.assert_array_equal(jit_call(nvfp4.codes_of, a), jit_call(nvfp4.codes_of, b))
     np.testing.assert_array_equal(a.scales.view(jnp.uint8), b.scales.view(jnp.uint8))
     np.testing.assert_array_equal(a.global_scale, b.global_scale)
 
@@ -20,12 +21,12 @@ def _same(a, b):
 def test_quantizer_is_ops_act_quantize(mode):
     x = jax.random.normal(jax.random.key(0), (9, 96), jnp.bfloat16) * 5
     static = jnp.float32(0.004) if mode == "static" else None
-    got = aq.nvfp4_quantize(x, act_scale_mode=mode, static_scale=static)
-    want = ops.act_quantize(x, QuantRecipe(act_scale_mode=mode), static_scale=static)
+    got = jit_call(aq.nvfp4_quantize, x, act_scale_mode=mode, static_scale=static)
+    want = jit_call(ops.act_quantize, x, QuantRecipe(act_scale_mode=mode), static_scale=static)
     _same(got.q, want)
-    vals, g = aq.mma_operand(got.q, jnp.float16)
+    vals, g = jit_call(aq.mma_operand, got.q, jnp.float16)
     np.testing.assert_array_equal(vals.astype(jnp.float32) * g[:, None],
-                                  nvfp4.dequantize(got.q, jnp.float32))
+                                  jit_call(nvfp4.dequantize, got.q, jnp.float32))
 
 
 @pytest.mark.parametrize("scale", ["separate", "shared"])
@@ -33,14 +34,15 @@ def test_quantizer_is_ops_act_quantize(mode):
 def test_rac_residual_matches_the_reference_construction(scale, selection):
     x = jax.random.normal(jax.random.key(1), (7, 128)) * 2
     cfg = aq.RACConfig(rac_residual_scale=scale, rac_selection=selection, rac_ratio=0.25)
-    got = aq.nvfp4_quantize(x, rac_config=cfg)
-    q = nvfp4.quantize(x, scale_mode="row")
-    r = nvfp4.residual(x, q)
-    mask = rac.block_mask(x, r, cfg)
+    got = jit_call(aq.nvfp4_quantize, x, rac_config=cfg)
+    q = jit_call(nvfp4.quantize, x, scale_mode="row")
+    r = jit_call(nvfp4.residual, x, q)
+    mask = jit_call(rac.block_mask, x, r, cfg)
     assert int(mask.sum(-1)[0]) == 2  # 25% of 8 blocks
     g = q.global_scale if scale == "shared" else None
-    _same(got.residual.codes(), nvfp4.quantize(rac.masked_residual(r, mask), global_scale=g,
-                                       scale_mode="row"))
+    masked = jit_call(rac.masked_residual, r, mask)
+    _same(jit_call(rac.SelectedResidual.codes, got.residual),
+          jit_call(nvfp4.quantize, masked, global_scale=g, scale_mode="row"))
     np.testing.assert_array_equal(got.mask, mask)
 
 
@@ -99,21 +101,24 @@ def test_selected_residual_codes_are_the_materialized_ones(act_mode, scale, sele
     static = (jax.random.uniform(jax.random.key(5), (e, k // 16)) < 0.5
               if selection == "static" else None)
     cfg = aq.RACConfig(rac_residual_scale=scale, rac_selection=selection, rac_ratio=0.5)
-    want, want_mask = _old_residual_codes(x, cfg, act_mode, rows, row_expert, e, static)
-    q = nvfp4.quantize_activations(x, act_mode)
-    sel = rac.select_residual(x, q, cfg, act_scale_mode=act_mode, rows=rows,
-                              row_expert=row_expert, num_experts=e, static_blocks=static)
+    want, want_mask = jit_call(_old_residual_codes, x, cfg, act_mode, rows, row_expert, e,
+                               static)
+    q = jit_call(nvfp4.quantize_activations, x, act_mode)
+    sel = jit_call(rac.select_residual, x, q, cfg, act_scale_mode=act_mode, rows=rows,
+                   row_expert=row_expert, num_experts=e, static_blocks=static)
     np.testing.assert_array_equal(sel.mask, want_mask)
-    got = sel.codes()
+    got = jit_call(rac.SelectedResidual.codes, sel)
     np.testing.assert_array_equal(got.codes, want.codes)
     np.testing.assert_array_equal(got.scales.view(jnp.uint8), want.scales.view(jnp.uint8))
     np.testing.assert_array_equal(
         got.global_scale, jnp.broadcast_to(jnp.asarray(want.global_scale).reshape(-1, 1), (m, 1)))
-    np.testing.assert_array_equal(nvfp4.dequantize(got), nvfp4.dequantize(want))
-    np.testing.assert_array_equal(sel.unscaled(), nvfp4.unscaled_values(want))
+    np.testing.assert_array_equal(jit_call(nvfp4.dequantize, got),
+                                  jit_call(nvfp4.dequantize, want))
+    np.testing.assert_array_equal(jit_call(rac.SelectedResidual.unscaled, sel),
+                                  jit_call(nvfp4.unscaled_values, want))
     # Tile-shaped rows, with empty slots (index M): the same rows, zeros where empty.
     index = jnp.array([[0, 4, m], [m, 2, 1]], jnp.int32)
-    tiled = sel.codes(index)
+    tiled = jit_call(rac.SelectedResidual.codes, sel, index)
     live = np.asarray(index) < m
     for field in ("codes", "scales", "global_scale"):
         t = np.asarray(getattr(tiled, field)).view(np.uint8) if field == "scales" else \
@@ -122,7 +127,8 @@ def test_selected_residual_codes_are_the_materialized_ones(act_mode, scale, sele
             np.asarray(getattr(got, field))
         np.testing.assert_array_equal(t[live], a[np.asarray(index)[live]])
     assert not np.asarray(tiled.codes)[~live].any()
-    np.testing.assert_array_equal(sel.unscaled(index), nvfp4.unscaled_values(tiled))
+    np.testing.assert_array_equal(jit_call(rac.SelectedResidual.unscaled, sel, index),
+                                  jit_call(nvfp4.unscaled_values, tiled))
     assert not np.asarray(tiled.scales.astype(jnp.float32))[~live].any()
 
 
@@ -131,12 +137,13 @@ def test_unselected_non_finite_blocks_code_to_zero():
     would have carried a NaN scale); a selected one keeps the NaN marker."""
     x = jnp.ones((2, 64)).at[0, 3].set(jnp.inf)
     cfg = aq.RACConfig(rac_selection="static")
-    q = nvfp4.quantize_activations(x, "per_token")
+    q = jit_call(nvfp4.quantize_activations, x, "per_token")
     blocks = jnp.array([False, True, True, False])
-    sel = rac.select_residual(x, q, cfg, act_scale_mode="per_token", static_blocks=blocks)
-    c = sel.codes()
+    sel = jit_call(rac.select_residual, x, q, cfg, act_scale_mode="per_token",
+                   static_blocks=blocks)
+    c = jit_call(rac.SelectedResidual.codes, sel)
     assert float(c.scales[0, 0].astype(jnp.float32)) == 0.0
-    assert np.isfinite(np.asarray(nvfp4.dequantize(c))).all()
+    assert np.isfinite(np.asarray(jit_call(nvfp4.dequantize, c))).all()
 
 
 @pytest.mark.parametrize("rac_on", [False, True])
@@ -153,20 +160,21 @@ def test_windowed_operands_are_the_gathered_operands(rac_on):
     rows = (order // top).astype(jnp.int32)
     gs = jnp.bincount(ids, length=e).astype(jnp.int32)
     m = rows.shape[0]
-    rexp = wg.row_experts(gs, m)
+    rexp = jit_call(wg.row_experts, gs, m)
     cfg = aq.RACConfig() if rac_on else None
-    acts = aq.nvfp4_quantize(x, rac_config=cfg, row_expert=rexp, num_experts=e, source_rows=rows)
-    row_index, _, _, _, row0, window_rows = wg.tile_plan(gs, m, 8)
+    acts = jit_call(aq.nvfp4_quantize, x, rac_config=cfg, row_expert=rexp, num_experts=e,
+                    source_rows=rows)
+    row_index, _, _, _, row0, window_rows = jit_call(wg.tile_plan, gs, m, 8)
     tiles, slot_g = wm.token_tiles(lambda idx: wm.operand_rows(acts, idx, jnp.float16, 256),
                                    row_index, row0, window_rows)
-    b_rows, g_rows = aq.kernel_operands(acts, jnp.float16)
-    q_index = wm.source_tile_rows(rows, n_tok, row_index)
+    b_rows, g_rows = jit_call(aq.kernel_operands, acts, jnp.float16)
+    q_index = jit_call(wm.source_tile_rows, rows, n_tok, row_index)
     want_index = (q_index, row_index)[:len(b_rows)]
     assert len(tiles.rows) == len(b_rows) == (2 if rac_on else 1)
     live = np.asarray(row_index) < m  # the windows' slots past a group hold other rows
     for t, s, b, g, idx in zip(tiles.gathered(), slot_g, b_rows, g_rows, want_index,
                                strict=True):
-        want = wm.gather_rows(b, idx, jnp.float16, 256)
+        want = jit_call(wm.gather_rows, b, idx, jnp.float16, 256)
         np.testing.assert_array_equal(np.asarray(t)[live], np.asarray(want)[live])
         np.testing.assert_array_equal(s, jnp.pad(g, (0, 1))[idx])
     pad = np.asarray(window_rows) == m

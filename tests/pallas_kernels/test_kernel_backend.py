@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from compiled import jit_call
 
 from pallas_kernels.layout import W4A4Weights
 from quads_jax.quant import kernel_backend, ops
@@ -21,11 +22,11 @@ def test_ops_linear_interpret_matches_reference_path():
     w = jax.random.normal(jax.random.key(0), (128, 256))
     x = jax.random.normal(jax.random.key(1), (3, 256))
     rules = ((site, "w4a4_nvfp4_rac"),)
-    packed = ops.quantize_weight(w, "w4a4_nvfp4_rac")
-    prepared = kernel_backend.prepare_weights(packed, "w4a4_nvfp4_rac")
+    packed = jit_call(ops.quantize_weight, w, "w4a4_nvfp4_rac")
+    prepared = jit_call(kernel_backend.prepare_weights, packed, "w4a4_nvfp4_rac")
     assert isinstance(prepared, W4A4Weights) and prepared.shape == (128, 256)
-    ref = ops.linear(x, packed, site, QuantRecipe(rules=rules, backend="reference"))
-    got = ops.linear(x, prepared, site, QuantRecipe(rules=rules, backend="interpret"))
+    ref = jit_call(ops.linear, x, packed, site, QuantRecipe(rules=rules, backend="reference"))
+    got = jit_call(ops.linear, x, prepared, site, QuantRecipe(rules=rules, backend="interpret"))
     err = np.max(np.abs(np.asarray(got) - np.asarray(ref))) / np.max(np.abs(np.asarray(ref)))
     assert got.shape == (3, 128) and got.dtype == jnp.float32 and err < 1e-5
 
@@ -80,42 +81,50 @@ def test_w4a4_bits_switch():
     layouts keep "nibbles"); a bad value raises and changes nothing."""
     w = jax.random.normal(jax.random.key(3), (2, 128, 256))
     recipe = QuantRecipe(rac_residual_format="bf16")
-    assert kernel_backend.prepare_weights(w, "w4a4_nvfp4").bits == "signs_high"  # the default
+
+    def prepared(mode, *more):  # traced at each call: the switch as set then
+        return jit_call(kernel_backend.prepare_weights, w, mode, *more)
+
+    assert prepared("w4a4_nvfp4").bits == "signs_high"  # the default
     try:
         kernel_backend.set_w4a4_bits("nibbles")
-        assert kernel_backend.prepare_weights(w, "w4a4_nvfp4").bits == "nibbles"
+        assert prepared("w4a4_nvfp4").bits == "nibbles"
         kernel_backend.set_w4a4_bits("signs_high")
-        assert kernel_backend.prepare_weights(w, "w4a4_nvfp4").bits == "signs_high"
-        assert kernel_backend.prepare_weights(w, "w4a16_nvfp4", QuantRecipe()).bits == "nibbles"
-        assert kernel_backend.prepare_weights(w, "w4a4_nvfp4_rac", recipe).bits == "nibbles"
+        assert prepared("w4a4_nvfp4").bits == "signs_high"
+        assert prepared("w4a16_nvfp4", QuantRecipe()).bits == "nibbles"
+        assert prepared("w4a4_nvfp4_rac", recipe).bits == "nibbles"
         with pytest.raises(ValueError, match="bits='x' is not one of"):
             kernel_backend.set_w4a4_bits("x")
-        assert kernel_backend.prepare_weights(w, "w4a4_nvfp4").bits == "signs_high"
+        assert prepared("w4a4_nvfp4").bits == "signs_high"
     finally:
         kernel_backend.set_w4a4_bits()
-    assert kernel_backend.prepare_weights(w, "w4a4_nvfp4").bits == "signs_high"
+    assert prepared("w4a4_nvfp4").bits == "signs_high"
 
 
 def test_w4a4_scale_dtype_switch():
     """``set_w4a4_scale_dtype`` picks the block scales' dtype of the float16 weights made at
     sync (bf16 layouts keep bf16 scales); a bad value raises and changes nothing."""
     w = jax.random.normal(jax.random.key(4), (2, 128, 256))
+
+    def prepared(mode, *more):  # traced at each call: the switch as set then
+        return jit_call(kernel_backend.prepare_weights, w, mode, *more)
+
     default = jnp.dtype(kernel_backend.DEFAULT_W4A4_SCALE_DTYPE or "float16")
-    assert kernel_backend.prepare_weights(w, "w4a4_nvfp4").scales.dtype == default
+    assert prepared("w4a4_nvfp4").scales.dtype == default
     try:
         kernel_backend.set_w4a4_scale_dtype("float8_e4m3fn")
-        got = kernel_backend.prepare_weights(w, "w4a4_nvfp4")
+        got = prepared("w4a4_nvfp4")
         assert got.scales.dtype == jnp.float8_e4m3fn and got.mma_dtype == "float16"
-        bf16 = kernel_backend.prepare_weights(w, "w4a16_nvfp4", QuantRecipe())
+        bf16 = prepared("w4a16_nvfp4", QuantRecipe())
         assert bf16.scales.dtype == jnp.bfloat16
         with pytest.raises(ValueError, match="scale_dtype='int8'"):
             kernel_backend.set_w4a4_scale_dtype("int8")
-        assert kernel_backend.prepare_weights(w, "w4a4_nvfp4").scales.dtype == jnp.float8_e4m3fn
+        assert prepared("w4a4_nvfp4").scales.dtype == jnp.float8_e4m3fn
         kernel_backend.set_w4a4_scale_dtype(None)
-        assert kernel_backend.prepare_weights(w, "w4a4_nvfp4").scales.dtype == jnp.float16
+        assert prepared("w4a4_nvfp4").scales.dtype == jnp.float16
     finally:
         kernel_backend.set_w4a4_scale_dtype()
-    assert kernel_backend.prepare_weights(w, "w4a4_nvfp4").scales.dtype == default
+    assert prepared("w4a4_nvfp4").scales.dtype == default
 
 
 
@@ -136,7 +145,7 @@ def test_trainer_modes_run_the_bf16_grouped_kernel_with_gradients():
         y = ops.grouped_linear(x, w, gs, site, recipe)
         return jnp.sum(jnp.sin(y.astype(jnp.float32)))
 
-    (ref_x, ref_w), (got_x, got_w) = (jax.grad(loss, (0, 1))(x, w, r) for r in recipes)
+    (ref_x, ref_w), (got_x, got_w) = (jit_call(jax.grad(loss, (0, 1)), x, w, r) for r in recipes)
     assert got_w.dtype == jnp.float32 and got_x.dtype == jnp.bfloat16
     for got, ref in ((got_x, ref_x), (got_w, ref_w)):
         got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from compiled import jit_call
 
 from pallas_kernels.layout import (
     BITS,
@@ -77,9 +78,9 @@ def test_signs_high_device_decode_ops_on_every_word():
 @pytest.mark.parametrize("shape", [(200, 304), (2, 130, 256)])
 def test_prepare_dequantizes_to_the_nvfp4_values(shape, mma_dtype, decode, bits, scales):
     x = jax.random.normal(jax.random.key(1), shape) * 3
-    q = nvfp4.quantize(x, scale_mode="expert" if len(shape) == 3 else "tensor")
-    w = prepare_w4a4_weights(q, mma_dtype=mma_dtype, decode=decode, bits=bits,
-                             scale_dtype=scales)
+    q = jit_call(nvfp4.quantize, x, scale_mode="expert" if len(shape) == 3 else "tensor")
+    w = jit_call(prepare_w4a4_weights, q, mma_dtype=mma_dtype, decode=decode, bits=bits,
+                 scale_dtype=scales)
     assert w.bits == bits and w.mma_dtype == mma_dtype
     assert w.scales.dtype == jnp.dtype(scales or mma_dtype)
     # Streamed bytes per weight: the format's 0.5625 with E4M3 scales, 0.625 with 16-bit ones.
@@ -88,8 +89,8 @@ def test_prepare_dequantizes_to_the_nvfp4_values(shape, mma_dtype, decode, bits,
     assert w.n_pad % 128 == 0 and w.k_pad % 256 == 0 and w.n_pad >= shape[-2]  # padded to tiles
     assert w.codes.shape == w.codes.shape[:1] + (w.n_pad // 128, w.k_pad // 256 * 128, 64)
     unit = nvfp4.NVFP4Tensor(q.packed, q.scales, jnp.ones_like(q.global_scale))
-    want = nvfp4.dequantize(unit, jnp.float32).reshape((-1,) + shape[-2:])
-    np.testing.assert_array_equal(dequantize_w4a4_weights(w), want)
+    want = jit_call(nvfp4.dequantize, unit, jnp.float32).reshape((-1,) + shape[-2:])
+    np.testing.assert_array_equal(jit_call(dequantize_w4a4_weights, w), want)
     np.testing.assert_array_equal(w.global_scale, jnp.reshape(q.global_scale, -1) * jnp.ones(
         w.num_experts))
 

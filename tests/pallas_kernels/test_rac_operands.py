@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from compiled import jit_call
 
 from pallas_kernels import nvfp4_quantize as aq
 from pallas_kernels import rac_operands as ro
@@ -24,8 +25,8 @@ def _selected(r_rows, m, k, seed, with_rows):
     x = x.at[0, 5].set(jnp.nan).at[1, 20].set(jnp.inf).astype(jnp.bfloat16)
     rows = jax.random.randint(kr, (m,), 0, r_rows) if with_rows else None
     expert = jnp.sort(jax.random.randint(ke, (m,), 0, 3)).astype(jnp.int32)
-    acts = aq.nvfp4_quantize(x, act_scale_mode="per_token", rac_config=aq.RACConfig(),
-                             row_expert=expert, num_experts=3, source_rows=rows)
+    acts = jit_call(aq.nvfp4_quantize, x, act_scale_mode="per_token", rac_config=aq.RACConfig(),
+                    row_expert=expert, num_experts=3, source_rows=rows)
     return acts
 
 
@@ -40,29 +41,29 @@ def _selected(r_rows, m, k, seed, with_rows):
 def test_interpret_equals_the_jnp_path(r_rows, m, k, k_pad, with_rows, block_rows):
     acts = _selected(r_rows, m, k, seed=m + k, with_rows=with_rows)
     res = acts.residual
-    b0, _ = aq.mma_operand(acts.q, jnp.float16)
+    b0, _ = jit_call(aq.mma_operand, acts.q, jnp.float16)
     # Window rows: every GEMM row, some twice, and empty rows (>= M) between.
     window = jnp.asarray(list(range(m)) + [m, m + 3] + list(range(0, m, 3)) + [m] * 5,
                          jnp.int32)
     window = window[: len(window) - len(window) % 2]
     cfg = ro.RACOperandsConfig(block_rows=block_rows)
-    got = ro.rac_stacked_operands(b0, res.r, res.scales.astype(jnp.float32), res.reciprocals,
-                                  window, acts.q_rows, res.rows, k_pad=k_pad, config=cfg,
-                                  interpret=True)
-    want = ro.rac_stacked_operands_reference(b0, res.r, res.scales, res.reciprocals, window,
-                                             acts.q_rows, res.rows, k_pad=k_pad)
+    got = jit_call(ro.rac_stacked_operands, b0, res.r, res.scales.astype(jnp.float32),
+                   res.reciprocals, window, acts.q_rows, res.rows, k_pad=k_pad, config=cfg,
+                   interpret=True)
+    want = jit_call(ro.rac_stacked_operands_reference, b0, res.r, res.scales, res.reciprocals,
+                    window, acts.q_rows, res.rows, k_pad=k_pad)
     assert got.shape == (2, window.shape[0], k_pad) and got.dtype == jnp.float16
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert np.count_nonzero(np.asarray(got[1])) > 0  # the residual operand is not all zero
     # The kernel coding the block scales itself from the coded amax: the same bits.
-    coded = ro.rac_stacked_operands(b0, res.r, None, None, window, acts.q_rows, res.rows,
-                                    k_pad=k_pad, config=cfg, interpret=True,
-                                    coded=(rac.coded_block_amax(res), res.global_scale))
+    coded = jit_call(ro.rac_stacked_operands, b0, res.r, None, None, window, acts.q_rows,
+                     res.rows, k_pad=k_pad, config=cfg, interpret=True,
+                     coded=(jit_call(rac.coded_block_amax, res), res.global_scale))
     np.testing.assert_array_equal(np.asarray(coded), np.asarray(want))
     # And what operand_rows returns with and without the kernel (the tile kernels' input).
-    with_kernel, s_k = operand_rows(acts, window, jnp.float16, k_pad, kernel=cfg,
-                                    interpret=True)
-    without, s_j = operand_rows(acts, window, jnp.float16, k_pad)
+    with_kernel, s_k = jit_call(operand_rows, acts, window, jnp.float16, k_pad, kernel=cfg,
+                                interpret=True)
+    without, s_j = jit_call(operand_rows, acts, window, jnp.float16, k_pad)
     np.testing.assert_array_equal(np.asarray(with_kernel), np.asarray(jnp.stack(without)))
     for a, b in zip(s_k, s_j, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -73,17 +74,18 @@ def test_padding_rows_skipped_or_poisoned():
     others are not written ("nan": they keep the NaN the buffer was filled with)."""
     acts = _selected(9, 40, 256, seed=2, with_rows=True)
     res = acts.residual
-    b0, _ = aq.mma_operand(acts.q, jnp.float16)
+    b0, _ = jit_call(aq.mma_operand, acts.q, jnp.float16)
     window = jnp.asarray(list(range(40)) + [40] * 6 + list(range(0, 40, 5)) + [40] * 10,
                          jnp.int32)
-    want = np.asarray(ro.rac_stacked_operands_reference(
-        b0, res.r, res.scales, res.reciprocals, window, acts.q_rows, res.rows, k_pad=256))
+    want = np.asarray(jit_call(
+        ro.rac_stacked_operands_reference, b0, res.r, res.scales, res.reciprocals, window,
+        acts.q_rows, res.rows, k_pad=256))
     filled = np.asarray(window) < 40
     for padding in ("skip", "nan"):
-        got = np.asarray(ro.rac_stacked_operands(
-            b0, res.r, res.scales.astype(jnp.float32), res.reciprocals, window, acts.q_rows,
-            res.rows, k_pad=256, config=ro.RACOperandsConfig(padding_rows=padding),
-            interpret=True))
+        got = np.asarray(jit_call(
+            ro.rac_stacked_operands, b0, res.r, res.scales.astype(jnp.float32), res.reciprocals,
+            window, acts.q_rows, res.rows, k_pad=256,
+            config=ro.RACOperandsConfig(padding_rows=padding), interpret=True))
         np.testing.assert_array_equal(got[:, filled], want[:, filled], err_msg=padding)
     assert np.isnan(got[:, ~filled]).all()
 
@@ -94,12 +96,12 @@ def _config(flag, padding="zeros"):
 
 
 def test_grouped_matmul_with_and_without_the_kernel_agree():
-    x, src, w, gs = grouped_w4a4_case(3)
+    x, src, w, gs = jit_call(grouped_w4a4_case, 3)
 
     def run(flag, padding="zeros"):
-        return np.asarray(w4a4_grouped_matmul(x, w, gs, rac=aq.RACConfig(),
-                                              config=_config(flag, padding), interpret=True,
-                                              source_rows=src), np.float32)
+        return np.asarray(jit_call(w4a4_grouped_matmul, x, w, gs, rac=aq.RACConfig(),
+                                   config=_config(flag, padding), interpret=True,
+                                   source_rows=src), np.float32)
 
     want = run(False)
     np.testing.assert_array_equal(run(True), want)
@@ -112,12 +114,12 @@ def test_dense_tiles_carry_the_stacked_operand():
     """The dense path's token tiles (``run_dense``'s ``token_tiles``): one stacked array with
     the kernel, equal to the jnp path's two operands stacked, and the same slot scales."""
     x = jax.random.normal(jax.random.key(4), (10, 256), jnp.bfloat16)
-    acts = aq.nvfp4_quantize(x, rac_config=aq.RACConfig())
+    acts = jit_call(aq.nvfp4_quantize, x, rac_config=aq.RACConfig())
     row_index, _, _, row0 = dense_plan(10, None)
 
     def tiles(kernel):
-        return token_tiles(lambda idx: operand_rows(acts, idx, jnp.float16, 256, kernel=kernel,
-                                                    interpret=True),
+        return token_tiles(lambda idx: jit_call(operand_rows, acts, idx, jnp.float16, 256,
+                                                kernel=kernel, interpret=True),
                            row_index, row0, row_index.reshape(-1))
 
     (got, g_got), (want, g_want) = tiles(ro.RACOperandsConfig()), tiles(None)
@@ -136,9 +138,9 @@ def test_the_kernel_only_where_it_applies():
         assert W4A4MatmulConfig(rac_operand_kernel=True, **off).rac_operands_config() is None
     # A bf16 residual is not coded: the jnp path's plain operands.
     x = jax.random.normal(jax.random.key(5), (8, 64), jnp.bfloat16)
-    acts = aq.nvfp4_quantize(x, rac_config=aq.RACConfig(rac_residual_format="bf16"))
-    ops_, _ = operand_rows(acts, jnp.arange(8, dtype=jnp.int32), jnp.float16, 256,
-                           kernel=ro.RACOperandsConfig(), interpret=True)
+    acts = jit_call(aq.nvfp4_quantize, x, rac_config=aq.RACConfig(rac_residual_format="bf16"))
+    ops_, _ = jit_call(operand_rows, acts, jnp.arange(8, dtype=jnp.int32), jnp.float16, 256,
+                       kernel=ro.RACOperandsConfig(), interpret=True)
     assert isinstance(ops_, tuple) and len(ops_) == 2
 
 
@@ -243,8 +245,8 @@ def _selection_inputs(r_rows, m, k, group_sizes, seed, with_rows, with_valid):
     kx, kr, kv = jax.random.split(jax.random.key(seed), 3)
     x = (jax.random.normal(kx, (r_rows, k), jnp.float32) * 3).at[0, 5].set(jnp.inf)
     x = x.astype(jnp.bfloat16)
-    g_x = row_decode_scales(x)
-    rp = rac_rows.rac_row_pass(x, g_x, with_residual=False, interpret=True)
+    g_x = jit_call(row_decode_scales, x)
+    rp = jit_call(rac_rows.rac_row_pass, x, g_x, with_residual=False, interpret=True)
     rows = jax.random.randint(kr, (m,), 0, r_rows).astype(jnp.int32) if with_rows else None
     valid = (jax.random.uniform(kv, (r_rows,)) > 0.3) if with_valid else None
     gs = jnp.asarray(group_sizes, jnp.int32)
@@ -272,20 +274,22 @@ def test_selection_in_the_operand_kernel_equals_rac_select(r_rows, m, k, group_s
         r_rows, m, k, group_sizes, r_rows + m, with_rows, with_valid)
     amax, fin = rp.amax[..., 0], rp.finite_i8
     scfg = rs.RACSelectConfig(block_rows=select_rows)
-    coded, g = rs.grouped_rac_selection(
-        rp.scores, amax, fin, jnp.arange(m, dtype=jnp.int32) if rows is None else rows, gs,
-        ratio=0.5, row_valid=valid, config=scfg, interpret=True)
+    coded, g = jit_call(
+        rs.grouped_rac_selection, rp.scores, amax, fin,
+        jnp.arange(m, dtype=jnp.int32) if rows is None else rows, gs, ratio=0.5,
+        row_valid=valid, config=scfg, interpret=True)
     cfg = ro.RACOperandsConfig(block_rows=block_rows)
-    want = ro.rac_stacked_operands(rp.values, None, None, None, window_rows, rows, k_pad=k,
-                                   config=cfg, interpret=True, residual_of=(x, g_x),
-                                   coded=(coded, g))
-    got, g_win = ro.rac_stacked_operands(
-        rp.values, None, None, None, window_rows, rows, k_pad=k, config=cfg, interpret=True,
+    want = jit_call(ro.rac_stacked_operands, rp.values, None, None, None, window_rows, rows,
+                    k_pad=k, config=cfg, interpret=True, residual_of=(x, g_x),
+                    coded=(coded, g))
+    got, g_win = jit_call(
+        ro.rac_stacked_operands, rp.values, None, None, None, window_rows, rows, k_pad=k,
+        config=cfg, interpret=True,
         residual_of=(x, g_x),
         select=ro.OperandSelection(rp.scores, amax, fin, gs, valid, ratio=0.5, config=scfg))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     np.testing.assert_array_equal(np.asarray(g_win),
-                                  np.asarray(rac.rows_or_fill(g, window_rows, 0.0)))
+                                  np.asarray(jit_call(rac.rows_or_fill, g, window_rows, 0.0)))
     assert np.count_nonzero(np.asarray(got[1])) > 0  # a real residual operand
 
 
@@ -294,16 +298,16 @@ def test_grouped_matmul_selecting_in_the_operand_kernel_gives_the_same_bits():
     uneven and empty groups, a token mask) equals the call through rac_select bit for bit,
     for the gate_up-like call on distinct rows and the down-like call on its own rows (the
     kernel-level test above covers the calls without a mask)."""
-    x, src, w, gs = grouped_w4a4_case(11)
+    x, src, w, gs = jit_call(grouped_w4a4_case, 11)
     valid = jnp.arange(12) % 3 != 1
     h = jax.random.normal(jax.random.key(12), (16, 256), jnp.bfloat16)
 
     def run(flag):
         cfg = W4A4MatmulConfig(a_via_smem=True, num_sms=2, rac_select_in_operands=flag)
-        up = w4a4_grouped_matmul(x, w, gs, rac=aq.RACConfig(), config=cfg, interpret=True,
-                                 source_rows=src, row_valid=valid)
-        down = w4a4_grouped_matmul(h, w, gs, rac=aq.RACConfig(), config=cfg, interpret=True,
-                                   row_valid=valid[src])
+        up = jit_call(w4a4_grouped_matmul, x, w, gs, rac=aq.RACConfig(), config=cfg,
+                      interpret=True, source_rows=src, row_valid=valid)
+        down = jit_call(w4a4_grouped_matmul, h, w, gs, rac=aq.RACConfig(), config=cfg,
+                        interpret=True, row_valid=valid[src])
         return np.asarray(up, np.float32), np.asarray(down, np.float32)
 
     for got, want in zip(run(True), run(False), strict=True):

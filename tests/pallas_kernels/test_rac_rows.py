@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from compiled import jit_call
 
 from pallas_kernels import nvfp4_quantize as aq
 from pallas_kernels import rac_rows
@@ -68,7 +69,7 @@ def test_interpret_equals_the_jnp_path(r, k, score, block_rows, dtype, scale_pro
 
 def _weights(e, n, k, seed):
     w = jax.random.normal(jax.random.key(seed), (e, n, k), jnp.float32) * 0.1
-    return nvfp4.quantize(w, scale_mode="tensor")
+    return jit_call(nvfp4.quantize, w, scale_mode="tensor")
 
 
 def test_rac_matmul_with_the_row_kernel_equals_the_jnp_path():
@@ -93,9 +94,9 @@ def test_rac_matmul_with_the_row_kernel_equals_the_jnp_path():
                                      (True, True, other), (True, True, own)):
         cfg = W4A4MatmulConfig(a_via_smem=True, rac_row_kernel=row_kernel,
                                rac_placed_values=placed, prefill_min_rows=16, **grid)
-        w = prepare_w4a4_weights(_weights(4, n, k, 1), mma_dtype=cfg.mma_dtype)
+        w = jit_call(prepare_w4a4_weights, _weights(4, n, k, 1), mma_dtype=cfg.mma_dtype)
         gs = jnp.asarray([7, 0, 12, 5], jnp.int32)
-        outs.append(w4a4_grouped_matmul(x, w, gs, rac=racc, config=cfg, interpret=True))
+        outs.append(jit_call(w4a4_grouped_matmul, x, w, gs, rac=racc, config=cfg, interpret=True))
         if grid is own:  # the row kernel really computed the scales: its fifth output
             rows = [e for e in pallas_calls(jax.make_jaxpr(
                 lambda x, w=w, gs=gs, cfg=cfg: w4a4_grouped_matmul(
@@ -151,25 +152,25 @@ def test_without_the_residual_and_recomputed_in_the_operand_kernel():
 
     r_rows, m, k = 8, 16, 96
     x = _x(r_rows, k, seed=4)
-    g = nvfp4.compute_global_scale(x, "row")[:, 0]
-    full = rac_rows.rac_row_pass(x, g, interpret=True)
-    part = rac_rows.rac_row_pass(x, g, interpret=True, with_residual=False)
+    g = jit_call(nvfp4.compute_global_scale, x, "row")[:, 0]
+    full = jit_call(rac_rows.rac_row_pass, x, g, interpret=True)
+    part = jit_call(rac_rows.rac_row_pass, x, g, interpret=True, with_residual=False)
     assert part.residual is None
     for a, b in ((full.values, part.values), (full.amax, part.amax),
                  (full.finite, part.finite), (full.scores, part.scores)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     rows = jax.random.randint(jax.random.key(9), (m,), 0, r_rows).astype(jnp.int32)
     expert = jnp.sort(jax.random.randint(jax.random.key(10), (m,), 0, 3)).astype(jnp.int32)
-    acts = aq.nvfp4_quantize(x, rac_config=aq.RACConfig(), row_expert=expert, num_experts=3,
-                             source_rows=rows)
+    acts = jit_call(aq.nvfp4_quantize, x, rac_config=aq.RACConfig(), row_expert=expert,
+                    num_experts=3, source_rows=rows)
     res = acts.residual
     window = jnp.asarray(list(range(m)) + [m, m] + list(range(0, m, 5)), jnp.int32)
     kw = dict(k_pad=256, interpret=True)
     s32 = res.scales.astype(jnp.float32)
-    want = ro.rac_stacked_operands(full.values, res.r, s32, res.reciprocals, window, rows,
-                                   res.rows, **kw)
-    got = ro.rac_stacked_operands(part.values, None, s32, res.reciprocals, window, rows,
-                                  residual_of=(x, g), **kw)
+    want = jit_call(ro.rac_stacked_operands, full.values, res.r, s32, res.reciprocals, window, rows,
+                    res.rows, **kw)
+    got = jit_call(ro.rac_stacked_operands, part.values, None, s32, res.reciprocals, window, rows,
+                   residual_of=(x, g), **kw)
     np.testing.assert_array_equal(np.asarray(got).view(np.uint16),
                                   np.asarray(want).view(np.uint16))
     assert np.count_nonzero(np.asarray(got[1])) > 0
@@ -190,38 +191,40 @@ def test_values_placed_in_the_windows_and_completed_in_place():
 
     m, k = 12, 256
     x = _x(m, k, seed=6)
-    g = nvfp4.compute_global_scale(x, "row")[:, 0]
+    g = jit_call(nvfp4.compute_global_scale, x, "row")[:, 0]
     expert = jnp.asarray([0] * 5 + [1] * 3 + [2] * 4, jnp.int32)
     window = jnp.asarray([0, 1, 2, 3, 4, m, m, m, 5, 6, 7, m, 8, 9, 10, 11], jnp.int32)
     p = window.shape[0]
     window_of_row = jnp.full((m,), p, jnp.int32).at[window].set(
         jnp.arange(p, dtype=jnp.int32), mode="drop")
     cfg = rac_rows.RACRowsConfig(block_rows=8)  # 12 rows: the last program has 4 pad rows
-    plain = rac_rows.rac_row_pass(x, g, interpret=True, with_residual=False, config=cfg)
-    placed = rac_rows.rac_row_pass(x, g, interpret=True, with_residual=False, config=cfg,
-                                   window_of_row=window_of_row, windows=p)
+    plain = jit_call(rac_rows.rac_row_pass, x, g, interpret=True, with_residual=False, config=cfg)
+    placed = jit_call(rac_rows.rac_row_pass, x, g, interpret=True, with_residual=False, config=cfg,
+                      window_of_row=window_of_row, windows=p)
     assert placed.values.shape == (2, p, k)
     got_rows = np.asarray(placed.values[0])[np.asarray(window_of_row)]
     np.testing.assert_array_equal(got_rows.view(np.uint16),
                                   np.asarray(plain.values).view(np.uint16))
     for a, b in ((plain.amax, placed.amax), (plain.scores, placed.scores)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    acts = aq.nvfp4_quantize(x, rac_config=aq.RACConfig(), row_expert=expert, num_experts=3)
+    acts = jit_call(aq.nvfp4_quantize, x, rac_config=aq.RACConfig(), row_expert=expert,
+                    num_experts=3)
     res = acts.residual
     s32 = res.scales.astype(jnp.float32)
     kw = dict(k_pad=k, interpret=True, config=ro.RACOperandsConfig(block_rows=8))
-    want = ro.rac_stacked_operands(plain.values, None, s32, res.reciprocals, window,
-                                   residual_of=(x, g), **kw)
-    got = ro.rac_stacked_operands(None, None, s32, res.reciprocals, window,
-                                  residual_of=(x, g), placed=placed.values, **kw)
+    want = jit_call(ro.rac_stacked_operands, plain.values, None, s32, res.reciprocals, window,
+                    residual_of=(x, g), **kw)
+    got = jit_call(ro.rac_stacked_operands, None, None, s32, res.reciprocals, window,
+                   residual_of=(x, g), placed=placed.values, **kw)
     np.testing.assert_array_equal(np.asarray(got).view(np.uint16),
                                   np.asarray(want).view(np.uint16))
     # The values recomputed from x instead of read back from the placed buffer: the same bits
     # (NaN / inf blocks included); a buffer whose operand 0 is garbage proves they are not read.
     garbage = placed.values.at[0].set(jnp.float16(-3.5))
-    recomputed = ro.rac_stacked_operands(
-        None, None, s32, res.reciprocals, window, residual_of=(x, g), placed=garbage,
-        k_pad=k, interpret=True, config=ro.RACOperandsConfig(block_rows=8, recompute_placed=True))
+    recomputed = jit_call(
+        ro.rac_stacked_operands, None, None, s32, res.reciprocals, window, residual_of=(x, g),
+        placed=garbage, k_pad=k, interpret=True,
+        config=ro.RACOperandsConfig(block_rows=8, recompute_placed=True))
     got1, want1 = np.asarray(recomputed[1]), np.asarray(want[1])
     np.testing.assert_array_equal(got1.view(np.uint16), want1.view(np.uint16))
     assert np.count_nonzero(np.asarray(got[1])) > 0

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from compiled import jit_call
 
 from pallas_kernels import nvfp4_quantize as aq
 from pallas_kernels import rac_select as rs
@@ -37,22 +38,23 @@ def _inputs(r, m, nb, seed):
 )
 @pytest.mark.parametrize("with_valid", [False, True])
 def test_interpret_equals_the_jnp_path(r, m, nb, group_sizes, block_rows, with_valid):
-    scores, amax, finite, rows, valid = _inputs(r, m, nb, seed=r + m)
+    scores, amax, finite, rows, valid = jit_call(_inputs, r, m, nb, seed=r + m)
     valid = valid if with_valid else None
     gs = jnp.asarray(group_sizes, jnp.int32)
-    ref = rs.grouped_rac_selection_reference(scores, amax, finite, rows, gs, ratio=0.5,
-                                             row_valid=valid)
+    ref = jit_call(rs.grouped_rac_selection_reference, scores, amax, finite, rows, gs, ratio=0.5,
+                   row_valid=valid)
     for fin in (finite, finite.astype(jnp.int8)):  # the row pass's int8 is read as it is
-        out = rs.grouped_rac_selection(scores, amax, fin, rows, gs, ratio=0.5, row_valid=valid,
-                                       config=rs.RACSelectConfig(block_rows=block_rows),
-                                       interpret=True)
+        out = jit_call(rs.grouped_rac_selection, scores, amax, fin, rows, gs, ratio=0.5,
+                       row_valid=valid, config=rs.RACSelectConfig(block_rows=block_rows),
+                       interpret=True)
         for name, a, b in zip(("coded", "g"), out, ref, strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
     selected = ~(np.asarray(out[0]) < 0)
     assert selected.sum(axis=1).min() == selected.sum(axis=1).max() == round(0.5 * nb)
     if with_valid:  # the rows that are not tokens do not vote
-        alone = rs.grouped_rac_selection_reference(
-            jnp.where(valid[:, None], scores, 0.0), amax, finite, rows, gs, ratio=0.5)
+        alone = jit_call(rs.grouped_rac_selection_reference,
+                         jnp.where(valid[:, None], scores, 0.0), amax, finite, rows, gs,
+                         ratio=0.5)
         np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(alone[0]))
 
 
@@ -62,11 +64,12 @@ def test_nan_scores_rank_last_and_ties_take_the_lower_block():
     finite = jnp.ones((4, 16), bool)
     rows = jnp.arange(4, dtype=jnp.int32)
     gs = jnp.asarray([4], jnp.int32)
-    coded, g = rs.grouped_rac_selection(scores, amax, finite, rows, gs, ratio=0.25,
-                                        interpret=True)
+    coded, g = jit_call(rs.grouped_rac_selection, scores, amax, finite, rows, gs, ratio=0.25,
+                        interpret=True)
     np.testing.assert_array_equal(np.flatnonzero(np.asarray(coded[0]) >= 0), [0, 1, 2, 4])
     # rows None (the GEMM rows are the score rows: down's call): no index array, same result
-    none = rs.grouped_rac_selection(scores, amax, finite, None, gs, ratio=0.25, interpret=True)
+    none = jit_call(rs.grouped_rac_selection, scores, amax, finite, None, gs, ratio=0.25,
+                    interpret=True)
     for a, b in zip(none, (coded, g), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -79,14 +82,14 @@ def test_grouped_matmul_with_and_without_the_kernel_agree(with_valid):
     scales come from the selection kernel (its third output is what the tile kernel reads)."""
     from quads_jax.testing import pallas_calls
 
-    x, src, w, gs = grouped_w4a4_case(7)
+    x, src, w, gs = jit_call(grouped_w4a4_case, 7)
     valid = (jnp.arange(12) % 3 != 1) if with_valid else None
 
     def run(x, flag, slot_scales=False):
         cfg = W4A4MatmulConfig(a_via_smem=True, num_sms=2, rac_select_kernel=flag,
                                rac_select_slot_scales=slot_scales)
-        return w4a4_grouped_matmul(x, w, gs, rac=aq.RACConfig(), config=cfg, interpret=True,
-                                   source_rows=src, row_valid=valid)
+        return jit_call(w4a4_grouped_matmul, x, w, gs, rac=aq.RACConfig(), config=cfg,
+                        interpret=True, source_rows=src, row_valid=valid)
 
     want = np.asarray(run(x, False), np.float32)
     np.testing.assert_array_equal(np.asarray(run(x, True, with_valid), np.float32), want)
@@ -106,17 +109,17 @@ def test_slot_scales_equal_the_tile_plans(r, m, nb, group_sizes, block_rows, blo
     bit; the selection itself is unchanged."""
     from pallas_kernels.w4a4_grouped import tile_plan
 
-    scores, amax, finite, rows, valid = _inputs(r, m, nb, seed=r + nb)
+    scores, amax, finite, rows, valid = jit_call(_inputs, r, m, nb, seed=r + nb)
     gs = jnp.asarray(group_sizes, jnp.int32)
     act = jax.random.uniform(jax.random.key(m), (r,), minval=0.5, maxval=2.0)
-    row_index, *_ = tile_plan(gs, m, block_m)
+    row_index, *_ = jit_call(tile_plan, gs, m, block_m)
     t = row_index.shape[0]
     cfg = rs.RACSelectConfig(block_rows=block_rows)
-    coded, g, slots = rs.grouped_rac_selection(
-        scores, amax, finite, rows, gs, ratio=0.5, row_valid=valid, config=cfg, interpret=True,
-        tiles=rs.SlotScales(block_m, t), act_scales=act)
-    alone = rs.grouped_rac_selection(scores, amax, finite, rows, gs, ratio=0.5,
-                                     row_valid=valid, config=cfg, interpret=True)
+    coded, g, slots = jit_call(
+        rs.grouped_rac_selection, scores, amax, finite, rows, gs, ratio=0.5, row_valid=valid,
+        config=cfg, interpret=True, tiles=rs.SlotScales(block_m, t), act_scales=act)
+    alone = jit_call(rs.grouped_rac_selection, scores, amax, finite, rows, gs, ratio=0.5,
+                     row_valid=valid, config=cfg, interpret=True)
     for a, b in zip((coded, g), alone, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     live = row_index < m

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from compiled import jit_call
 
 from pallas_kernels import tile_plan as tp
 from pallas_kernels.layout import prepare_w4a4_weights
@@ -40,9 +41,9 @@ def _sizes(kind: str, e: int, m: int, seed: int) -> jax.Array:
 )
 def test_interpret_equals_the_jnp_plan(kind, e, m, block_m, block):
     gs = _sizes(kind, e, m, seed=m)
-    want = plan_and_row_experts(gs, m, block_m)
-    got = tp.tile_plan_kernel(gs, m, block_m, config=tp.TilePlanConfig(block=block),
-                              interpret=True)
+    want = jit_call(plan_and_row_experts, gs, m, block_m)
+    got = jit_call(tp.tile_plan_kernel, gs, m, block_m, config=tp.TilePlanConfig(block=block),
+                   interpret=True)
     assert len(got) == len(want) == len(NAMES)
     for name, a, b in zip(NAMES, got, want, strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype == jnp.int32, name
@@ -55,19 +56,20 @@ def test_grouped_matmuls_agree_with_and_without_the_kernel():
     k = jax.random.split(jax.random.key(7), 3)
     x = jax.random.normal(k[0], (30, 256), jnp.bfloat16)
     gs = jnp.asarray([9, 0, 14, 5], jnp.int32)  # 28 of 30 rows
-    w = prepare_w4a4_weights(nvfp4.quantize(jax.random.normal(k[1], (4, 128, 256)),
-                                            scale_mode="expert"))
+    wq = jit_call(nvfp4.quantize, jax.random.normal(k[1], (4, 128, 256)), scale_mode="expert")
+    w = jit_call(prepare_w4a4_weights, wq)
 
     def w4a4(flag):
         cfg = W4A4MatmulConfig(a_via_smem=True, num_sms=4, tile_plan_kernel=flag)
-        return np.asarray(w4a4_grouped_matmul(x, w, gs, config=cfg, interpret=True), np.float32)
+        return np.asarray(jit_call(w4a4_grouped_matmul, x, w, gs, config=cfg, interpret=True),
+                          np.float32)
 
     np.testing.assert_array_equal(w4a4(True), w4a4(False))
-    wf = fp8.quantize(jax.random.normal(k[2], (4, 128, 256)), granularity="channel")
+    wf = jit_call(fp8.quantize, jax.random.normal(k[2], (4, 128, 256)), granularity="channel")
 
     def w8a8(flag):
         cfg = W8A8MatmulConfig(num_sms=4, tile_plan_kernel=flag)
-        return np.asarray(w8a8_grouped_matmul(x, wf, gs, config=cfg, interpret=True),
+        return np.asarray(jit_call(w8a8_grouped_matmul, x, wf, gs, config=cfg, interpret=True),
                           np.float32)
 
     np.testing.assert_array_equal(w8a8(True), w8a8(False))

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from compiled import jit_call
 
 from pallas_kernels import nvfp4_quantize as aq
 from pallas_kernels.layout import prepare_w4a4_weights
@@ -29,11 +30,25 @@ def _rel(y, want):
 
 
 def _f64_product(acts, wq, row_expert=None):
-    a = sum(np.asarray(v, np.float64) for v in aq.dequantized_sum(acts))
-    wd = np.asarray(nvfp4.dequantize(wq, jnp.float32), np.float64)
+    a = sum(np.asarray(v, np.float64) for v in jit_call(aq.dequantized_sum, acts))
+    wd = np.asarray(jit_call(nvfp4.dequantize, wq, jnp.float32), np.float64)
     if row_expert is None:
         return a @ wd.T
     return np.einsum("mk,mnk->mn", a, wd[np.asarray(row_expert)])
+
+
+def _weights(key, shape, scale_mode="tensor"):
+    """Random NVFP4 weights, quantized in one compiled program (``tests/compiled.py``)."""
+    return jit_call(nvfp4.quantize, jax.random.normal(key, shape), scale_mode=scale_mode)
+
+
+def _on_grid(key, shape):
+    """A random float16 operand on the NVFP4 grid (the tile kernel's A operands)."""
+    return jit_call(_qdq_f16, jax.random.normal(key, shape))
+
+
+def _qdq_f16(v):
+    return nvfp4.dequantize(nvfp4.quantize(v), jnp.float16)
 
 
 @pytest.mark.parametrize(
@@ -46,16 +61,16 @@ def _f64_product(acts, wq, row_expert=None):
 )
 def test_dense_w4a4(m, n, k, rac, mode, mma, decode, ks, ng):
     x = jax.random.normal(jax.random.key(m), (m, k)) * 2
-    wq = nvfp4.quantize(jax.random.normal(jax.random.key(n), (n, k)))
-    w = prepare_w4a4_weights(wq, mma_dtype=mma, decode=decode)
+    wq = _weights(jax.random.key(n), (n, k))
+    w = jit_call(prepare_w4a4_weights, wq, mma_dtype=mma, decode=decode)
     racc = aq.RACConfig(rac_ratio=0.5) if rac else None
     cfg = W4A4MatmulConfig(k_splits=ks, mma_dtype=mma, n_group=ng, **CFG)
-    y = w4a4_matmul(x, w, act_scale_mode=mode, rac=racc, config=cfg, interpret=True)
+    y = jit_call(w4a4_matmul, x, w, act_scale_mode=mode, rac=racc, config=cfg, interpret=True)
     assert y.shape == (m, n) and y.dtype == x.dtype
-    acts = aq.nvfp4_quantize(x, act_scale_mode=mode, rac_config=racc)
+    acts = jit_call(aq.nvfp4_quantize, x, act_scale_mode=mode, rac_config=racc)
     want = _f64_product(acts, wq)
     assert _rel(y, want) < 1e-5
-    assert _rel(w4a4_matmul_reference(x, wq, act_scale_mode=mode, rac=racc), want) < 1e-5
+    assert _rel(jit_call(w4a4_matmul_reference, x, wq, act_scale_mode=mode, rac=racc), want) < 1e-5
 
 
 @pytest.mark.parametrize("racc,compact", [
@@ -69,11 +84,11 @@ def test_dense_prefill_path_is_exact(racc, compact):
     ``compact`` None: ``rac_prefill_columns=False``, the residual over all K."""
     m, n, k = 40, 136, 288
     x = jax.random.normal(jax.random.key(7), (m, k)) * 3
-    wq = nvfp4.quantize(jax.random.normal(jax.random.key(8), (n, k)))
+    wq = _weights(jax.random.key(8), (n, k))
     cfg = W4A4MatmulConfig(prefill_min_rows=32, rac_prefill_columns=compact is not None)
     compact = bool(compact)
-    y = w4a4_matmul(x, wq, rac=racc, config=cfg)  # no kernel: runs on any backend
-    acts = aq.nvfp4_quantize(x, rac_config=racc)
+    y = jit_call(w4a4_matmul, x, wq, rac=racc, config=cfg)  # no kernel: runs on any backend
+    acts = jit_call(aq.nvfp4_quantize, x, rac_config=racc)
     want = _f64_product(acts, wq)
     assert _rel(y, want) < 1e-5
     jaxpr = str(jax.make_jaxpr(lambda x: w4a4_matmul(x, wq, rac=racc, config=cfg))(x))
@@ -91,26 +106,26 @@ def test_grouped_w4a4_zero_and_uneven_groups(sizes, extra, rac, n, ng, stack):
     gs = jnp.asarray(sizes, jnp.int32)
     m = int(gs.sum()) + extra  # rows past the groups come out as zeros
     x = jax.random.normal(jax.random.key(3), (m, k))
-    wq = nvfp4.quantize(jax.random.normal(jax.random.key(4), (e, n, k)), scale_mode="expert")
+    wq = _weights(jax.random.key(4), (e, n, k), "expert")
     racc = aq.RACConfig() if rac else None
     cfg = W4A4MatmulConfig(block_m=8, n_group=ng, stack_operands=stack, **CFG)
-    y = w4a4_grouped_matmul(x, wq, gs, rac=racc, config=cfg, interpret=True)
+    y = jit_call(w4a4_grouped_matmul, x, wq, gs, rac=racc, config=cfg, interpret=True)
     rexp = jnp.minimum(row_experts(gs, m), e - 1)
-    acts = aq.nvfp4_quantize(x, rac_config=racc, row_expert=rexp, num_experts=e)
+    acts = jit_call(aq.nvfp4_quantize, x, rac_config=racc, row_expert=rexp, num_experts=e)
     want = _f64_product(acts, wq, rexp)
     want[int(gs.sum()):] = 0.0
     assert _rel(y, want) < 1e-5
     np.testing.assert_array_equal(np.asarray(y)[int(gs.sum()):], 0.0)
-    ref = w4a4_grouped_matmul_reference(x, wq, gs, rac=racc)
+    ref = jit_call(w4a4_grouped_matmul_reference, x, wq, gs, rac=racc)
     assert _rel(ref, want) < 1e-5
     # Gathered tiles instead of row windows: the same products in every filled slot.
-    gathered = w4a4_grouped_matmul(x, wq, gs, rac=racc, interpret=True,
-                                   config=dataclasses.replace(cfg, windowed_operands=False))
+    gathered = jit_call(w4a4_grouped_matmul, x, wq, gs, rac=racc, interpret=True,
+                        config=dataclasses.replace(cfg, windowed_operands=False))
     np.testing.assert_array_equal(np.asarray(gathered), np.asarray(y))
     if extra == 2:  # output_rows: the rows read back in that order, padding rows and repeats
         perm = np.asarray([m - 1, 5, 0, 12, 5, 3, m - 2], np.int32)
-        reordered = w4a4_grouped_matmul(x, wq, gs, rac=racc, config=cfg, interpret=True,
-                                        output_rows=jnp.asarray(perm))
+        reordered = jit_call(w4a4_grouped_matmul, x, wq, gs, rac=racc, config=cfg, interpret=True,
+                             output_rows=jnp.asarray(perm))
         np.testing.assert_array_equal(np.asarray(reordered), np.asarray(y)[perm])
         with pytest.raises(ValueError, match=r"output_rows: values in \[0, 15\]; need \[0, 15\)"):
             w4a4_grouped_matmul(x, wq, gs, config=cfg, interpret=True,
@@ -126,49 +141,52 @@ def test_grouped_source_rows_equal_the_gathered_rows(rac):
     ids = jax.random.randint(jax.random.key(8), (tokens * top,), 0, e)
     order = jnp.argsort(ids, stable=True)
     gs = jnp.bincount(ids, length=e).astype(jnp.int32)
-    wq = nvfp4.quantize(jax.random.normal(jax.random.key(9), (e, n, k)), scale_mode="expert")
+    wq = _weights(jax.random.key(9), (e, n, k), "expert")
     racc = aq.RACConfig() if rac else None
     cfg = W4A4MatmulConfig(block_m=8, **CFG)
     src = (order // top).astype(jnp.int32)
-    y = w4a4_grouped_matmul(x, wq, gs, rac=racc, config=cfg, interpret=True, source_rows=src)
-    want = w4a4_grouped_matmul(x[src], wq, gs, rac=racc, config=cfg, interpret=True)
+    y = jit_call(w4a4_grouped_matmul, x, wq, gs, rac=racc, config=cfg, interpret=True,
+                 source_rows=src)
+    want = jit_call(w4a4_grouped_matmul, x[src], wq, gs, rac=racc, config=cfg, interpret=True)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
     with pytest.raises(ValueError, match="source_rows"):
         w4a4_grouped_matmul(x, wq, gs, config=cfg, interpret=True, source_rows=src + tokens)
     if rac:  # tokens that are not (row_valid): the kernel path masks RAC's scores as jnp does
         valid = jnp.arange(tokens) != 2
         x = x.at[2].multiply(jnp.linspace(-40, 40, k).astype(x.dtype))  # garbage, not a token
-        y = w4a4_grouped_matmul(x, wq, gs, rac=racc, config=cfg, interpret=True,
-                                source_rows=src, row_valid=valid)
-        want = w4a4_grouped_matmul(x[src], wq, gs, rac=racc, config=cfg, interpret=True,
-                                   row_valid=valid[src])
+        y = jit_call(w4a4_grouped_matmul, x, wq, gs, rac=racc, config=cfg, interpret=True,
+                     source_rows=src, row_valid=valid)
+        want = jit_call(w4a4_grouped_matmul, x[src], wq, gs, rac=racc, config=cfg, interpret=True,
+                        row_valid=valid[src])
         np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
         rexp = jnp.minimum(row_experts(gs, src.shape[0]), e - 1)
-        acts = aq.nvfp4_quantize(x[src], rac_config=racc, row_expert=rexp, num_experts=e,
-                                 row_valid=valid[src])
+        acts = jit_call(aq.nvfp4_quantize, x[src], rac_config=racc, row_expert=rexp, num_experts=e,
+                        row_valid=valid[src])
         want = _f64_product(acts, wq, rexp)
         assert _rel(y, want) < 4e-3  # the bf16 output's rounding
-        ref = w4a4_grouped_matmul_reference(x[src], wq, gs, rac=racc, row_valid=valid[src])
+        ref = jit_call(w4a4_grouped_matmul_reference, x[src], wq, gs, rac=racc,
+                       row_valid=valid[src])
         assert _rel(ref, want) < 4e-3
-        unmasked = w4a4_grouped_matmul_reference(x[src], wq, gs, rac=racc)
+        unmasked = jit_call(w4a4_grouped_matmul_reference, x[src], wq, gs, rac=racc)
         assert not np.array_equal(np.asarray(unmasked), np.asarray(ref))  # the mask counts
 
 
 def test_w4a16_dense_and_grouped():
     k, n = 256, 128
     x = jax.random.normal(jax.random.key(5), (6, k)).astype(jnp.bfloat16)
-    wq = nvfp4.quantize(jax.random.normal(jax.random.key(6), (2, n, k)), scale_mode="expert")
-    w = prepare_w4a4_weights(wq, mma_dtype="bfloat16")
+    wq = _weights(jax.random.key(6), (2, n, k), "expert")
+    w = jit_call(prepare_w4a4_weights, wq, mma_dtype="bfloat16")
     cfg = W4A4MatmulConfig(mma_dtype="bfloat16", **CFG)
     xf = np.asarray(x, np.float64)
-    wd = np.asarray(nvfp4.dequantize(wq), np.float64)
+    wd = np.asarray(jit_call(nvfp4.dequantize, wq), np.float64)
     gs = jnp.asarray([2, 4], jnp.int32)
-    yg = w4a16_grouped_matmul(x.astype(jnp.float32), w, gs, config=cfg, interpret=True)
+    yg = jit_call(w4a16_grouped_matmul, x.astype(jnp.float32), w, gs, config=cfg, interpret=True)
     want = np.concatenate([xf[:2] @ wd[0].T, xf[2:] @ wd[1].T])
     assert _rel(yg, want) < 1e-5
-    w0 = prepare_w4a4_weights(nvfp4.NVFP4Tensor(wq.packed[0], wq.scales[0],
-                                                 wq.global_scale[0, 0, 0]), mma_dtype="bfloat16")
-    yd = w4a16_matmul(x.astype(jnp.float32), w0, config=cfg, interpret=True)
+    w0 = jit_call(prepare_w4a4_weights, nvfp4.NVFP4Tensor(wq.packed[0], wq.scales[0],
+                                                          wq.global_scale[0, 0, 0]),
+                  mma_dtype="bfloat16")
+    yd = jit_call(w4a16_matmul, x.astype(jnp.float32), w0, config=cfg, interpret=True)
     assert _rel(yd, xf @ wd[0].T) < 1e-5
 
 
@@ -200,8 +218,8 @@ def test_tile_plan_covers_every_row_once():
 
 
 def test_bad_inputs_raise():
-    wq = nvfp4.quantize(jnp.ones((128, 64)))
-    wg = nvfp4.quantize(jnp.ones((2, 128, 64)), scale_mode="expert")
+    wq = jit_call(nvfp4.quantize, jnp.ones((128, 64)))
+    wg = jit_call(nvfp4.quantize, jnp.ones((2, 128, 64)), scale_mode="expert")
     with pytest.raises(ValueError, match="K=32"):
         w4a4_matmul(jnp.ones((4, 32)), wq)
     with pytest.raises(ValueError, match="dtype"):
@@ -236,43 +254,43 @@ def test_tile_gemm_epilogue_scales_sums_and_stores(out_dtype, stack):
     from pallas_kernels.nvfp4_tiles_mgpu import TileGemmConfig, nvfp4_tile_gemm, tile_gemm_reference
 
     t, bm, k, n, e = 3, 8, 256, 256, 2
-    wq = nvfp4.quantize(jax.random.normal(jax.random.key(1), (e, n, k)))
-    w = prepare_w4a4_weights(wq, mma_dtype="float16")
-    b = tuple(nvfp4.dequantize(nvfp4.quantize(jax.random.normal(jax.random.key(2 + a), (t, bm, k))),
-                               jnp.float16) for a in range(2))
+    wq = _weights(jax.random.key(1), (e, n, k))
+    w = jit_call(prepare_w4a4_weights, wq, mma_dtype="float16")
+    b = tuple(_on_grid(jax.random.key(2 + a), (t, bm, k)) for a in range(2))
     te = jnp.array([1, 0, 1], jnp.int32)
     cs = None if out_dtype is None else jax.random.uniform(jax.random.key(5), (t, 2, bm)) + 0.5
     cfg = TileGemmConfig(a_via_smem=True, num_sms=2, max_concurrent_steps=1,
                          stack_operands=stack)
     kw = {} if out_dtype is None else dict(col_scales=cs, out_dtype=out_dtype)
-    y = nvfp4_tile_gemm(b, w, te, jnp.array([t], jnp.int32), config=cfg, interpret=True, **kw)
+    y = jit_call(nvfp4_tile_gemm, b, w, te, jnp.array([t], jnp.int32), config=cfg,
+                 interpret=True, **kw)
     if stack:  # the same products (up to the dot's f32 summation order) and additions
-        two = nvfp4_tile_gemm(b, w, te, jnp.array([t], jnp.int32), interpret=True, **kw,
-                              config=dataclasses.replace(cfg, stack_operands=False))
+        two = jit_call(nvfp4_tile_gemm, b, w, te, jnp.array([t], jnp.int32), interpret=True, **kw,
+                       config=dataclasses.replace(cfg, stack_operands=False))
         assert _rel(y, two) < 1e-6
-    want = tile_gemm_reference(b, w, te, cs, out_dtype or jnp.float32)
+    want = jit_call(tile_gemm_reference, b, w, te, cs, out_dtype or jnp.float32)
     assert y.shape == want.shape == (t, 1, 2 if out_dtype is None else 1, bm, n)
     assert y.dtype == want.dtype
     tol = 1e-5 if y.dtype == jnp.float32 else 8e-3  # bf16: one rounding of the stored value
     assert _rel(y, want) < tol
     if cs is not None:  # the sum of the scaled products, not of the raw ones
-        raw = tile_gemm_reference(b, w, te)
+        raw = jit_call(tile_gemm_reference, b, w, te)
         assert _rel(y, jnp.sum(raw, axis=2, keepdims=True)) > 1e-2
     if out_dtype == jnp.bfloat16 and stack:
         # expert_scales: the experts' scales applied in the epilogue give the bits of scales
         # folded into col_scales beforehand (slot_scales' product, in its order)
         es = jnp.array([0.75, 1.5], jnp.float32)
         folded = cs * (es[te] * jnp.float32(0.5))[:, None, None]
-        got = nvfp4_tile_gemm(b, w, te, jnp.array([t], jnp.int32), config=cfg, interpret=True,
-                              col_scales=cs, out_dtype=out_dtype, expert_scales=es,
-                              expert_factor=0.5)
-        ref = nvfp4_tile_gemm(b, w, te, jnp.array([t], jnp.int32), config=cfg, interpret=True,
-                              col_scales=folded, out_dtype=out_dtype)
+        got = jit_call(nvfp4_tile_gemm, b, w, te, jnp.array([t], jnp.int32), config=cfg,
+                       interpret=True, col_scales=cs, out_dtype=out_dtype, expert_scales=es,
+                       expert_factor=0.5)
+        ref = jit_call(nvfp4_tile_gemm, b, w, te, jnp.array([t], jnp.int32), config=cfg,
+                       interpret=True, col_scales=folded, out_dtype=out_dtype)
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(ref, np.float32))
         np.testing.assert_array_equal(
-            np.asarray(tile_gemm_reference(b, w, te, cs, out_dtype, expert_scales=es,
-                                           expert_factor=0.5), np.float32),
-            np.asarray(tile_gemm_reference(b, w, te, folded, out_dtype), np.float32))
+            np.asarray(jit_call(tile_gemm_reference, b, w, te, cs, out_dtype, expert_scales=es,
+                                expert_factor=0.5), np.float32),
+            np.asarray(jit_call(tile_gemm_reference, b, w, te, folded, out_dtype), np.float32))
         with pytest.raises(ValueError, match="expert_scales"):
             nvfp4_tile_gemm(b, w, te, jnp.array([t], jnp.int32), config=cfg, interpret=True,
                             expert_scales=es)
@@ -290,16 +308,16 @@ def test_tile_gemm_chained_work_items(t, live, n, k, sms, chain):
     on the live tiles."""
     from pallas_kernels.nvfp4_tiles_mgpu import TileGemmConfig, nvfp4_tile_gemm, tile_gemm_reference
 
-    wq = nvfp4.quantize(jax.random.normal(jax.random.key(11), (2, n, k)))
-    w = prepare_w4a4_weights(wq, mma_dtype="float16")
-    b = (nvfp4.dequantize(nvfp4.quantize(jax.random.normal(jax.random.key(12), (t, 8, k))),
-                          jnp.float16),)
+    wq = _weights(jax.random.key(11), (2, n, k))
+    w = jit_call(prepare_w4a4_weights, wq, mma_dtype="float16")
+    b = (_on_grid(jax.random.key(12), (t, 8, k)),)
     te = jnp.arange(t, dtype=jnp.int32) % 2
     cfg = TileGemmConfig(a_via_smem=True, num_sms=sms, max_concurrent_steps=4, chain_items=chain)
-    y = nvfp4_tile_gemm(b, w, te, jnp.array([live], jnp.int32), config=cfg, interpret=True)
+    y = jit_call(nvfp4_tile_gemm, b, w, te, jnp.array([live], jnp.int32), config=cfg,
+                 interpret=True)
     assert y.shape == (t, 1, 1, 8, n) and y.dtype == jnp.float32
     if live:
-        assert _rel(y[:live], tile_gemm_reference(b, w, te)[:live]) < 1e-5
+        assert _rel(y[:live], jit_call(tile_gemm_reference, b, w, te)[:live]) < 1e-5
 
 
 @pytest.mark.parametrize("mma_k,stack,bits", [(128, False, "nibbles"), (256, False, "nibbles"),
@@ -311,17 +329,16 @@ def test_tile_gemm_mma_k_groups(mma_k, stack, bits):
     from pallas_kernels.nvfp4_tiles_mgpu import TileGemmConfig, nvfp4_tile_gemm, tile_gemm_reference
 
     t, bm, k, n = 2, 8, 512, 128
-    wq = nvfp4.quantize(jax.random.normal(jax.random.key(21), (2, n, k)))
-    w = prepare_w4a4_weights(wq, mma_dtype="float16", bits=bits)
-    b = tuple(nvfp4.dequantize(nvfp4.quantize(
-        jax.random.normal(jax.random.key(22 + a), (t, bm, k))), jnp.float16) for a in range(2))
+    wq = _weights(jax.random.key(21), (2, n, k))
+    w = jit_call(prepare_w4a4_weights, wq, mma_dtype="float16", bits=bits)
+    b = tuple(_on_grid(jax.random.key(22 + a), (t, bm, k)) for a in range(2))
     te = jnp.array([1, 0], jnp.int32)
     cs = jax.random.uniform(jax.random.key(25), (t, 2, bm)) + 0.5
     cfg = TileGemmConfig(a_via_smem=True, num_sms=2, max_concurrent_steps=2, mma_k=mma_k,
                          stack_operands=stack)
-    y = nvfp4_tile_gemm(b, w, te, jnp.array([t], jnp.int32), config=cfg, interpret=True,
-                        col_scales=cs, out_dtype=jnp.float32)
-    assert _rel(y, tile_gemm_reference(b, w, te, cs, jnp.float32)) < 1e-5
+    y = jit_call(nvfp4_tile_gemm, b, w, te, jnp.array([t], jnp.int32), config=cfg, interpret=True,
+                 col_scales=cs, out_dtype=jnp.float32)
+    assert _rel(y, jit_call(tile_gemm_reference, b, w, te, cs, jnp.float32)) < 1e-5
 
 
 def test_mma_k_config_errors():
@@ -343,15 +360,14 @@ def test_tile_gemm_store_buffers_give_the_same_bits():
     from pallas_kernels.nvfp4_tiles_mgpu import TileGemmConfig, nvfp4_tile_gemm
 
     t, bm, k, n = 2, 8, 256, 256
-    wq = nvfp4.quantize(jax.random.normal(jax.random.key(41), (2, n, k)), scale_mode="expert")
-    w = prepare_w4a4_weights(wq, bits="signs_high", scale_dtype="float8_e4m3fn")
-    b = tuple(nvfp4.dequantize(nvfp4.quantize(
-        jax.random.normal(jax.random.key(42 + a), (t, bm, k))), jnp.float16) for a in range(2))
+    wq = _weights(jax.random.key(41), (2, n, k), "expert")
+    w = jit_call(prepare_w4a4_weights, wq, bits="signs_high", scale_dtype="float8_e4m3fn")
+    b = tuple(_on_grid(jax.random.key(42 + a), (t, bm, k)) for a in range(2))
     te = jnp.array([1, 0], jnp.int32)
     def run(sb):
-        return nvfp4_tile_gemm(b, w, te, jnp.array([t], jnp.int32), interpret=True,
-                               config=TileGemmConfig(a_via_smem=True, num_sms=1, n_group=2,
-                                                     max_concurrent_steps=1, store_buffers=sb))
+        return jit_call(nvfp4_tile_gemm, b, w, te, jnp.array([t], jnp.int32), interpret=True,
+                        config=TileGemmConfig(a_via_smem=True, num_sms=1, n_group=2,
+                                              max_concurrent_steps=1, store_buffers=sb))
 
     ys = [run(sb) for sb in (0, 1, 2)]
     assert ys[0].shape == (t, 1, 2, bm, n)
@@ -377,14 +393,14 @@ def test_grouped_plain_decode_runs_wide_with_the_same_bits():
     prefill = dataclasses.replace(cfg, prefill_min_rows=8)  # a prefill-sized call
 
     def run(c, wq, rac=None):
-        return w4a4_grouped_matmul(x, wq, gs, rac=rac, config=c, interpret=True)
+        return jit_call(w4a4_grouped_matmul, x, wq, gs, rac=rac, config=c, interpret=True)
 
     def registers(c, wq, rac=None):  # the compute warpgroups' setmaxnreg.inc
         text = str(jax.make_jaxpr(lambda: run(c, wq, rac))())
         return int(text.split("set_max_registers_p[action=increase n=")[1].split("]")[0])
 
     for n in (256, 384):  # 2 and 3 row tiles
-        wq = nvfp4.quantize(jax.random.normal(jax.random.key(n), (e, n, k)), scale_mode="expert")
+        wq = _weights(jax.random.key(n), (e, n, k), "expert")
         # 3 row tiles do not pair: both configs run the narrow schedule, so only 2 tiles
         # compare bits (the interpreter's runs are most of this test's time)
         wide = n == 256
@@ -414,7 +430,7 @@ def test_grouped_plain_decode_runs_wide_with_the_same_bits():
         sel = dataclasses.replace(cfg, stack_operands=False, rac_selected_wgmmas=True,
                                   wide_rac_decode=True, max_concurrent_steps=1, k_splits=1)
         assert registers(sel, wq, aq.RACConfig()) == (104 if wide else 232)
-    wq = nvfp4.quantize(jax.random.normal(jax.random.key(7), (e, 256, 2 * k)), scale_mode="expert")
+    wq = _weights(jax.random.key(7), (e, 256, 2 * k), "expert")
     x = jnp.concatenate([x, x], axis=1)
     assert registers(sel, wq, aq.RACConfig()) == 232
     assert registers(dataclasses.replace(cfg, wide_rac_decode_max_k=k), wq, aq.RACConfig()) == 232
@@ -437,18 +453,17 @@ def test_tile_gemm_four_compute_warpgroups_give_the_same_bits(n_group, stack):
     from pallas_kernels.nvfp4_tiles_mgpu import TileGemmConfig, nvfp4_tile_gemm
 
     t, bm, k, n = 2, 8, 256, 128 * n_group * 2
-    wq = nvfp4.quantize(jax.random.normal(jax.random.key(51), (2, n, k)), scale_mode="expert")
-    w = prepare_w4a4_weights(wq, bits="signs_high", scale_dtype="float8_e4m3fn")
-    b = tuple(nvfp4.dequantize(nvfp4.quantize(
-        jax.random.normal(jax.random.key(52 + a), (t, bm, k))), jnp.float16) for a in range(2))
+    wq = _weights(jax.random.key(51), (2, n, k), "expert")
+    w = jit_call(prepare_w4a4_weights, wq, bits="signs_high", scale_dtype="float8_e4m3fn")
+    b = tuple(_on_grid(jax.random.key(52 + a), (t, bm, k)) for a in range(2))
     te = jnp.array([1, 0], jnp.int32)
     cs = jax.random.uniform(jax.random.key(55), (t, 2, bm)) + 0.5
 
     def run(wgs, scaled):
         cfg = TileGemmConfig(a_via_smem=True, num_sms=1, n_group=n_group, mma_k=128,
                              stack_operands=stack, store_buffers=2, compute_wgs=wgs)
-        return nvfp4_tile_gemm(b, w, te, jnp.array([t], jnp.int32), interpret=True,
-                               config=cfg, col_scales=cs if scaled else None)
+        return jit_call(nvfp4_tile_gemm, b, w, te, jnp.array([t], jnp.int32), interpret=True,
+                        config=cfg, col_scales=cs if scaled else None)
 
     for scaled in (True, False):
         y2, y4 = run(2, scaled), run(4, scaled)
@@ -460,6 +475,18 @@ def test_tile_gemm_four_compute_warpgroups_give_the_same_bits(n_group, stack):
     assert "f32[4,2,8,64]" in jaxprs[4]
     assert "set_max_registers_p[action=increase n=104]" in jaxprs[4]
     assert "set_max_registers_p[action=increase n=232]" in jaxprs[2]
+    # The copy warpgroup at 24 registers: the four compute warpgroups take 112 (still within
+    # the launch's 96 a thread), the same bits.
+    cfg24 = TileGemmConfig(a_via_smem=True, num_sms=1, n_group=n_group, mma_k=128,
+                           stack_operands=stack, store_buffers=2, compute_wgs=4,
+                           memory_registers=24)
+    call24 = lambda: jit_call(nvfp4_tile_gemm, b, w, te, jnp.array([t], jnp.int32),  # noqa: E731
+                              interpret=True, config=cfg24)
+    jaxpr24 = str(jax.make_jaxpr(call24)())
+    assert "set_max_registers_p[action=increase n=112]" in jaxpr24
+    assert "set_max_registers_p[action=decrease n=24]" in jaxpr24
+    if stack:  # one case is enough for the bits: each interpreted call takes seconds
+        np.testing.assert_array_equal(np.asarray(call24()), np.asarray(run(2, False)))
 
 
 def test_no_second_mma_ablation_multiplies_the_first_operand_only():
@@ -468,17 +495,15 @@ def test_no_second_mma_ablation_multiplies_the_first_operand_only():
     from pallas_kernels.nvfp4_tiles_mgpu import TileGemmConfig, nvfp4_tile_gemm
 
     t, bm, k, n = 2, 8, 256, 128
-    wq = nvfp4.quantize(jax.random.normal(jax.random.key(71), (2, n, k)), scale_mode="expert")
-    w = prepare_w4a4_weights(wq, bits="signs_high", scale_dtype="float8_e4m3fn")
-    b0, b1 = (nvfp4.dequantize(nvfp4.quantize(jax.random.normal(jax.random.key(72 + a),
-                                                                (t, bm, k))), jnp.float16)
-              for a in range(2))
+    wq = _weights(jax.random.key(71), (2, n, k), "expert")
+    w = jit_call(prepare_w4a4_weights, wq, bits="signs_high", scale_dtype="float8_e4m3fn")
+    b0, b1 = (_on_grid(jax.random.key(72 + a), (t, bm, k)) for a in range(2))
     te, cs = jnp.array([1, 0], jnp.int32), jax.random.uniform(jax.random.key(75), (t, 2, bm))
 
     def run(b, **kw):
         cfg = TileGemmConfig(a_via_smem=True, num_sms=1, **kw)
-        return nvfp4_tile_gemm(b, w, te, jnp.array([t], jnp.int32), interpret=True,
-                               config=cfg, col_scales=cs)
+        return jit_call(nvfp4_tile_gemm, b, w, te, jnp.array([t], jnp.int32), interpret=True,
+                        config=cfg, col_scales=cs)
 
     np.testing.assert_array_equal(np.asarray(run((b0, b1), ablation="no_second_mma")),
                                   np.asarray(run((b0, jnp.zeros_like(b1)))))
@@ -495,11 +520,9 @@ def test_residual_blocks_issue_the_second_operands_selected_blocks_only(wgs, mma
     from pallas_kernels.nvfp4_tiles_mgpu import TileGemmConfig, nvfp4_tile_gemm, tile_gemm_reference
 
     t, bm, k, n, e = 3, 8, 512, 256, 2
-    wq = nvfp4.quantize(jax.random.normal(jax.random.key(81), (e, n, k)), scale_mode="expert")
-    w = prepare_w4a4_weights(wq, bits="signs_high", scale_dtype="float8_e4m3fn")
-    b0, b1 = (nvfp4.dequantize(nvfp4.quantize(jax.random.normal(jax.random.key(82 + a),
-                                                                (t, bm, k))), jnp.float16)
-              for a in range(2))
+    wq = _weights(jax.random.key(81), (e, n, k), "expert")
+    w = jit_call(prepare_w4a4_weights, wq, bits="signs_high", scale_dtype="float8_e4m3fn")
+    b0, b1 = (_on_grid(jax.random.key(82 + a), (t, bm, k)) for a in range(2))
     te = jnp.array([1, 0, 1], jnp.int32)
     keep = np.random.default_rng(83).random((e, k // 16)) < 0.5  # [E, 32 blocks]
     keep = keep[np.asarray(te)]  # per tile: its expert's blocks
@@ -511,16 +534,16 @@ def test_residual_blocks_issue_the_second_operands_selected_blocks_only(wgs, mma
     cfg = TileGemmConfig(a_via_smem=True, num_sms=2, n_group=2, compute_wgs=wgs, mma_k=mma_k)
 
     def run(b, blocks=None):
-        return nvfp4_tile_gemm(b, w, te, jnp.array([t], jnp.int32), config=cfg, col_scales=cs,
-                               interpret=True, residual_blocks=blocks)
+        return jit_call(nvfp4_tile_gemm, b, w, te, jnp.array([t], jnp.int32), config=cfg,
+                        col_scales=cs, interpret=True, residual_blocks=blocks)
 
     plain = run((b0, b1_sel))
     assert _rel(run((b0, b1_sel), words), plain) < 1e-6
     # the unselected blocks of a full operand are left out: the product of the selected ones
-    want = tile_gemm_reference((b0, b1_sel), w, te, cs)
+    want = jit_call(tile_gemm_reference, (b0, b1_sel), w, te, cs)
     assert _rel(run((b0, b1), words), want) < 1e-5
     np.testing.assert_array_equal(  # the reference with the bits zeroes those blocks itself
-        np.asarray(tile_gemm_reference((b0, b1), w, te, cs, residual_blocks=words)),
+        np.asarray(jit_call(tile_gemm_reference, (b0, b1), w, te, cs, residual_blocks=words)),
         np.asarray(want))
     if wgs == 4:  # two pairs, a one-stage pipeline, 2 K steps: refused (hangs when interpreted)
         cfg = dataclasses.replace(cfg, max_concurrent_steps=1)
@@ -545,22 +568,22 @@ def test_grouped_rac_selected_wgmmas_equal_the_full_residual_product(src):
     e, k, n = 3, 512, 256
     gs = jnp.asarray([6, 0, 11], jnp.int32)
     x = jax.random.normal(jax.random.key(91), (17, k)) * 2
-    wq = nvfp4.quantize(jax.random.normal(jax.random.key(92), (e, n, k)), scale_mode="expert")
+    wq = _weights(jax.random.key(92), (e, n, k), "expert")
     rows = jnp.asarray(np.random.default_rng(93).integers(0, 17, 17), jnp.int32) if src else None
     cfg = W4A4MatmulConfig(block_m=8, stack_operands=False, **CFG)
     sel = dataclasses.replace(cfg, rac_selected_wgmmas=True)
 
     def run(c):
-        return w4a4_grouped_matmul(x, wq, gs, rac=aq.RACConfig(), config=c, interpret=True,
-                                   source_rows=rows)
+        return jit_call(w4a4_grouped_matmul, x, wq, gs, rac=aq.RACConfig(), config=c,
+                        interpret=True, source_rows=rows)
 
     full, selected = run(cfg), run(sel)
     assert _rel(selected, full) < 1e-6
     # the selection reaches the kernel: the residual's tiles in 32-byte swizzles (16 columns)
     assert "swizzle=32" in str(jax.make_jaxpr(lambda: run(sel))())
     assert "swizzle=32" not in str(jax.make_jaxpr(lambda: run(cfg))())
-    assert _rel(full, w4a4_grouped_matmul_reference(
-        x if rows is None else x[rows], wq, gs, rac=aq.RACConfig())) < 1e-5
+    assert _rel(full, jit_call(w4a4_grouped_matmul_reference, x if rows is None else x[rows],
+                               wq, gs, rac=aq.RACConfig())) < 1e-5
     # the bits: any row of the tile, padding rows (index M) none
     mask = jnp.asarray([[True] + [False] * 31, [False] * 31 + [True], [False] * 32])
     bits = tile_block_bits(mask, jnp.asarray([[0, 3], [1, 2], [3, 3]], jnp.int32), k)
@@ -583,6 +606,12 @@ def test_compute_registers_fit_the_launch_allocation():
         if n < 4:
             assert got == mgpu_pipeline._compute_registers(40, n)
     assert compute_registers(40, 4) == 104
+    for mem in (24, 32, 48):  # a copy warpgroup at other than 40 frees more or less
+        for n in (2, 4):
+            launch = REGISTER_FILE // (128 * (n + 1)) // 8 * 8
+            got = compute_registers(mem, n)
+            assert got % 8 == 0 and n * (got - launch) <= launch - mem
+    assert compute_registers(24, 4) == 112
 
 
 def test_compute_wgs_config_errors():
@@ -592,6 +621,15 @@ def test_compute_wgs_config_errors():
         TileGemmConfig(compute_wgs=3)
     with pytest.raises(ValueError, match="n_group=1 must be a multiple of 2"):
         TileGemmConfig(compute_wgs=4)
+    for bad in (16, 20, 264, 40.0, True):
+        with pytest.raises(ValueError, match=r"memory_registers=.*multiple of 8 in \[24, 256\]"):
+            TileGemmConfig(memory_registers=bad)
+    with pytest.raises(ValueError, match="memory_registers=20"):
+        W4A4MatmulConfig(wide_memory_registers=20)
+    # The grouped matmul's field reaches two-pair calls only.
+    cfg = W4A4MatmulConfig(wide_memory_registers=24)
+    assert cfg.tile_config(1, 1, 2, 4).memory_registers == 24
+    assert cfg.tile_config(1, 1, 2, 2).memory_registers == 40
     with pytest.raises(ValueError, match="compute_wgs=4"):
         W4A4MatmulConfig(compute_wgs=4, n_group=1)
     TileGemmConfig(compute_wgs=4, n_group=2)
@@ -604,20 +642,20 @@ def test_e4m3_scales_give_the_float16_scales_results():
     from pallas_kernels.nvfp4_tiles_mgpu import TileGemmConfig, nvfp4_tile_gemm
 
     t, bm, k, n = 2, 8, 512, 128
-    wq = nvfp4.quantize(jax.random.normal(jax.random.key(31), (2, n, k)), scale_mode="expert")
-    b = tuple(nvfp4.dequantize(nvfp4.quantize(
-        jax.random.normal(jax.random.key(32 + a), (t, bm, k))), jnp.float16) for a in range(2))
+    wq = _weights(jax.random.key(31), (2, n, k), "expert")
+    b = tuple(_on_grid(jax.random.key(32 + a), (t, bm, k)) for a in range(2))
     te, cs = jnp.array([1, 0], jnp.int32), jax.random.uniform(jax.random.key(35), (t, 2, bm))
     cfg = TileGemmConfig(a_via_smem=True, num_sms=2, max_concurrent_steps=1, k_splits=2,
                          stack_operands=True)
-    ys = [nvfp4_tile_gemm(b, prepare_w4a4_weights(wq, bits="signs_high", scale_dtype=sd), te,
-                          jnp.array([t], jnp.int32), config=cfg, col_scales=cs,
-                          out_dtype=jnp.float32, interpret=True)
+    ys = [jit_call(nvfp4_tile_gemm, b,
+                   jit_call(prepare_w4a4_weights, wq, bits="signs_high", scale_dtype=sd), te,
+                   jnp.array([t], jnp.int32), config=cfg, col_scales=cs,
+                   out_dtype=jnp.float32, interpret=True)
           for sd in (None, "float8_e4m3fn")]
     np.testing.assert_array_equal(np.asarray(ys[1]), np.asarray(ys[0]))
 
     x = jax.random.normal(jax.random.key(36), (9, 256)) * 2
-    wq = nvfp4.quantize(jax.random.normal(jax.random.key(37), (128, 256)))
-    w = prepare_w4a4_weights(wq, scale_dtype="float8_e4m3fn")
-    y = w4a4_matmul(x, w, config=W4A4MatmulConfig(**CFG), interpret=True)
-    assert _rel(y, _f64_product(aq.nvfp4_quantize(x), wq)) < 1e-5
+    wq = _weights(jax.random.key(37), (128, 256))
+    w = jit_call(prepare_w4a4_weights, wq, scale_dtype="float8_e4m3fn")
+    y = jit_call(w4a4_matmul, x, w, config=W4A4MatmulConfig(**CFG), interpret=True)
+    assert _rel(y, _f64_product(jit_call(aq.nvfp4_quantize, x), wq)) < 1e-5

@@ -4,6 +4,7 @@ GPU-lowering errors (8-bit shifts, Blackwell-only casts, pallas_call + MGPU) fai
 import jax
 import jax.numpy as jnp
 import pytest
+from compiled import jit_call
 from jax import export
 from jax.sharding import AbstractDevice, AbstractMesh
 
@@ -32,6 +33,11 @@ def _export(fn, *args):
     return text
 
 
+def _weights(key, shape, scale_mode="tensor"):
+    """Random NVFP4 weights, quantized in one compiled program (``tests/compiled.py``)."""
+    return jit_call(nvfp4.quantize, jax.random.normal(key, shape), scale_mode=scale_mode)
+
+
 @pytest.mark.parametrize(
     "mma,decode,a_via_smem,rac,block_m",
     [
@@ -42,8 +48,8 @@ def _export(fn, *args):
     ],
 )
 def test_dense_lowers_for_cuda(mma, decode, a_via_smem, rac, block_m):
-    wq = nvfp4.quantize(jax.random.normal(jax.random.key(0), (256, 512)))
-    w = prepare_w4a4_weights(wq, mma_dtype=mma, decode=decode)
+    wq = _weights(jax.random.key(0), (256, 512))
+    w = jit_call(prepare_w4a4_weights, wq, mma_dtype=mma, decode=decode)
     cfg = W4A4MatmulConfig(block_m=block_m, a_via_smem=a_via_smem, mma_dtype=mma, k_splits=2)
     racc = aq.RACConfig() if rac else None
     x = jnp.ones((block_m, 512), jnp.bfloat16)
@@ -59,8 +65,8 @@ def test_dense_lowers_for_cuda(mma, decode, a_via_smem, rac, block_m):
     # the epilogue's copies through two staging buffers (store_buffers, its dynamic slot)
     (512, 2, True, 256, "signs_high", "float8_e4m3fn", 2)])
 def test_grouped_lowers_for_cuda(n, n_group, stack, mma_k, bits, scales, buffers):
-    wq = nvfp4.quantize(jax.random.normal(jax.random.key(1), (4, n, 256)), scale_mode="expert")
-    w = prepare_w4a4_weights(wq, bits=bits, scale_dtype=scales)
+    wq = _weights(jax.random.key(1), (4, n, 256), "expert")
+    w = jit_call(prepare_w4a4_weights, wq, bits=bits, scale_dtype=scales)
     x = jnp.ones((24, 256), jnp.bfloat16)
     gs = jnp.asarray([8, 0, 10, 6], jnp.int32)
     cfg = W4A4MatmulConfig(n_group=n_group, stack_operands=stack, mma_k=mma_k,
@@ -69,15 +75,16 @@ def test_grouped_lowers_for_cuda(n, n_group, stack, mma_k, bits, scales, buffers
             x, w, gs)
 
 
-@pytest.mark.parametrize("mma_k", [128, 256])
-def test_grouped_four_compute_warpgroups_lower_for_cuda(mma_k):
+@pytest.mark.parametrize("mma_k,memory", [(128, 40), (256, 24)])
+def test_grouped_four_compute_warpgroups_lower_for_cuda(mma_k, memory):
     """Two warpgroup pairs, one per weight-row tile of the item (``compute_wgs=4``: a dynamic
-    tile index into the step's SMEM tiles, 5 warpgroups), at the rollout's defaults."""
-    wq = nvfp4.quantize(jax.random.normal(jax.random.key(2), (4, 512, 256)), scale_mode="expert")
-    w = prepare_w4a4_weights(wq, bits="signs_high", scale_dtype="float8_e4m3fn")
+    tile index into the step's SMEM tiles, 5 warpgroups), at the rollout's defaults; the
+    copy warpgroup at 40 or 24 registers (``wide_memory_registers``)."""
+    wq = _weights(jax.random.key(2), (4, 512, 256), "expert")
+    w = jit_call(prepare_w4a4_weights, wq, bits="signs_high", scale_dtype="float8_e4m3fn")
     x = jnp.ones((24, 256), jnp.bfloat16)
     gs = jnp.asarray([8, 0, 10, 6], jnp.int32)
-    cfg = W4A4MatmulConfig(n_group=2, mma_k=mma_k, compute_wgs=4)
+    cfg = W4A4MatmulConfig(n_group=2, mma_k=mma_k, compute_wgs=4, wide_memory_registers=memory)
     _export(lambda x, w, gs: w4a4_grouped_matmul(x, w, gs, rac=aq.RACConfig(), config=cfg),
             x, w, gs)
 
@@ -88,8 +95,8 @@ def test_tile_kernel_ablation_no_second_mma_lowers_for_cuda(wgs):
     accumulator gets its layout by a cast) on one and two warpgroup pairs."""
     from pallas_kernels.nvfp4_tiles_mgpu import TileGemmConfig, nvfp4_tile_gemm
 
-    wq = nvfp4.quantize(jax.random.normal(jax.random.key(3), (2, 256, 256)), scale_mode="expert")
-    w = prepare_w4a4_weights(wq, bits="signs_high", scale_dtype="float8_e4m3fn")
+    wq = _weights(jax.random.key(3), (2, 256, 256), "expert")
+    w = jit_call(prepare_w4a4_weights, wq, bits="signs_high", scale_dtype="float8_e4m3fn")
     b = tuple(jnp.ones((2, 16, 256), jnp.float16) for _ in range(2))
     te, nt = jnp.array([1, 0], jnp.int32), jnp.array([2], jnp.int32)
     cfg = TileGemmConfig(ablation="no_second_mma", n_group=2, compute_wgs=wgs, mma_k=128)
@@ -104,8 +111,8 @@ def test_tile_kernel_residual_blocks_lower_for_cuda(wgs, mma_k):
     sliced from registers, B from 32-byte-swizzled tiles, each under a branch)."""
     from pallas_kernels.nvfp4_tiles_mgpu import TileGemmConfig, nvfp4_tile_gemm
 
-    wq = nvfp4.quantize(jax.random.normal(jax.random.key(4), (2, 256, 512)), scale_mode="expert")
-    w = prepare_w4a4_weights(wq, bits="signs_high", scale_dtype="float8_e4m3fn")
+    wq = _weights(jax.random.key(4), (2, 256, 512), "expert")
+    w = jit_call(prepare_w4a4_weights, wq, bits="signs_high", scale_dtype="float8_e4m3fn")
     b = tuple(jnp.ones((2, 16, 512), jnp.float16) for _ in range(2))
     te, nt = jnp.array([1, 0], jnp.int32), jnp.array([2], jnp.int32)
     cfg = TileGemmConfig(n_group=2, compute_wgs=wgs, mma_k=mma_k)
@@ -119,8 +126,8 @@ def test_grouped_rac_slot_scales_from_the_selection_lower_for_cuda():
     """The grouped RAC matmul at the rollout's defaults with the selection kernel writing the
     token-slot scales and the tile kernel applying the experts' global scales
     (``rac_select_slot_scales``: its third output, ``nvfp4_tile_gemm(expert_scales=)``)."""
-    wq = nvfp4.quantize(jax.random.normal(jax.random.key(6), (4, 256, 256)), scale_mode="expert")
-    w = prepare_w4a4_weights(wq, bits="signs_high", scale_dtype="float8_e4m3fn")
+    wq = _weights(jax.random.key(6), (4, 256, 256), "expert")
+    w = jit_call(prepare_w4a4_weights, wq, bits="signs_high", scale_dtype="float8_e4m3fn")
     x = jnp.ones((24, 256), jnp.bfloat16)
     gs = jnp.asarray([8, 0, 10, 6], jnp.int32)
     cfg = W4A4MatmulConfig(rac_select_slot_scales=True)
@@ -130,8 +137,8 @@ def test_grouped_rac_slot_scales_from_the_selection_lower_for_cuda():
 
 def test_grouped_rac_selected_wgmmas_lower_for_cuda():
     """The grouped RAC matmul passing its selection to the kernel (``rac_selected_wgmmas``)."""
-    wq = nvfp4.quantize(jax.random.normal(jax.random.key(5), (4, 256, 512)), scale_mode="expert")
-    w = prepare_w4a4_weights(wq, bits="signs_high", scale_dtype="float8_e4m3fn")
+    wq = _weights(jax.random.key(5), (4, 256, 512), "expert")
+    w = jit_call(prepare_w4a4_weights, wq, bits="signs_high", scale_dtype="float8_e4m3fn")
     x = jnp.ones((24, 512), jnp.bfloat16)
     gs = jnp.asarray([8, 0, 10, 6], jnp.int32)
     cfg = W4A4MatmulConfig(stack_operands=False, rac_selected_wgmmas=True)
@@ -150,8 +157,9 @@ def test_expert_parallel_moe_block_lowers_for_cuda(monkeypatch):
 
     cfg = tiny_config(dtype="bfloat16")
     recipe = get_recipe("rollout_quads")
-    p = jax.tree.map(lambda a: a[0], init_params(cfg, jax.random.key(0))["layers"][0]["mlp"])
-    p = dict(p, experts={k: kernel_backend.prepare_weights(v, "w4a4_nvfp4_rac", recipe)
+    params = jit_call(init_params, cfg, jax.random.key(0))
+    p = jax.tree.map(lambda a: a[0], params["layers"][0]["mlp"])
+    p = dict(p, experts={k: jit_call(kernel_backend.prepare_weights, v, "w4a4_nvfp4_rac", recipe)
                          for k, v in p["experts"].items()})
     mesh = AbstractMesh((4,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,),
                         abstract_device=H200.abstract_device)
@@ -189,7 +197,8 @@ def test_trainer_moe_gradient_lowers_for_cuda(monkeypatch, data, dw_kernel):
 
     cfg = tiny_config(dtype="bfloat16", moe_intermediate_size=64)
     recipe = get_recipe("trainer_qat")
-    p = jax.tree.map(lambda a: a[0], init_params(cfg, jax.random.key(0))["layers"][0]["mlp"])
+    params = jit_call(init_params, cfg, jax.random.key(0))
+    p = jax.tree.map(lambda a: a[0], params["layers"][0]["mlp"])
     monkeypatch.setattr(ops.jax, "default_backend", lambda: "gpu")  # "auto" picks the kernels
 
     def loss(p, x):

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from compiled import jit_call
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax._src.cudnn import scaled_matmul_stablehlo as jax_sms
@@ -40,7 +41,7 @@ def test_rounding_matches_ml_dtypes_cast_on_finite_values():
 )
 def test_e4m3_block_scale_clamp_and_subnormals(block_scale, expected):
     blocks = jnp.zeros((1, 1, 16), jnp.float32).at[0, 0, 3].set(6.0 * block_scale)
-    s, r = nvfp4.block_scales_and_reciprocals(blocks, jnp.float32(1.0))
+    s, r = jit_call(nvfp4.block_scales_and_reciprocals, blocks, jnp.float32(1.0))
     assert float(s.astype(jnp.float32)[0, 0]) == expected
     assert not np.isnan(np.asarray(s.astype(jnp.float32))).any()
     if expected == 0.0:
@@ -59,7 +60,7 @@ def test_pack_nibble_order_and_round_trip():
 def test_quantize_layout_shapes_dtypes():
     x = jax.random.normal(jax.random.PRNGKey(0), (3, 5, 64), jnp.bfloat16)
     for mode, gshape in [("tensor", ()), ("row", (3, 5, 1)), ("expert", (3, 1, 1))]:
-        q = nvfp4.quantize(x, scale_mode=mode)
+        q = jit_call(nvfp4.quantize, x, scale_mode=mode)
         assert q.packed.shape == (3, 5, 32) and q.packed.dtype == jnp.uint8
         assert q.scales.shape == (3, 5, 4) and q.scales.dtype == jnp.float8_e4m3fn
         assert q.global_scale.shape == gshape and q.global_scale.dtype == jnp.float32
@@ -75,12 +76,13 @@ def _check_on_grid_and_nearest(x: np.ndarray, q: nvfp4.NVFP4Tensor):
     with np.errstate(divide="ignore", invalid="ignore"):
         r = np.where(s * g > 0, np.float32(1) / (s * g), 0).astype(np.float32)
     y = np.clip(xf * r, -6, 6)
-    vals = np.asarray(nvfp4.e2m1_code_to_float(nvfp4.unpack_codes(q.packed))).reshape(xf.shape)
+    codes = jit_call(nvfp4.unpack_codes, q.packed)
+    vals = np.asarray(jit_call(nvfp4.e2m1_code_to_float, codes)).reshape(xf.shape)
     assert np.isin(np.abs(vals), GRID).all()
     dist = np.abs(y - vals)
     best = np.min(np.abs(np.abs(y)[..., None] - GRID), axis=-1)
     assert (dist <= best + 1e-6).all(), float((dist - best).max())
-    deq = np.asarray(nvfp4.dequantize(q)).reshape(xf.shape)
+    deq = np.asarray(jit_call(nvfp4.dequantize, q)).reshape(xf.shape)
     np.testing.assert_array_equal(deq, ((vals * s) * g).astype(np.float32))
 
 
@@ -116,8 +118,9 @@ def test_idempotent_many_global_scales():
     x = jax.random.normal(jax.random.PRNGKey(1), (4096, 16)) * jnp.exp(
         jax.random.uniform(jax.random.PRNGKey(2), (4096, 1), minval=-8, maxval=8)
     )
-    a = nvfp4.qdq(x, scale_mode="row")
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(nvfp4.qdq(a, scale_mode="row")))
+    a = jit_call(nvfp4.qdq, x, scale_mode="row")
+    np.testing.assert_array_equal(np.asarray(a),
+                                  np.asarray(jit_call(nvfp4.qdq, a, scale_mode="row")))
 
 
 def test_special_blocks():
@@ -126,23 +129,23 @@ def test_special_blocks():
     equal = jnp.full((16,), 0.37)
     zeros = jnp.zeros((16,))
     mixed = jnp.concatenate([tiny, huge, equal, zeros])
-    out = nvfp4.qdq(mixed)
+    out = jit_call(nvfp4.qdq, mixed)
     assert np.isfinite(np.asarray(out)).all()
     np.testing.assert_array_equal(np.asarray(out[48:]), 0.0)
     np.testing.assert_allclose(np.asarray(out[16:32]), 3e38, rtol=1e-6)
     # A block of equal values alone is exact up to the E4M3 scale's rounding of amax / 6.
-    eq = nvfp4.qdq(equal)
+    eq = jit_call(nvfp4.qdq, equal)
     np.testing.assert_allclose(np.asarray(eq), 0.37, rtol=2**-4)
     # tiny next to huge flushes to zero (the block scale underflows E4M3): counted, not NaN.
     np.testing.assert_array_equal(np.asarray(out[:16]), 0.0)
     # Tiny blocks on their own use the E4M3 subnormal range through the global scale.
-    np.testing.assert_allclose(np.asarray(nvfp4.qdq(tiny)), 1e-30, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(jit_call(nvfp4.qdq, tiny)), 1e-30, rtol=1e-6)
 
 
 def test_all_zero_tensor_is_exact_zero():
-    q = nvfp4.quantize(jnp.zeros((4, 32), jnp.bfloat16))
+    q = jit_call(nvfp4.quantize, jnp.zeros((4, 32), jnp.bfloat16))
     assert float(q.global_scale) == 1.0
-    out = nvfp4.dequantize(q)
+    out = jit_call(nvfp4.dequantize, q)
     assert not np.isnan(np.asarray(out)).any()
     np.testing.assert_array_equal(np.asarray(out), 0.0)
 
@@ -151,13 +154,13 @@ def test_all_zero_tensor_is_exact_zero():
 def test_non_finite_poisons_its_block_only(bad):
     x = jax.random.normal(jax.random.PRNGKey(0), (2, 48))
     x = x.at[1, 20].set(bad)
-    out = np.asarray(nvfp4.qdq(x))
+    out = np.asarray(jit_call(nvfp4.qdq, x))
     assert np.isnan(out[1, 16:32]).all()  # the whole block of the bad value
     assert np.isfinite(out[0]).all() and np.isfinite(out[1, :16]).all()
     assert np.isfinite(out[1, 32:]).all()
     np.testing.assert_array_equal(
-        np.asarray(nvfp4.quantize(x).global_scale),
-        np.asarray(nvfp4.compute_global_scale(x.at[1, 20].set(0.0))),
+        np.asarray(jit_call(nvfp4.quantize, x).global_scale),
+        np.asarray(jit_call(nvfp4.compute_global_scale, x.at[1, 20].set(0.0))),
     )
 
 
@@ -165,26 +168,26 @@ def test_global_scale_argument_and_shared_scale():
     k1, k2 = jax.random.split(jax.random.PRNGKey(3))
     gate = jax.random.normal(k1, (4, 8, 32))
     up = jax.random.normal(k2, (4, 8, 32)) * 3
-    g = nvfp4.shared_global_scale(gate, up, scale_mode="expert")
+    g = jit_call(nvfp4.shared_global_scale, gate, up, scale_mode="expert")
     assert g.shape == (4, 1, 1)
-    qg = nvfp4.quantize(gate, global_scale=g, scale_mode="expert")
-    qu = nvfp4.quantize(up, global_scale=g, scale_mode="expert")
-    fused = nvfp4.quantize(jnp.concatenate([gate, up], axis=1), scale_mode="expert")
+    qg = jit_call(nvfp4.quantize, gate, global_scale=g, scale_mode="expert")
+    qu = jit_call(nvfp4.quantize, up, global_scale=g, scale_mode="expert")
+    fused = jit_call(nvfp4.quantize, jnp.concatenate([gate, up], axis=1), scale_mode="expert")
     np.testing.assert_array_equal(np.asarray(qg.global_scale), np.asarray(fused.global_scale))
     np.testing.assert_array_equal(
         np.concatenate([np.asarray(qg.packed), np.asarray(qu.packed)], axis=1),
         np.asarray(fused.packed),
     )
     # Passing a quantized tensor's own global scale reproduces it exactly.
-    q = nvfp4.quantize(up, scale_mode="expert")
-    q_again = nvfp4.quantize(up, global_scale=q.global_scale, scale_mode="expert")
+    q = jit_call(nvfp4.quantize, up, scale_mode="expert")
+    q_again = jit_call(nvfp4.quantize, up, global_scale=q.global_scale, scale_mode="expert")
     np.testing.assert_array_equal(np.asarray(q.packed), np.asarray(q_again.packed))
 
 
 def test_cross_check_against_jax_nvfp4_quantizer():
     """Independent implementation: jax's cuDNN-path reference quantizer."""
     x = jax.random.normal(jax.random.PRNGKey(4), (64, 512), jnp.float32) * 2.5
-    ours = nvfp4.quantize(x)
+    ours = jit_call(nvfp4.quantize, x)
     cfg = jax_sms.BlockScaleConfig(
         mode="nvfp4", block_size=16, data_type=jnp.float4_e2m1fn,
         scale_type=jnp.float8_e4m3fn, global_scale=ours.global_scale, infer_only=False,
@@ -195,7 +198,7 @@ def test_cross_check_against_jax_nvfp4_quantizer():
         * scales.astype(jnp.float32)[..., None]
         * ours.global_scale
     ).reshape(64, 512)
-    mine = nvfp4.dequantize(ours)
+    mine = jit_call(nvfp4.dequantize, ours)
     mismatch = int(jnp.sum(jnp.abs(mine - theirs) > 1e-6 * jnp.abs(theirs)))
     print(f"mismatches vs jax's quantizer: {mismatch} / {x.size}")
     # Different operation order (x / g / s vs x * (1 / (s g))) may flip rare ties only.
@@ -208,9 +211,10 @@ def test_cross_check_against_jax_nvfp4_quantizer():
 def test_straight_through_gradient():
     w = jax.random.normal(jax.random.PRNGKey(5), (8, 32))
     g = jax.random.normal(jax.random.PRNGKey(6), (8, 32))
-    grad = jax.grad(lambda w: jnp.sum(nvfp4.fake_quant(w) * g))(w)
+    grad = jit_call(jax.grad(lambda w: jnp.sum(nvfp4.fake_quant(w) * g)), w)
     np.testing.assert_array_equal(np.asarray(grad), np.asarray(g))
-    np.testing.assert_array_equal(np.asarray(nvfp4.fake_quant(w)), np.asarray(nvfp4.qdq(w)))
+    np.testing.assert_array_equal(np.asarray(jit_call(nvfp4.fake_quant, w)),
+                                  np.asarray(jit_call(nvfp4.qdq, w)))
 
 
 def test_jit_vmap_and_dtypes_agree():

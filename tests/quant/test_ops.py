@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from compiled import jit_call
 
 from quads_jax.quant import fp8, nvfp4, ops, rac
 from quads_jax.quant.recipe import MODES, QuantRecipe
@@ -28,8 +29,8 @@ def f64(a) -> np.ndarray:
 
 def deq(q) -> np.ndarray:
     if isinstance(q, fp8.FP8Tensor):
-        return f64(fp8.dequantize(q, jnp.float32))
-    return f64(nvfp4.dequantize(q, jnp.float32))
+        return f64(jit_call(fp8.dequantize, q, jnp.float32))
+    return f64(jit_call(nvfp4.dequantize, q, jnp.float32))
 
 
 @pytest.fixture(scope="module")
@@ -48,14 +49,14 @@ def reference(mode: str, x, w, recipe: QuantRecipe) -> np.ndarray:
     if mode == "bf16":
         return xw @ f64(w).T
     if mode in ("w_fakequant_nvfp4", "w4a16_nvfp4"):
-        return xw @ deq(nvfp4.quantize(w)).T
+        return xw @ deq(jit_call(nvfp4.quantize, w)).T
     if mode == "w_fakequant_fp8":
-        return xw @ deq(fp8.quantize(w, granularity="channel")).T
+        return xw @ deq(jit_call(fp8.quantize, w, granularity="channel")).T
     if mode == "w8a8_fp8":
-        return deq(fp8.quantize(x, granularity="token")) @ deq(
-            fp8.quantize(w, granularity="channel")).T
-    wq = deq(nvfp4.quantize(w))
-    qx = nvfp4.quantize(x, scale_mode="row")
+        return deq(jit_call(fp8.quantize, x, granularity="token")) @ deq(
+            jit_call(fp8.quantize, w, granularity="channel")).T
+    wq = deq(jit_call(nvfp4.quantize, w))
+    qx = jit_call(nvfp4.quantize, x, scale_mode="row")
     y = deq(qx) @ wq.T
     if mode == "w4a4_nvfp4_rac":  # the gathered form: Q(R_S) @ Q(W)[:, S]^T
         r = xw - deq(qx)
@@ -63,7 +64,7 @@ def reference(mode: str, x, w, recipe: QuantRecipe) -> np.ndarray:
         scores = (r.reshape(M, nb, 16) ** 2).sum((0, 2))
         s = np.sort(np.argsort(-scores, kind="stable")[: round(recipe.rac_ratio * nb)])
         cols = (s[:, None] * 16 + np.arange(16)).ravel()
-        r_s = nvfp4.quantize(jnp.asarray(r[:, cols], jnp.float32), scale_mode="row")
+        r_s = jit_call(nvfp4.quantize, jnp.asarray(r[:, cols], jnp.float32), scale_mode="row")
         y = y + deq(r_s) @ wq[:, cols].T
     return y
 
@@ -72,7 +73,7 @@ def reference(mode: str, x, w, recipe: QuantRecipe) -> np.ndarray:
 def test_linear_equals_reference(data, mode):
     x, w, _ = data
     recipe = recipe_for(mode)
-    y = ops.linear(x, w, SITE, recipe)
+    y = jit_call(ops.linear, x, w, SITE, recipe)
     assert y.shape == (M, N) and y.dtype == jnp.float32
     ref = reference(mode, x, w, recipe)
     np.testing.assert_allclose(f64(y), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
@@ -97,14 +98,14 @@ def test_rac_reduces_error_and_ratio_one_is_two_pass(data):
 def test_packed_leaf_equals_master(data, mode):
     x, w, we = data
     recipe = recipe_for(mode)
-    packed = ops.quantize_weight(w, mode, recipe)
+    packed = jit_call(ops.quantize_weight, w, mode, recipe)
     assert isinstance(packed, nvfp4.NVFP4Tensor | fp8.FP8Tensor)
-    np.testing.assert_array_equal(ops.linear(x, packed, SITE, recipe),
-                                  ops.linear(x, w, SITE, recipe))
+    np.testing.assert_array_equal(jit_call(ops.linear, x, packed, SITE, recipe),
+                                  jit_call(ops.linear, x, w, SITE, recipe))
     gs = jnp.asarray([10, 0, 14, 0], jnp.int32)
-    packed_e = ops.quantize_weight(we, mode, recipe)
-    np.testing.assert_array_equal(ops.grouped_linear(x, packed_e, gs, SITE, recipe),
-                                  ops.grouped_linear(x, we, gs, SITE, recipe))
+    packed_e = jit_call(ops.quantize_weight, we, mode, recipe)
+    np.testing.assert_array_equal(jit_call(ops.grouped_linear, x, packed_e, gs, SITE, recipe),
+                                  jit_call(ops.grouped_linear, x, we, gs, SITE, recipe))
 
 
 @pytest.mark.parametrize("mode", MODES)

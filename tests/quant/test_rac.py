@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from compiled import jit_call
 
 from quads_jax.quant import nvfp4, ops, rac
 from quads_jax.quant.recipe import QuantRecipe
@@ -131,17 +132,18 @@ def test_static_calibration_on_same_batch_equals_online(xw):
 
 def test_shared_residual_scale_and_bf16_format(xw):
     x, w = xw
-    qx = nvfp4.quantize(x, scale_mode="row")
-    r = nvfp4.residual(x, qx)
-    mask = rac.block_mask(x, r, rec())
-    r_s = rac.masked_residual(r, mask)
-    wq = f64(nvfp4.dequantize(nvfp4.quantize(w), jnp.float32))
-    y0 = f64(nvfp4.dequantize(qx)) @ wq.T
-    shared = nvfp4.quantize(r_s, global_scale=qx.global_scale, scale_mode="row")
-    np.testing.assert_allclose(ops.linear(x, w, SITE, rec(rac_residual_scale="shared")),
-                               y0 + f64(nvfp4.dequantize(shared)) @ wq.T, rtol=1e-5, atol=1e-5)
+    qx = jit_call(nvfp4.quantize, x, scale_mode="row")
+    r = jit_call(nvfp4.residual, x, qx)
+    mask = jit_call(rac.block_mask, x, r, rec())
+    r_s = jit_call(rac.masked_residual, r, mask)
+    wq = f64(jit_call(nvfp4.dequantize, jit_call(nvfp4.quantize, w), jnp.float32))
+    y0 = f64(jit_call(nvfp4.dequantize, qx)) @ wq.T
+    shared = jit_call(nvfp4.quantize, r_s, global_scale=qx.global_scale, scale_mode="row")
+    np.testing.assert_allclose(jit_call(ops.linear, x, w, SITE, rec(rac_residual_scale="shared")),
+                               y0 + f64(jit_call(nvfp4.dequantize, shared)) @ wq.T, rtol=1e-5,
+                               atol=1e-5)
     bf16 = f64(r_s.astype(jnp.bfloat16).astype(jnp.float32)) @ wq.T
-    np.testing.assert_allclose(ops.linear(x, w, SITE, rec(rac_residual_format="bf16")),
+    np.testing.assert_allclose(jit_call(ops.linear, x, w, SITE, rec(rac_residual_format="bf16")),
                                y0 + bf16, rtol=1e-5, atol=1e-5)
 
 
