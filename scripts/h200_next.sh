@@ -109,7 +109,8 @@
 #          spilling with their wgmmas serialized: ptxas lines of the two-pair RAC kernels at
 #          mma_k 256 / 128 / 64 with 24 and at 128 / 64 with 40, GPU checks, the kernel
 #          alone, then nvfp4_rac with RAC's decode calls on two pairs at 24 against the
-#          defaults (~8 minutes on an H100)
+#          defaults (~8 minutes on an H100; its probe ran out of time in the down rows there);
+#          mem24h: the same cut to one GPU check and four kernel variants, for an H200 call
 #   e4m3   E4M3 block scales in the kernel layout (session 38: 0.5625 streamed bytes per weight
 #          instead of 0.625; on the H100 the grouped decode kernel's pipeline alone took 94 % of
 #          its time): GPU checks, the grouped kernel alone with f16 / E4M3 scales (+ no compute),
@@ -530,6 +531,13 @@ continuous() {  # continuous TAG SECONDS ARGS...: the `cont` workload (bench_con
     ${LAYERS[@]+"${LAYERS[@]}"} --out "$OUT/$tag" "$@" > "$OUT/$tag.log" 2>&1
   echo "$tag rc $?"; grep -E '"schedule"|Error' "$OUT/$tag.log" | cut -c1-300
 }
+ptxas_lines() {  # ptxas_lines DIR: each Mosaic kernel's ptxas notes from $OUT/DIR (compile
+  # order: kernel_0, kernel_1, ...), then the dumps packed into $OUT/DIR.tgz
+  for f in $(ls "$OUT/$1"/*.ptxas 2>/dev/null | sort -V); do
+    echo "$(basename "$f" .ptxas): $(grep -oE "C75[0-9]+|[0-9]+ bytes spill (stores|loads)|Used [0-9]+ registers" "$f" | awk '!seen[$0]++' | tr '\n' ' ')"
+  done
+  tar -czf "$OUT/$1.tgz" -C "$OUT" --exclude="*.mlir-passes.log" "$1" && rm -rf "${OUT:?}/$1"
+}
 check() {  # check PART SECONDS
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 "$2" python3 scripts/bench_kernels.py \
     --part "$1" --out "$OUT/$1" > "$OUT/$1.log" 2>&1
@@ -742,10 +750,18 @@ for r in map(json.loads, open(sys.argv[1])):
       --variants "default,default wg4,default wg4 mem24,default wg4 mma_k 128,default wg4 mma_k 128 mem24,default wg4 mma_k 64 mem24" \
       > /tmp/mem24.log 2>&1
       echo "mem24k rc $?"; grep -E "^  grouped|PASS|FAIL|Error" /tmp/mem24.log | cut -c1-130
-      # In compile order: FP8, then each variant plain and +RAC (gate_up, then down).
-      grep -hE "Compiling entry|Used [0-9]+ registers|spill stores|C751[0-9]" /tmp/mem24.log \
-        | sed -E 's/in function .kernel_mosaic_gpu_kernel.//' | cut -c1-150 | head -80
-      gzip -c /tmp/mem24.log > "$OUT/mem24.log.gz"; rm -rf "$OUT/dump3"
+      ptxas_lines dump3
+      rollout m24 150 --quick --precisions nvfp4_rac --w4a4-set wide_rac_decode=true \
+        --w4a4-set wide_memory_registers=24 --budget-s 130
+      rollout m24def 150 --quick --precisions nvfp4_rac --budget-s 130 ;;
+    mem24h) mkdir -p "$OUT/dump3"  # mem24 cut to fit an H200 call at 48 layers
+      MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO="$OUT/dump3" XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 \
+      timeout 200 python3 scripts/kernel_probe.py --grouped-ablations --out "$OUT/mem24k" \
+      --check-variants "default wg4 mem24" \
+      --variants "default,default wg4,default wg4 mem24,default wg4 mma_k 128 mem24" \
+      > /tmp/mem24.log 2>&1
+      echo "mem24k rc $?"; grep -E "^  grouped|PASS|FAIL|Error" /tmp/mem24.log | cut -c1-130
+      ptxas_lines dump3
       rollout m24 150 --quick --precisions nvfp4_rac --w4a4-set wide_rac_decode=true \
         --w4a4-set wide_memory_registers=24 --budget-s 130
       rollout m24def 150 --quick --precisions nvfp4_rac --budget-s 130 ;;
