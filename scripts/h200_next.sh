@@ -754,7 +754,7 @@ for r in map(json.loads, open(sys.argv[1])):
       rollout m24 150 --quick --precisions nvfp4_rac --w4a4-set wide_rac_decode=true \
         --w4a4-set wide_memory_registers=24 --budget-s 130
       rollout m24def 150 --quick --precisions nvfp4_rac --budget-s 130 ;;
-    mem24h) mkdir -p "$OUT/dump3"  # mem24 cut to fit an H200 call at 48 layers
+    mem24h|m24k) mkdir -p "$OUT/dump3"  # mem24 cut to fit an H200 call (m24k: the kernel alone)
       MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO="$OUT/dump3" XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 \
       timeout 200 python3 scripts/kernel_probe.py --grouped-ablations --out "$OUT/mem24k" \
       --check-variants "default wg4 mem24" \
@@ -762,6 +762,7 @@ for r in map(json.loads, open(sys.argv[1])):
       > /tmp/mem24.log 2>&1
       echo "mem24k rc $?"; grep -E "^  grouped|PASS|FAIL|Error" /tmp/mem24.log | cut -c1-130
       ptxas_lines dump3
+      [ "$step" = m24k ] && continue
       rollout m24 150 --quick --precisions nvfp4_rac --w4a4-set wide_rac_decode=true \
         --w4a4-set wide_memory_registers=24 --budget-s 130
       rollout m24def 150 --quick --precisions nvfp4_rac --budget-s 130 ;;
