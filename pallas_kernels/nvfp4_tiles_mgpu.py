@@ -131,7 +131,10 @@ class TileGemmConfig:
         gives them 104, 24 gives 112. On two pairs RAC's calls ran out of registers at 104
         (H100, 2026-12-07, bd982e0, ptxas: 100-220 bytes of spills and "wgmma.mma_async
         instructions are serialized due to insufficient register resources", which the
-        plain calls' kernels did not report), the likely reason they were slower there.
+        plain calls' kernels did not report). At 24 (H100, 7d0543e, gate_up +RAC on two
+        pairs alone) ptxas no longer serializes them, but the call is only 2-4 us faster
+        (113.5 / 109.9 us at mma_k 256 / 128 against 96.5 on one pair): the registers are
+        not what makes RAC slower on two pairs. 40 by default.
     """
 
     k_splits: int = 1
