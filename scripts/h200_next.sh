@@ -111,6 +111,10 @@
 #          alone, then nvfp4_rac with RAC's decode calls on two pairs at 24 against the
 #          defaults (~8 minutes on an H100; its probe ran out of time in the down rows there);
 #          mem24h: the same cut to one GPU check and four kernel variants, for an H200 call
+#   nrows  the grouped decode kernel alone with 32 token rows per tile instead of 16 (same tiles
+#          and weight bytes; wgmma N 32, 64 with RAC's stacked operand), on one pair and on two
+#          pairs at 112 registers, ptxas lines: does the plain call at N = 32 cost what RAC's
+#          at 16 + 16 does (the tensor cores' time for N)? (~4 minutes)
 #   e4m3   E4M3 block scales in the kernel layout (session 38: 0.5625 streamed bytes per weight
 #          instead of 0.625; on the H100 the grouped decode kernel's pipeline alone took 94 % of
 #          its time): GPU checks, the grouped kernel alone with f16 / E4M3 scales (+ no compute),
@@ -766,6 +770,13 @@ for r in map(json.loads, open(sys.argv[1])):
       rollout m24 150 --quick --precisions nvfp4_rac --w4a4-set wide_rac_decode=true \
         --w4a4-set wide_memory_registers=24 --budget-s 130
       rollout m24def 150 --quick --precisions nvfp4_rac --budget-s 130 ;;
+    nrows) mkdir -p "$OUT/dump4"
+      MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO="$OUT/dump4" XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 \
+      timeout 240 python3 scripts/kernel_probe.py --grouped-ablations --out "$OUT/nrows" \
+      --variants "default,default rows32,default wg4 mem24,default wg4 mem24 rows32" \
+      > "$OUT/nrows.log" 2>&1
+      echo "nrows rc $?"; grep -E "^  grouped|Error" "$OUT/nrows.log" | cut -c1-130
+      ptxas_lines dump4 ;;
     e4m3) e4m3_probe 170 "default f16 scales,default,default f16 no_compute,default no_compute"
       rollout e4m3 110 --quick --profile-steps 4 --precisions nvfp4_rac \
       --w4a4-scales float8_e4m3fn --budget-s 90

@@ -654,6 +654,14 @@ GROUPED_VARIANTS = (
                                          memory_registers=24)),
     ("default wg4 mma_k 64 mem24", dict(ROLLOUT_TILES, n_group=2, compute_wgs=4, mma_k=64,
                                         memory_registers=24)),
+    # The same tiles (experts, weight bytes) with 32 token rows each instead of the decode
+    # step's 16: every wgmma N = 32 without RAC (64 with its stacked operand). If the plain
+    # call at N = 32 costs what RAC's stacked one does at 16 + 16, the tensor cores' time for
+    # N, not RAC's extra copies or registers, is what RAC adds (results right for the rows).
+    ("default rows32", dict(ROLLOUT_TILES, tile_rows=32)),
+    ("default wg4 rows32", dict(ROLLOUT_TILES, n_group=2, compute_wgs=4, tile_rows=32)),
+    ("default wg4 mem24 rows32", dict(ROLLOUT_TILES, n_group=2, compute_wgs=4,
+                                      memory_registers=24, tile_rows=32)),
     # RAC's second operand's wgmmas left out (unstacked operands, wrong results): if they are
     # what bounds RAC's calls, issuing them only for the expert's selected K blocks (half of
     # them at ratio 0.5: the rest multiply zeros) would pay.
@@ -712,9 +720,10 @@ def run_grouped_ablations(tokens: int = 128, variants: tuple[str, ...] | None = 
     known = {v for v, _ in GROUPED_VARIANTS} | {"fp8 store2"}
     if unknown := sorted(set(variants or ()) - known) + sorted(set(checks) - known):
         raise ValueError(f"unknown grouped variant(s) {unknown}; one of {sorted(known)}")
-    if kernel_only := [v for v in checks if "rac_keep" in dict(GROUPED_VARIANTS)[v]]:
-        raise ValueError(f"grouped variant(s) {kernel_only}: the kernel alone (rac_keep), no "
-                         "grouped matmul to check")
+    if kernel_only := [v for v in checks
+                       if {"rac_keep", "tile_rows"} & set(dict(GROUPED_VARIANTS)[v])]:
+        raise ValueError(f"grouped variant(s) {kernel_only}: the kernel alone (rac_keep, "
+                         "tile_rows), no grouped matmul to check")
     if check_only := [v for v in variants or () if "rac_selected_wgmmas" in
                       dict(GROUPED_VARIANTS)[v]]:
         raise ValueError(f"grouped variant(s) {check_only}: the grouped matmul's selection "
@@ -784,7 +793,7 @@ def run_grouped_ablations(tokens: int = 128, variants: tuple[str, ...] | None = 
         rate = fp8_rate(n, k, name, cs, fp8_buffers)
         wq, ww = weights(900 + n, (GE, n, k), "subnormal")
         by_bits = {("nibbles", None): ww}
-        b = [bk.rand(910 + a, (t_max, block_m, ww.k_pad), jnp.float16) for a in range(2)]
+        b_by_rows = {}  # token rows per tile -> (B operands, column scales)
         nbytes = touched * n * k * 0.5625  # the format's bytes, whatever the layout streams
         for v, kw in GROUPED_VARIANTS:
             if variants is not None and v not in variants:
@@ -792,6 +801,12 @@ def run_grouped_ablations(tokens: int = 128, variants: tuple[str, ...] | None = 
             kw = dict(kw)
             layout = (kw.pop("bits", "nibbles"), kw.pop("scales", None))
             keep = kw.pop("rac_keep", None)
+            rows = kw.pop("tile_rows", block_m)
+            if rows not in b_by_rows:
+                b_by_rows[rows] = (
+                    [bk.rand(910 + a, (t_max, rows, ww.k_pad), jnp.float16) for a in range(2)],
+                    jnp.ones((t_max, 2, rows), jnp.float32))
+            b, cs = b_by_rows[rows]
             if layout not in by_bits:  # the same weight, other word bits or scale dtype
                 by_bits[layout] = prepare_w4a4_weights(
                     wq, mma_dtype="float16", decode="subnormal", bits=layout[0],

@@ -180,6 +180,8 @@ def test_kernel_probe_residual_block_bits_and_kernel_only_variants():
     assert 0.45 < ones / (128 * 128) < 0.55
     with pytest.raises(ValueError, match="the kernel alone"):
         kernel_probe.run_grouped_ablations(variants=(), checks=("default unstacked keep50",))
+    with pytest.raises(ValueError, match="the kernel alone"):
+        kernel_probe.run_grouped_ablations(variants=(), checks=("default wg4 rows32",))
     with pytest.raises(ValueError, match="check only"):
         kernel_probe.run_grouped_ablations(variants=("default unstacked selected",))
 

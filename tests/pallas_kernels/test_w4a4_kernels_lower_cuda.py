@@ -105,6 +105,22 @@ def test_tile_kernel_ablation_no_second_mma_lowers_for_cuda(wgs):
             b, w, jnp.ones((2, 2, 16), jnp.float32))
 
 
+@pytest.mark.parametrize("operands", [1, 2])
+def test_tile_kernel_32_row_tiles_on_two_pairs_lower_for_cuda(operands):
+    """kernel_probe's ``rows32`` variants: 32 token rows per tile on two warpgroup pairs with
+    the copy warpgroup at 24 registers (wgmma N = 32, or 64 with RAC's stacked operand)."""
+    from pallas_kernels.nvfp4_tiles_mgpu import TileGemmConfig, nvfp4_tile_gemm
+
+    wq = _weights(jax.random.key(5), (2, 256, 256), "expert")
+    w = jit_call(prepare_w4a4_weights, wq, bits="signs_high", scale_dtype="float8_e4m3fn")
+    b = tuple(jnp.ones((2, 32, 256), jnp.float16) for _ in range(operands))
+    te, nt = jnp.array([1, 0], jnp.int32), jnp.array([2], jnp.int32)
+    cfg = TileGemmConfig(n_group=2, compute_wgs=4, stack_operands=True, memory_registers=24)
+    _export(lambda b, w, cs: nvfp4_tile_gemm(b, w, te, nt, config=cfg, col_scales=cs,
+                                             out_dtype=jnp.bfloat16),
+            b, w, jnp.ones((2, operands, 32), jnp.float32))
+
+
 @pytest.mark.parametrize("wgs,mma_k", [(2, 256), (4, 128)])
 def test_tile_kernel_residual_blocks_lower_for_cuda(wgs, mma_k):
     """The second operand's wgmmas per selected 16-column block (``residual_blocks``: A
