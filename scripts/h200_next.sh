@@ -114,7 +114,8 @@
 #   nrows  the grouped decode kernel alone with 32 token rows per tile instead of 16 (same tiles
 #          and weight bytes; wgmma N 32, 64 with RAC's stacked operand), on one pair and on two
 #          pairs at 112 registers, ptxas lines: does the plain call at N = 32 cost what RAC's
-#          at 16 + 16 does (the tensor cores' time for N)? (~4 minutes)
+#          at 16 + 16 does (the tensor cores' time for N)? Two pairs at 104 registers and mma_k
+#          128 as well; the PTX comes back in dump4.tgz for `scripts/sass_stats.py` (~5 min)
 #   e4m3   E4M3 block scales in the kernel layout (session 38: 0.5625 streamed bytes per weight
 #          instead of 0.625; on the H100 the grouped decode kernel's pipeline alone took 94 % of
 #          its time): GPU checks, the grouped kernel alone with f16 / E4M3 scales (+ no compute),
@@ -478,6 +479,11 @@
 # nvfp4_rac's rollout not reproducible (the prefill's scatter-add expert sums, replaced). Next:
 # `determ` (the repeat, at the fix) and `cprof` (what the concurrent graphs overlap), then on an
 # H200: `b128` (48 layers), `w41`, `kdense0 kgroup kgroup2`.
+# Sessions 46-47: `hall` on an H200 (nvfp4_rac 1.81x bf16, RAC +14.4 %), `wdown` (off).
+# Session 48 (H100): `tune` (n_group 2 / store_buffers 2: not adopted), `pair2` (RAC's two-pair
+# kernels serialize their wgmmas at 104 registers), `mem24` (112 registers: 2-4 us, not the
+# gap; the rollout slower). Next: `nrows` (is it the wgmmas' N?) on either card, then on an
+# H200 `m24k` and `nrows` there.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
@@ -748,7 +754,8 @@ for r in map(json.loads, open(sys.argv[1])):
       GABL2_VARIANTS="default,default wg4,default wg4 unstacked,default unstacked no_second_mma,default wg4 unstacked no_second_mma" \
         bash "$0" gabl2 ;;
     mem24) mkdir -p "$OUT/dump3"
-      MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO="$OUT/dump3" XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 \
+      MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO="$OUT/dump3" \
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 \
       timeout 200 python3 scripts/kernel_probe.py --grouped-ablations --out "$OUT/mem24k" \
       --check-variants "default wg4 mem24,default wg4 mma_k 128 mem24" \
       --variants "default,default wg4,default wg4 mem24,default wg4 mma_k 128,default wg4 mma_k 128 mem24,default wg4 mma_k 64 mem24" \
@@ -759,7 +766,8 @@ for r in map(json.loads, open(sys.argv[1])):
         --w4a4-set wide_memory_registers=24 --budget-s 130
       rollout m24def 150 --quick --precisions nvfp4_rac --budget-s 130 ;;
     mem24h|m24k) mkdir -p "$OUT/dump3"  # mem24 cut to fit an H200 call (m24k: the kernel alone)
-      MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO="$OUT/dump3" XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 \
+      MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO="$OUT/dump3" \
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 \
       timeout 200 python3 scripts/kernel_probe.py --grouped-ablations --out "$OUT/mem24k" \
       --check-variants "default wg4 mem24" \
       --variants "default,default wg4,default wg4 mem24,default wg4 mma_k 128 mem24" \
@@ -771,9 +779,10 @@ for r in map(json.loads, open(sys.argv[1])):
         --w4a4-set wide_memory_registers=24 --budget-s 130
       rollout m24def 150 --quick --precisions nvfp4_rac --budget-s 130 ;;
     nrows) mkdir -p "$OUT/dump4"
-      MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO="$OUT/dump4" XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 \
-      timeout 240 python3 scripts/kernel_probe.py --grouped-ablations --out "$OUT/nrows" \
-      --variants "default,default rows32,default wg4 mem24,default wg4 mem24 rows32" \
+      MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO="$OUT/dump4" \
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 280 python3 scripts/kernel_probe.py \
+      --grouped-ablations --out "$OUT/nrows" \
+      --variants "default,default rows32,default wg4 mem24,default wg4 mem24 rows32,default wg4,default wg4 mma_k 128" \
       > "$OUT/nrows.log" 2>&1
       echo "nrows rc $?"; grep -E "^  grouped|Error" "$OUT/nrows.log" | cut -c1-130
       ptxas_lines dump4 ;;
