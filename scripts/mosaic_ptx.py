@@ -12,8 +12,8 @@ no device time:
     PYTHONPATH=. python scripts/mosaic_ptx.py --variants "default,default wg4" --shapes gate_up
 
 Per kernel (``kernel_probe``'s ``GROUPED_VARIANTS`` names at the decode step's shapes: 128
-experts, 192 token tiles of 16 rows, gate_up 1536 x 2048 / down 2048 x 768, with and without
-RAC's second operand) it prints ``sass_stats``'s line: registers a thread, spill bytes, ptxas's
+experts, 192 token tiles of 16 rows, gate_up 1536 x 2048 / down 2048 x 768, or issue 4's
+dense decode, 16 tokens through 4096 -> 14336; with and without RAC's second operand) it prints ``sass_stats``'s line: registers a thread, spill bytes, ptxas's
 C75xx notes (C7512: wgmmas serialized for want of registers), HGMMA shapes and counts, wgmma
 waits, local loads / stores. The numbers are compile-time facts, not timings.
 """
@@ -32,8 +32,11 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_TOOLS = os.path.expanduser("~/.cache/quads_jax/cpu_cuda")
 WHEELS = ("jax-cuda13-plugin", "jax-cuda13-pjrt")
-SHAPES = {"gate_up": (1536, 2048), "down": (2048, 768)}  # (N, K) of Qwen3-30B-A3B's experts
-EXPERTS, TILES, TILE_ROWS = 128, 192, 16
+# (experts, token tiles, N, K): Qwen3-30B-A3B's experts at the decode step (128 sequences,
+# top-8: 192 tiles of 16 rows at most), and issue 4's dense decode (16 tokens, 4096 -> 14336).
+SHAPES = {"gate_up": (128, 192, 1536, 2048), "down": (128, 192, 2048, 768),
+          "dense": (1, 1, 14336, 4096)}
+TILE_ROWS = 16
 ENV_MARK = "QUADS_MOSAIC_PTX_CHILD"
 
 
@@ -115,7 +118,8 @@ def kernel_modules(variant: str, shape: str, operands: int) -> list[bytes]:
     import kernel_probe
 
     from pallas_kernels.layout import prepare_w4a4_weights
-    from pallas_kernels.nvfp4_tiles_mgpu import TileGemmConfig, nvfp4_tile_gemm
+    from pallas_kernels.nvfp4_tiles_mgpu import K_TILE, N_TILE, TileGemmConfig, nvfp4_tile_gemm
+    from pallas_kernels.w4a4_matmul import auto_k_splits
     from quads_jax.quant import nvfp4
 
     known = dict(kernel_probe.GROUPED_VARIANTS)
@@ -127,21 +131,24 @@ def kernel_modules(variant: str, shape: str, operands: int) -> list[bytes]:
     keep = kw.pop("rac_keep", None)
     if keep is not None:
         raise ValueError(f"variant {variant!r}: residual_blocks variants are not compiled here")
-    n, k = SHAPES[shape]
+    experts, tiles, n, k = SHAPES[shape]
     mesh = AbstractMesh((), (), abstract_device=AbstractDevice(
         device_kind="NVIDIA H200", platform="gpu", num_cores=132))
-    wq = jax.eval_shape(lambda: nvfp4.quantize(jnp.zeros((EXPERTS, n, k)), scale_mode="expert"))
+    wq = jax.eval_shape(lambda: nvfp4.quantize(jnp.zeros((experts, n, k)), scale_mode="expert"))
     w = jax.eval_shape(lambda q: prepare_w4a4_weights(q, mma_dtype="float16", decode="subnormal",
                                                       bits=bits, scale_dtype=scales), wq)
-    b = tuple(jax.ShapeDtypeStruct((TILES, rows, k), jnp.float16) for _ in range(operands))
-    te = jax.ShapeDtypeStruct((TILES,), jnp.int32)
+    b = tuple(jax.ShapeDtypeStruct((tiles, rows, k), jnp.float16) for _ in range(operands))
+    te = jax.ShapeDtypeStruct((tiles,), jnp.int32)
     nt = jax.ShapeDtypeStruct((1,), jnp.int32)
-    cs = jax.ShapeDtypeStruct((TILES, operands, rows), jnp.float32)
-    cfg = TileGemmConfig(decode_impl="ptx", num_sms=132, **kw)
+    cs = jax.ShapeDtypeStruct((tiles, operands, rows), jnp.float32)
+    # split-K as the grouped / dense matmuls choose it for this many work items on 132 SMs
+    ks = auto_k_splits(tiles * (n // N_TILE // kw.get("n_group", 1)), k // K_TILE, 132)
+    cfg = TileGemmConfig(decode_impl="ptx", num_sms=132, k_splits=ks, **kw)
+    out_dtype = jnp.bfloat16 if ks == 1 else jnp.float32
     mgpu_core.KNOWN_KERNELS.clear()
     with jax.sharding.use_abstract_mesh(mesh):
         export.export(jax.jit(lambda b, w, te, nt, cs: nvfp4_tile_gemm(
-            b, w, te, nt, config=cfg, col_scales=cs, out_dtype=jnp.bfloat16)),
+            b, w, te, nt, config=cfg, col_scales=cs, out_dtype=out_dtype)),
             platforms=["cuda"],
             disabled_checks=[export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2")])(
                 b, w, te, nt, cs)

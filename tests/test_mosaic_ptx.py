@@ -11,10 +11,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
 import mosaic_ptx  # noqa: E402
 
 
-@pytest.mark.parametrize("variant,operands,registers,other", [
-    ("default", 2, b"232", b"112"), ("default wg4 mem24", 1, b"112", b"232")])
-def test_kernel_modules_lower_the_variant(variant, operands, registers, other):
-    (module,) = mosaic_ptx.kernel_modules(variant, "down", operands)
+@pytest.mark.parametrize("variant,shape,operands,registers,other", [
+    ("default", "down", 2, b"232", b"112"), ("default wg4 mem24", "down", 1, b"112", b"232"),
+    ("default", "dense", 1, b"232", b"112")])  # dense: split K, float32 partial sums
+def test_kernel_modules_lower_the_variant(variant, shape, operands, registers, other):
+    (module,) = mosaic_ptx.kernel_modules(variant, shape, operands)
     assert isinstance(module, bytes) and len(module) > 1000
     # the compute warpgroups' register count (setmaxnreg) is written into the module as text:
     # one pair asks for 232, two pairs with the copy warpgroup at 24 for 112
