@@ -482,8 +482,9 @@
 # Sessions 46-47: `hall` on an H200 (nvfp4_rac 1.81x bf16, RAC +14.4 %), `wdown` (off).
 # Session 48 (H100): `tune` (n_group 2 / store_buffers 2: not adopted), `pair2` (RAC's two-pair
 # kernels serialize their wgmmas at 104 registers), `mem24` (112 registers: 2-4 us, not the
-# gap; the rollout slower). Next: `nrows` (is it the wgmmas' N?) on either card, then on an
-# H200 `m24k` and `nrows` there.
+# gap; the rollout slower). scripts/mosaic_ptx.py compiles these kernels to the same PTX on
+# the CPU: register / serialization questions need no device call. Next: `nrows` (is it the
+# wgmmas' N?) on either card, then on an H200 `m24k` and `nrows` there.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_next}
