@@ -115,7 +115,7 @@
 #          and weight bytes; wgmma N 32, 64 with RAC's stacked operand), on one pair and on two
 #          pairs at 112 registers, ptxas lines: does the plain call at N = 32 cost what RAC's
 #          at 16 + 16 does (the tensor cores' time for N)? Two pairs at 104 registers and mma_k
-#          128 as well; the PTX comes back in dump4.tgz for `scripts/sass_stats.py` (~5 min)
+#          128 as well; the PTX comes back in nrows_dump.tgz for `scripts/sass_stats.py` (~5 min)
 #   e4m3   E4M3 block scales in the kernel layout (session 38: 0.5625 streamed bytes per weight
 #          instead of 0.625; on the H100 the grouped decode kernel's pipeline alone took 94 % of
 #          its time): GPU checks, the grouped kernel alone with f16 / E4M3 scales (+ no compute),
@@ -549,6 +549,18 @@ ptxas_lines() {  # ptxas_lines DIR: each Mosaic kernel's ptxas notes from $OUT/D
   done
   tar -czf "$OUT/$1.tgz" -C "$OUT" --exclude="*.mlir-passes.log" "$1" && rm -rf "${OUT:?}/$1"
 }
+dumped_probe() {  # dumped_probe TAG SECONDS CHECKS VARIANTS: probe with Mosaic GPU's PTX and
+  # ptxas dumps in $OUT/TAG_dump, then each kernel's ptxas lines (ptxas_lines)
+  mkdir -p "$OUT/$1_dump"
+  MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO="$OUT/$1_dump" probe "$@"
+  ptxas_lines "$1_dump"
+}
+mem24_rollouts() {  # nvfp4_rac with RAC's decode calls on two pairs at 112 registers, then at
+  # the defaults
+  rollout m24 150 --quick --precisions nvfp4_rac --w4a4-set wide_rac_decode=true \
+    --w4a4-set wide_memory_registers=24 --budget-s 130
+  rollout m24def 150 --quick --precisions nvfp4_rac --budget-s 130
+}
 check() {  # check PART SECONDS
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 15 "$2" python3 scripts/bench_kernels.py \
     --part "$1" --out "$OUT/$1" > "$OUT/$1.log" 2>&1
@@ -754,39 +766,15 @@ for r in map(json.loads, open(sys.argv[1])):
       ls -la "$OUT" | grep -E "ptxas2|dump2"
       GABL2_VARIANTS="default,default wg4,default wg4 unstacked,default unstacked no_second_mma,default wg4 unstacked no_second_mma" \
         bash "$0" gabl2 ;;
-    mem24) mkdir -p "$OUT/dump3"
-      MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO="$OUT/dump3" \
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 \
-      timeout 200 python3 scripts/kernel_probe.py --grouped-ablations --out "$OUT/mem24k" \
-      --check-variants "default wg4 mem24,default wg4 mma_k 128 mem24" \
-      --variants "default,default wg4,default wg4 mem24,default wg4 mma_k 128,default wg4 mma_k 128 mem24,default wg4 mma_k 64 mem24" \
-      > /tmp/mem24.log 2>&1
-      echo "mem24k rc $?"; grep -E "^  grouped|PASS|FAIL|Error" /tmp/mem24.log | cut -c1-130
-      ptxas_lines dump3
-      rollout m24 150 --quick --precisions nvfp4_rac --w4a4-set wide_rac_decode=true \
-        --w4a4-set wide_memory_registers=24 --budget-s 130
-      rollout m24def 150 --quick --precisions nvfp4_rac --budget-s 130 ;;
-    mem24h|m24k) mkdir -p "$OUT/dump3"  # mem24 cut to fit an H200 call (m24k: the kernel alone)
-      MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO="$OUT/dump3" \
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 \
-      timeout 200 python3 scripts/kernel_probe.py --grouped-ablations --out "$OUT/mem24k" \
-      --check-variants "default wg4 mem24" \
-      --variants "default,default wg4,default wg4 mem24,default wg4 mma_k 128 mem24" \
-      > /tmp/mem24.log 2>&1
-      echo "mem24k rc $?"; grep -E "^  grouped|PASS|FAIL|Error" /tmp/mem24.log | cut -c1-130
-      ptxas_lines dump3
-      [ "$step" = m24k ] && continue
-      rollout m24 150 --quick --precisions nvfp4_rac --w4a4-set wide_rac_decode=true \
-        --w4a4-set wide_memory_registers=24 --budget-s 130
-      rollout m24def 150 --quick --precisions nvfp4_rac --budget-s 130 ;;
-    nrows) mkdir -p "$OUT/dump4"
-      MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO="$OUT/dump4" \
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 280 python3 scripts/kernel_probe.py \
-      --grouped-ablations --out "$OUT/nrows" \
-      --variants "default,default rows32,default wg4 mem24,default wg4 mem24 rows32,default wg4,default wg4 mma_k 128" \
-      > "$OUT/nrows.log" 2>&1
-      echo "nrows rc $?"; grep -E "^  grouped|Error" "$OUT/nrows.log" | cut -c1-130
-      ptxas_lines dump4 ;;
+    mem24) dumped_probe mem24k 200 "default wg4 mem24,default wg4 mma_k 128 mem24" \
+        "default,default wg4,default wg4 mem24,default wg4 mma_k 128,default wg4 mma_k 128 mem24,default wg4 mma_k 64 mem24"
+      mem24_rollouts ;;
+    mem24h|m24k) # mem24 cut to fit an H200 call (m24k: the kernel alone)
+      dumped_probe mem24k 200 "default wg4 mem24" \
+        "default,default wg4,default wg4 mem24,default wg4 mma_k 128 mem24"
+      [ "$step" = m24k ] || mem24_rollouts ;;
+    nrows) dumped_probe nrows 280 "" \
+        "default,default rows32,default wg4 mem24,default wg4 mem24 rows32,default wg4,default wg4 mma_k 128" ;;
     e4m3) e4m3_probe 170 "default f16 scales,default,default f16 no_compute,default no_compute"
       rollout e4m3 110 --quick --profile-steps 4 --precisions nvfp4_rac \
       --w4a4-scales float8_e4m3fn --budget-s 90
