@@ -874,12 +874,9 @@ def nvfp4_tile_gemm(
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
     optional = tuple(a for a in (col_scales, expert_scales, residual_blocks) if a is not None)
-    # jax's register split for 4 compute warpgroups deadlocks (compute_registers); for 2 it is
-    # the same split, except where the copy warpgroup keeps fewer than 40.
-    fitted = (_fitted_compute_registers()
-              if num_wgs != NUM_COMPUTE_WGS or config.memory_registers != 40
-              else contextlib.nullcontext())
-    with fitted:
+    # jax's register split for 4 compute warpgroups deadlocks (compute_registers); for 2 at the
+    # copy warpgroup's 40 it is the same split, so ours serves every case.
+    with _fitted_compute_registers():
         return call(tile_expert, num_tiles, tiles.row0, w.codes, w.scales, *optional, *b_arrays)
 
 

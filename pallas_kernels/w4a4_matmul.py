@@ -358,7 +358,8 @@ class W4A4MatmulConfig:
             chain_items=self.chain_items,
             stack_operands=self.stack_operands, store_buffers=self.store_buffers,
             compute_wgs=wgs,
-            memory_registers=self.wide_memory_registers if wgs == 4 else 40)
+            memory_registers=(self.wide_memory_registers if wgs == 4
+                              else TileGemmConfig.memory_registers))
 
 
 def _round_up(v: int, m: int) -> int:
