@@ -688,6 +688,17 @@ GROUPED_VARIANTS = (
 )
 
 
+def variant_fields(kw: dict, block_m: int) -> tuple[tuple[str, str | None], int, float | None,
+                                                     dict]:
+    """A ``GROUPED_VARIANTS`` entry's probe-level fields split from its ``TileGemmConfig``
+    ones: the weight layout (word bits, scale dtype), the token rows per tile (``block_m``
+    unless ``tile_rows``), the random residual-block fraction (``rac_keep``, or None) and the
+    remaining config fields."""
+    kw = dict(kw)
+    layout = (kw.pop("bits", "nibbles"), kw.pop("scales", None))
+    return layout, kw.pop("tile_rows", block_m), kw.pop("rac_keep", None), kw
+
+
 def residual_block_bits(experts: int, k_pad: int, fraction: float, seed: int) -> jax.Array:
     """A random ``fraction`` of each matrix's 16-column K blocks, as int32 ``[experts,
     ceil(k_pad / 512)]`` bit words (``nvfp4_tile_gemm``'s ``residual_blocks`` per tile: index
@@ -739,8 +750,8 @@ def run_grouped_ablations(tokens: int = 128, variants: tuple[str, ...] | None = 
            f"tiles={int(nt[0])} of {t_max}")
 
     for v in checks:
-        kw = dict(dict(GROUPED_VARIANTS)[v])
-        bits, scales = kw.pop("bits", "nibbles"), kw.pop("scales", None)
+        # (tile_rows / rac_keep variants were refused above)
+        (bits, scales), _, _, kw = variant_fields(dict(GROUPED_VARIANTS)[v], block_m)
         if "memory_registers" in kw:  # the grouped matmul's field for two-pair calls
             kw["wide_memory_registers"] = kw.pop("memory_registers")
         cfg = W4A4MatmulConfig(**kw)
@@ -798,10 +809,7 @@ def run_grouped_ablations(tokens: int = 128, variants: tuple[str, ...] | None = 
         for v, kw in GROUPED_VARIANTS:
             if variants is not None and v not in variants:
                 continue
-            kw = dict(kw)
-            layout = (kw.pop("bits", "nibbles"), kw.pop("scales", None))
-            keep = kw.pop("rac_keep", None)
-            rows = kw.pop("tile_rows", block_m)
+            layout, rows, keep, kw = variant_fields(kw, block_m)
             if rows not in b_by_rows:
                 b_by_rows[rows] = (
                     [bk.rand(910 + a, (t_max, rows, ww.k_pad), jnp.float16) for a in range(2)],

@@ -125,10 +125,7 @@ def kernel_modules(variant: str, shape: str, operands: int) -> list[bytes]:
     known = dict(kernel_probe.GROUPED_VARIANTS)
     if variant not in known:
         raise ValueError(f"unknown variant {variant!r}; one of {sorted(known)}")
-    kw = dict(known[variant])
-    bits, scales = kw.pop("bits", "nibbles"), kw.pop("scales", None)
-    rows = kw.pop("tile_rows", TILE_ROWS)
-    keep = kw.pop("rac_keep", None)
+    (bits, scales), rows, keep, kw = kernel_probe.variant_fields(known[variant], TILE_ROWS)
     if keep is not None:
         raise ValueError(f"variant {variant!r}: residual_blocks variants are not compiled here")
     experts, tiles, n, k = SHAPES[shape]
