@@ -162,6 +162,7 @@ def compile_and_report(variants: list[str], shapes: list[str], rac: list[int], t
     compile_fn = lib.MosaicGpuCompile
     compile_fn.argtypes = [ctypes.c_char_p, ctypes.c_int]
     compile_fn.restype = ctypes.POINTER(ctypes.c_void_p)
+    sass = _has_cuobjdump()
     rows = []
     for variant in variants:
         for shape in shapes:
@@ -174,8 +175,7 @@ def compile_and_report(variants: list[str], shapes: list[str], rac: list[int], t
                 if len(new) != 1:
                     raise RuntimeError(f"{label}: expected one new PTX dump in {dump_dir}, "
                                        f"got {new}")
-                rows.append((label, sass_stats.analyse(new[0], None, None, "ptxas",
-                                                       sass=_has_cuobjdump())))
+                rows.append((label, sass_stats.analyse(new[0], None, None, "ptxas", sass)))
     return rows
 
 
