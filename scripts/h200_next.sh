@@ -115,7 +115,9 @@
 #          and weight bytes; wgmma N 32, 64 with RAC's stacked operand), on one pair and on two
 #          pairs at 112 registers, ptxas lines: does the plain call at N = 32 cost what RAC's
 #          at 16 + 16 does (the tensor cores' time for N)? Two pairs at 104 registers and mma_k
-#          128 as well; the PTX comes back in nrows_dump.tgz for `scripts/sass_stats.py` (~5 min)
+#          128 as well; the PTX comes back in nrows_dump.tgz for `scripts/sass_stats.py`; and with 8
+#          rows per tile (N 8, RAC's stacked 16: would narrow tiles for experts with <= 8 tokens
+#          make RAC's two-pair calls cost what the plain ones do?) (~5 min)
 #   e4m3   E4M3 block scales in the kernel layout (session 38: 0.5625 streamed bytes per weight
 #          instead of 0.625; on the H100 the grouped decode kernel's pipeline alone took 94 % of
 #          its time): GPU checks, the grouped kernel alone with f16 / E4M3 scales (+ no compute),
@@ -774,7 +776,7 @@ for r in map(json.loads, open(sys.argv[1])):
         "default,default wg4,default wg4 mem24,default wg4 mma_k 128 mem24"
       [ "$step" = m24k ] || mem24_rollouts ;;
     nrows) dumped_probe nrows 280 "" \
-        "default,default rows32,default wg4 mem24,default wg4 mem24 rows32,default wg4,default wg4 mma_k 128" ;;
+        "default,default wg4,default wg4 mem24,default wg4 mem24 rows32,default wg4 mem24 rows8,default wg4 rows8,default rows32" ;;
     e4m3) e4m3_probe 170 "default f16 scales,default,default f16 no_compute,default no_compute"
       rollout e4m3 110 --quick --profile-steps 4 --precisions nvfp4_rac \
       --w4a4-scales float8_e4m3fn --budget-s 90

@@ -662,6 +662,12 @@ GROUPED_VARIANTS = (
     ("default wg4 rows32", dict(ROLLOUT_TILES, n_group=2, compute_wgs=4, tile_rows=32)),
     ("default wg4 mem24 rows32", dict(ROLLOUT_TILES, n_group=2, compute_wgs=4,
                                       memory_registers=24, tile_rows=32)),
+    # ... and with 8 rows each: wgmma N = 8, 16 with RAC's stacked operand (the plain call's
+    # N). If RAC's call at 8 + 8 costs what the plain one does at 16, narrowing the tiles that
+    # hold at most 8 tokens (most of the decode step's, ~8 tokens per expert) would pay.
+    ("default wg4 rows8", dict(ROLLOUT_TILES, n_group=2, compute_wgs=4, tile_rows=8)),
+    ("default wg4 mem24 rows8", dict(ROLLOUT_TILES, n_group=2, compute_wgs=4,
+                                     memory_registers=24, tile_rows=8)),
     # RAC's second operand's wgmmas left out (unstacked operands, wrong results): if they are
     # what bounds RAC's calls, issuing them only for the expert's selected K blocks (half of
     # them at ratio 0.5: the rest multiply zeros) would pay.
