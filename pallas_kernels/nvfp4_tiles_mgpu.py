@@ -135,6 +135,16 @@ class TileGemmConfig:
         pairs alone) ptxas no longer serializes them, but the call is only 2-4 us faster
         (113.5 / 109.9 us at mma_k 256 / 128 against 96.5 on one pair): the registers are
         not what makes RAC slower on two pairs. 40 by default.
+      narrow_tiles: multiply a token tile that holds at most ``block_m / 2`` rows (its window
+        ends where the next live tile's starts: ``row0[t + 1] - row0[t] <= block_m / 2``, as
+        in the grouped plan, whose windows are in order) with wgmmas of N = ``block_m / 2`` on
+        the first half of each B tile, into accumulators of that width, and store zeros in
+        its other slots. A decode step's groups average ~8 tokens in tiles of 16 (128
+        sequences, top-8 of 128 experts: ~60 % of the groups hold <= 8), so most tiles then
+        issue half the MMA work: N 8 instead of 16, or 8 + 8 instead of RAC's stacked 32.
+        Needs ``col_scales``, ``block_m`` a multiple of 16 and no ``residual_blocks``; the
+        kernel holds both accumulator sets' code (the branch is per work item). Off until
+        timed on a GPU.
     """
 
     k_splits: int = 1
@@ -151,6 +161,7 @@ class TileGemmConfig:
     store_buffers: int = 0
     compute_wgs: int = 2
     memory_registers: int = 40
+    narrow_tiles: bool = False
 
     def __post_init__(self):
         check_schedule(self)
@@ -292,8 +303,9 @@ def run_work_items(make_pipeline, allocations, num_live_work, chain: bool, work_
     tiles past ``num_tiles`` cost nothing), each item one pipeline over its K steps.
 
     ``work_body(idx, local) -> (gmem refs, body, compute_context)`` for item ``idx``, the
-    ``local``-th (int32, from 0) of its SM's items;
-    ``make_pipeline(body, compute_context, state)`` emits the pipeline. With ``chain`` an SM's
+    ``local``-th (int32, from 0) of its SM's items, where ``compute_context`` may be a triple
+    ``(flag, if_true, if_false)``: two pipelines over the same copies, the item's flag picks one
+    (``narrow_tiles``); ``make_pipeline(body, compute_context, state)`` emits the pipeline. With ``chain`` an SM's
     pipelines are chained (``pipeline_state`` START / STEADY / STOP): the copy warpgroup runs
     on into the next item's first K steps while the compute warpgroups finish the current one,
     so an item does not start with an empty pipeline (an HBM round trip per item, with 3 to 8
@@ -303,21 +315,27 @@ def run_work_items(make_pipeline, allocations, num_live_work, chain: bool, work_
     @plgpu.nd_loop((num_live_work,), collective_axes="sm")
     def _work_loop(loop_info: plgpu.NDLoopInfo):
         refs, body, context = work_body(loop_info.index[0], loop_info.local_index)
+
+        def run(state):
+            if not isinstance(context, tuple):
+                make_pipeline(body, context, state)(*refs, allocations=allocations)
+                return
+            flag, if_true, if_false = context
+            pl.when(flag)(lambda: make_pipeline(body, if_true, state)(
+                *refs, allocations=allocations))
+            pl.when(jnp.logical_not(flag))(lambda: make_pipeline(body, if_false, state)(
+                *refs, allocations=allocations))
+
         if not chain:
-            make_pipeline(body, context, None)(*refs, allocations=allocations)
+            run(None)
             return
         j, n = loop_info.local_index, loop_info.num_local_steps
         phase = plgpu.PipelinePipeline
         state = jnp.where(j == 0, jnp.int32(phase.START),
                           jnp.where(j == n - 1, jnp.int32(phase.STOP), jnp.int32(phase.STEADY)))
 
-        @pl.when(n == 1)
-        def _alone():
-            make_pipeline(body, context, None)(*refs, allocations=allocations)
-
-        @pl.when(n > 1)
-        def _chained():
-            make_pipeline(body, context, state)(*refs, allocations=allocations)
+        pl.when(n == 1)(lambda: run(None))
+        pl.when(n > 1)(lambda: run(state))
 
 
 def check_col_scales(col_scales: jax.Array, shape: tuple[int, ...]) -> None:
@@ -404,6 +422,28 @@ def check_residual_blocks(residual_blocks: jax.Array, w: W4A4Weights, num_tiles:
     if config.mma_overlap:
         raise ValueError("residual_blocks issues a varying number of wgmmas per step: needs "
                          "mma_overlap=0")
+
+
+def check_narrow_tiles(config: TileGemmConfig, block_m: int, col_scales, residual_blocks,
+                       row0: jax.Array, num_tiles: jax.Array) -> int | None:
+    """``narrow_tiles``' requirements; returns the narrow wgmma N (``block_m / 2``), or None
+    when off. Concrete ``row0`` and ``num_tiles`` are checked for windows in order."""
+    if not config.narrow_tiles:
+        return None
+    if block_m % 16:
+        raise ValueError(f"narrow_tiles: block_m={block_m} must be a multiple of 16 (the "
+                         "narrow wgmma N, block_m / 2, a multiple of 8)")
+    if col_scales is None or residual_blocks is not None or config.ablation is not None:
+        raise ValueError("narrow_tiles stores zeros in a narrow tile's empty slots: needs "
+                         "col_scales (scaled output), no residual_blocks and no ablation (got "
+                         f"col_scales={col_scales is not None}, residual_blocks="
+                         f"{residual_blocks is not None}, ablation={config.ablation!r})")
+    if not isinstance(row0, jax.core.Tracer) and not isinstance(num_tiles, jax.core.Tracer):
+        live = np.asarray(row0)[:int(np.asarray(num_tiles)[0])]
+        if (np.diff(live) < 0).any():
+            raise ValueError(f"narrow_tiles: row0 of the live tiles {live.tolist()[:8]}... "
+                             "must be nondecreasing (a tile's rows end where the next starts)")
+    return block_m // 2
 
 
 def _code_to_f16(c: jax.Array, decode: str) -> jax.Array:
@@ -631,6 +671,8 @@ def nvfp4_tile_gemm(
                          "the operands unstacked (stack_operands=False)")
     if residual_blocks is not None:
         check_residual_blocks(residual_blocks, w, t_max, num_ops, halves, config)
+    half_m = check_narrow_tiles(config, block_m, col_scales, residual_blocks, tiles.row0,
+                                num_tiles)
     num_sms = config.num_sms or _num_sms()
     # The interpreter cannot run a wgmma on the folded [2 * block_m, 256] view of the stacked
     # [2, block_m, 256] B tile that the device reads: it gets a 2-D copy (registers, then SMEM).
@@ -724,6 +766,10 @@ def nvfp4_tile_gemm(
             def work_body(idx, local):
                 split, gi, t = work_item(idx, config.k_splits, n_items)
                 expert = tile_expert_gmem[t]
+                narrow = None
+                if half_m is not None:  # at most block_m / 2 rows before the next tile's
+                    nxt = row0_gmem[jnp.minimum(t + 1, t_max - 1)]
+                    narrow = (t + 1 < num_tiles_gmem[0]) & (nxt - row0_gmem[t] <= half_m)
 
                 def store(value, j: int, a: int):
                     row0 = ((gi * n_group + first_tile + j) * N_TILE
@@ -733,7 +779,7 @@ def nvfp4_tile_gemm(
                                out_gmem.at[t, split, a, :, pl.ds(row0, WG_ROWS)], seq,
                                config.store_buffers)
 
-                def compute_context(eval_pipeline):
+                def wide_context(eval_pipeline):
                     def acc_scope(*acc_refs):  # acc_refs[j * num_acc + a]
                         if col_scales is None:
                             eval_pipeline(acc_refs)
@@ -771,6 +817,37 @@ def nvfp4_tile_gemm(
                           for _ in range(tiles_per_wg * num_acc)],
                     )
 
+                def narrow_context(eval_pipeline):
+                    def narrow_scope(*acc_refs):  # acc_refs[j * num_ops + op], [64, half_m]
+                        col = plgpu.Layout.WGMMA.reduce(0)
+                        # operand op's first half_m slot scales (stacked: [T, 1, 2 block_m])
+                        scales = [plgpu.load(cs_gmem.at[t, 0 if halves == 2 else op,
+                                                        pl.ds(op * block_m if halves == 2
+                                                              else 0, half_m)],
+                                             layout=col, optimized=False)
+                                  for op in range(num_ops)]
+                        if expert_scales is not None:
+                            w_t = es_gmem[expert] * jnp.float32(expert_factor)
+                            scales = [sc * w_t for sc in scales]
+                        eval_pipeline(acc_refs)
+                        zeros = plgpu.layout_cast(
+                            jnp.zeros((WG_ROWS, block_m - half_m), jnp.float32),
+                            plgpu.Layout.WGMMA)
+                        for j in range(tiles_per_wg):
+                            y = None
+                            for op, sc in enumerate(scales):  # the wide epilogue's order
+                                term = acc_refs[j * num_ops + op][...] * lax.broadcast_in_dim(
+                                    sc, (WG_ROWS, half_m), (1,))
+                                y = term if y is None else y + term
+                            y = jnp.concatenate([y, zeros], axis=1)
+                            store(y.astype(out_dtype), j, 0)
+
+                    pl.run_scoped(
+                        narrow_scope,
+                        *[plgpu.ACC((WG_ROWS, half_m), jnp.float32)
+                          for _ in range(tiles_per_wg * num_ops)],
+                    )
+
                 def mma_body(idx, w_smem, s_smem, *refs):
                     b_smems, accs = refs[:num_acc], refs[num_acc]
                     if config.ablation == "no_compute":
@@ -780,7 +857,14 @@ def nvfp4_tile_gemm(
                         block0 = (split * k_steps + idx[0]) * (K_TILE // 16)
                         word = rb_gmem[t, lax.div(block0, 32)]
                         step_bits = lax.shift_right_logical(word, lax.rem(block0, 32))
+                    # The narrow accumulator set (narrow_scope) is num_ops of [64, half_m]
+                    # per tile; the wide one num_acc of [64, bn] (bn > half_m).
+                    per = num_ops if half_m is not None and accs[0].shape[1] == half_m else None
                     for j in range(tiles_per_wg):
+                        if per is not None:
+                            tile_mma(wg_tile(w_smem, j), wg_tile(s_smem, j), b_smems,
+                                     accs[j * per:(j + 1) * per], narrow=True)
+                            continue
                         tile_mma(wg_tile(w_smem, j), wg_tile(s_smem, j), b_smems,
                                  accs[j * num_acc:(j + 1) * num_acc], step_bits)
                     return accs
@@ -798,7 +882,7 @@ def nvfp4_tile_gemm(
                         def _(a_i=a_i, b_i=b_i):
                             plgpu.wgmma(acc, a_i, b_i)
 
-                def tile_mma(w_smem, s_smem, b_smems, accs, step_bits=None):
+                def tile_mma(w_smem, s_smem, b_smems, accs, step_bits=None, narrow=False):
                     if halves == 2:  # [2, block_m, 256] -> the [2 * block_m, 256] operand
                         if b2_smem is None:
                             b_smems = [b.reshape(bn, K_TILE) for b in b_smems]
@@ -807,6 +891,12 @@ def nvfp4_tile_gemm(
                             b2_smem[wg] = b[...].reshape(bn, K_TILE)
                             plgpu.commit_smem()
                             b_smems = [b2_smem.at[wg]]
+                    if narrow:  # each operand's first half_m rows, N = half_m, one acc each
+                        # (stacked: sliced from the folded tile; Mosaic GPU cannot index the
+                        # leading dim of a pipeline slot through its tiling)
+                        b_smems = ([b_smems[0].at[pl.ds(op * block_m, half_m)]
+                                    for op in range(halves)] if halves == 2 else
+                                   [b.at[pl.ds(0, half_m)] for b in b_smems])
                     w16 = w_smem[rows]
                     per = config.mma_k // CHUNK  # chunks per wgmma group
                     n_groups = K_TILE // config.mma_k
@@ -835,7 +925,7 @@ def nvfp4_tile_gemm(
                                 continue
                             plgpu.wgmma(acc, a, b_smem.at[:, cols].T)
                         plgpu.wgmma_wait(0 if last or a_smem is not None
-                                         else config.mma_overlap * num_acc)
+                                         else config.mma_overlap * len(b_smems))
 
                 k_rows = pl.ds(split * k_steps * N_TILE, k_steps * N_TILE)
                 k_blocks = pl.ds(split * k_steps * (K_TILE // 16), k_steps * (K_TILE // 16))
@@ -844,7 +934,10 @@ def nvfp4_tile_gemm(
                 refs = (codes_gmem.at[expert, tiles, k_rows],
                         scales_gmem.at[expert, tiles, k_blocks],
                         *[window(b, row0_gmem[t], k_cols) for b in b_gmems])
-                return refs, mma_body, compute_context
+                # A pipeline evaluates once per compute context: narrow tiles get their own.
+                context = (wide_context if narrow is None
+                           else (narrow, narrow_context, wide_context))
+                return refs, mma_body, context
 
             run_work_items(get_pipeline, pipeline_allocs,
                            num_tiles_gmem[0] * (n_items * config.k_splits), config.chain_items,

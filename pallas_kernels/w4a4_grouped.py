@@ -352,7 +352,8 @@ def w4a4_grouped_matmul(
                      num_tiles, config, interpret, x_sorted.dtype,
                      live_tiles=expected_tiles(m, e, block_m),
                      wide=config.wide_decode(m, rac=rac is not None, k_pad=w.k_pad),
-                     residual_blocks=residual_blocks, token_scales=token_scales)
+                     residual_blocks=residual_blocks, token_scales=token_scales,
+                     narrow=config.narrow_tiles and not config.is_prefill(m))
 
 
 def w4a4_grouped_matmul_reference(

@@ -260,6 +260,12 @@ class W4A4MatmulConfig:
     # 128, 24 layers, `h200_next.sh mem24`) nvfp4_rac with RAC's decode calls on two pairs at
     # 24 took 8.56 ms a step against 8.09 at the defaults (one pair).
     wide_memory_registers: int = 40
+    # Grouped decode calls multiply the token tiles that hold at most block_m / 2 rows at
+    # wgmma N = block_m / 2 (``TileGemmConfig.narrow_tiles``; block_m a multiple of 16, no
+    # ``rac_selected_wgmmas``): at the decode step's ~8 tokens per expert in tiles of 16, about
+    # 60 % of the tiles, N 8 instead of 16 (8 + 8 instead of RAC's stacked 32). Off until timed
+    # on a GPU (`h200_next.sh narrow`).
+    narrow_tiles: bool = False
 
     def __post_init__(self):
         bm = self.block_m
@@ -625,6 +631,7 @@ def run_tiles(
     live_tiles: int | None = None,
     wide: bool = False,
     residual_blocks: jax.Array | None = None,
+    narrow: bool = False,
     token_scales: jax.Array | None = None,
 ) -> jax.Array:
     """Run the kernel on token tiles, return the scaled rows ``[M, N]``.
@@ -638,7 +645,10 @@ def run_tiles(
     what the split-K choice counts. ``wide``: run two warpgroup pairs on items of at least two
     weight-row tiles (``W4A4MatmulConfig.wide_plain_decode`` / ``wide_rac_decode``) where the
     weight's row tiles pair up (with ``residual_blocks`` only where the pipeline keeps two
-    stages). ``residual_blocks``: the tile kernel's (``tile_block_bits``). ``token_scales``:
+    stages). ``narrow``: tiles of at most ``block_m / 2`` rows at N = ``block_m / 2``
+    (``TileGemmConfig.narrow_tiles``; where ``block_m`` is a multiple of 16 and without
+    ``residual_blocks``; the tiles' windows must be in order, as the grouped plan's are).
+    ``residual_blocks``: the tile kernel's (``tile_block_bits``). ``token_scales``:
     None, or ``slot_g`` stacked ``[T, A, block_m]`` as computed elsewhere (``rac_select``'s
     ``tiles``); ``slot_g`` is then not read, and the tile kernel applies the weights' global
     scales itself (``expert_scales``), where ``slot_scales`` folds them in with XLA.
@@ -663,6 +673,8 @@ def run_tiles(
                 tcfg_w, w, tiles.block_m, 2, 1, stored_dtype(out_dtype, k_splits_w),
                 False, k_steps), k_steps):
             k_splits, tcfg = k_splits_w, tcfg_w
+    if narrow and tiles.block_m % 16 == 0 and residual_blocks is None:
+        tcfg = dataclasses.replace(tcfg, narrow_tiles=True)
     out = nvfp4_tile_gemm(
         tiles, w, tile_expert, num_tiles, config=tcfg, interpret=interpret,
         col_scales=slot_scales(slot_g, tile_expert, w) if token_scales is None else token_scales,

@@ -118,6 +118,10 @@
 #          128 as well; the PTX comes back in nrows_dump.tgz for `scripts/sass_stats.py`; and with 8
 #          rows per tile (N 8, RAC's stacked 16: would narrow tiles for experts with <= 8 tokens
 #          make RAC's two-pair calls cost what the plain ones do?) (~5 min)
+#   narrow TileGemmConfig.narrow_tiles (session 49: a tile of <= 8 rows multiplied at wgmma N 8,
+#          RAC's stacked 8 + 8): the grouped matmul's GPU check with it, then the kernel alone on
+#          windows ~60 % narrow, one and two pairs, against the defaults and rows8 (~6 min);
+#          narrowr: nvfp4_rac with it, RAC's calls on two pairs / one pair, and the defaults
 #   e4m3   E4M3 block scales in the kernel layout (session 38: 0.5625 streamed bytes per weight
 #          instead of 0.625; on the H100 the grouped decode kernel's pipeline alone took 94 % of
 #          its time): GPU checks, the grouped kernel alone with f16 / E4M3 scales (+ no compute),
@@ -777,6 +781,19 @@ for r in map(json.loads, open(sys.argv[1])):
       [ "$step" = m24k ] || mem24_rollouts ;;
     nrows) dumped_probe nrows 280 "" \
         "default,default wg4,default wg4 mem24,default wg4 mem24 rows32,default wg4 mem24 rows8,default wg4 rows8,default rows32" ;;
+    narrow) # narrow_tiles (tiles of <= 8 rows at N = 8): the grouped matmul's GPU check, then
+      # the kernel alone on windows of which ~60 % are narrow (rows8: every tile at N = 8)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 10 100 python3 scripts/bench_kernels.py \
+        --part check-moe --w4a4-set narrow_tiles=true --out "$OUT/mchecknt" \
+        > "$OUT/mchecknt.log" 2>&1
+      echo "mchecknt rc $?"; grep -E "PASS|FAIL" "$OUT/mchecknt.log" | cut -c1-110
+      probe narrowk 330 "" "default,default wg4,default wg4 mem24,default wg4 narrow,default wg4 mem24 narrow,default wg4 mem24 narrow0,default narrow,default wg4 mem24 rows8" ;;
+    narrowr) # nvfp4_rac with narrow tiles: RAC's calls on two pairs at 112 registers, on one
+      # pair, and the defaults
+      rollout nrac2 150 --quick --precisions nvfp4_rac --w4a4-set narrow_tiles=true \
+        --w4a4-set wide_rac_decode=true --w4a4-set wide_memory_registers=24 --budget-s 130
+      rollout nrac1 150 --quick --precisions nvfp4_rac --w4a4-set narrow_tiles=true --budget-s 130
+      rollout ndef 150 --quick --precisions nvfp4_rac --budget-s 130 ;;
     e4m3) e4m3_probe 170 "default f16 scales,default,default f16 no_compute,default no_compute"
       rollout e4m3 110 --quick --profile-steps 4 --precisions nvfp4_rac \
       --w4a4-scales float8_e4m3fn --budget-s 90

@@ -668,6 +668,16 @@ GROUPED_VARIANTS = (
     ("default wg4 rows8", dict(ROLLOUT_TILES, n_group=2, compute_wgs=4, tile_rows=8)),
     ("default wg4 mem24 rows8", dict(ROLLOUT_TILES, n_group=2, compute_wgs=4,
                                      memory_registers=24, tile_rows=8)),
+    # ``narrow_tiles``: tiles of 16 rows of which ~60 % hold at most 8 (the decode step's share
+    # at ~8 tokens per expert) multiplied at N = 8 (8 + 8 with RAC's stacked operand); the
+    # kernel holds both accumulator sets' code. `nrows`'s rows8 rows are its bound.
+    ("default narrow", dict(ROLLOUT_TILES, narrow_tiles=True, narrow_frac=0.6)),
+    ("default wg4 narrow", dict(ROLLOUT_TILES, n_group=2, compute_wgs=4, narrow_tiles=True,
+                                narrow_frac=0.6)),
+    ("default wg4 mem24 narrow", dict(ROLLOUT_TILES, n_group=2, compute_wgs=4,
+                                      memory_registers=24, narrow_tiles=True, narrow_frac=0.6)),
+    ("default wg4 mem24 narrow0", dict(ROLLOUT_TILES, n_group=2, compute_wgs=4,
+                                       memory_registers=24, narrow_tiles=True, narrow_frac=0.0)),
     # RAC's second operand's wgmmas left out (unstacked operands, wrong results): if they are
     # what bounds RAC's calls, issuing them only for the expert's selected K blocks (half of
     # them at ratio 0.5: the rest multiply zeros) would pay.
@@ -695,14 +705,31 @@ GROUPED_VARIANTS = (
 
 
 def variant_fields(kw: dict, block_m: int) -> tuple[tuple[str, str | None], int, float | None,
-                                                     dict]:
+                                                     float | None, dict]:
     """A ``GROUPED_VARIANTS`` entry's probe-level fields split from its ``TileGemmConfig``
     ones: the weight layout (word bits, scale dtype), the token rows per tile (``block_m``
-    unless ``tile_rows``), the random residual-block fraction (``rac_keep``, or None) and the
-    remaining config fields."""
+    unless ``tile_rows``), the random residual-block fraction (``rac_keep``, or None), the
+    fraction of tiles laid out as narrow windows (``narrow_frac``, or None: gathered tiles) and
+    the remaining config fields."""
     kw = dict(kw)
     layout = (kw.pop("bits", "nibbles"), kw.pop("scales", None))
-    return layout, kw.pop("tile_rows", block_m), kw.pop("rac_keep", None), kw
+    return (layout, kw.pop("tile_rows", block_m), kw.pop("rac_keep", None),
+            kw.pop("narrow_frac", None), kw)
+
+
+def narrow_windows(operands, frac: float, seed: int):
+    """Gathered tiles ``[T, rows, Kp]`` as ``TokenTiles`` windows whose tiles hold ``rows / 2``
+    live rows with probability ``frac`` (the next window starts ``rows / 2`` on: what
+    ``TileGemmConfig.narrow_tiles`` multiplies at N = ``rows / 2``), else ``rows``."""
+    from pallas_kernels.token_tiles import TokenTiles
+
+    t, rows, k = operands[0].shape
+    narrow = np.random.default_rng(seed).random(t) < frac
+    stride = np.where(narrow, rows // 2, rows)
+    row0 = np.concatenate([[0], np.cumsum(stride)[:-1]]).astype(np.int32)
+    length = int(row0[-1]) + rows
+    flat = tuple(b.reshape(t * rows, k)[:length] for b in operands)
+    return TokenTiles(flat, jnp.asarray(row0), rows), float(narrow[:-1].mean())
 
 
 def residual_block_bits(experts: int, k_pad: int, fraction: float, seed: int) -> jax.Array:
@@ -737,10 +764,10 @@ def run_grouped_ablations(tokens: int = 128, variants: tuple[str, ...] | None = 
     known = {v for v, _ in GROUPED_VARIANTS} | {"fp8 store2"}
     if unknown := sorted(set(variants or ()) - known) + sorted(set(checks) - known):
         raise ValueError(f"unknown grouped variant(s) {unknown}; one of {sorted(known)}")
-    if kernel_only := [v for v in checks
-                       if {"rac_keep", "tile_rows"} & set(dict(GROUPED_VARIANTS)[v])]:
+    if kernel_only := [v for v in checks if {"rac_keep", "tile_rows", "narrow_frac"}
+                       & set(dict(GROUPED_VARIANTS)[v])]:
         raise ValueError(f"grouped variant(s) {kernel_only}: the kernel alone (rac_keep, "
-                         "tile_rows), no grouped matmul to check")
+                         "tile_rows, narrow_frac), no grouped matmul to check")
     if check_only := [v for v in variants or () if "rac_selected_wgmmas" in
                       dict(GROUPED_VARIANTS)[v]]:
         raise ValueError(f"grouped variant(s) {check_only}: the grouped matmul's selection "
@@ -757,7 +784,7 @@ def run_grouped_ablations(tokens: int = 128, variants: tuple[str, ...] | None = 
 
     for v in checks:
         # (tile_rows / rac_keep variants were refused above)
-        (bits, scales), _, _, kw = variant_fields(dict(GROUPED_VARIANTS)[v], block_m)
+        (bits, scales), _, _, _, kw = variant_fields(dict(GROUPED_VARIANTS)[v], block_m)
         if "memory_registers" in kw:  # the grouped matmul's field for two-pair calls
             kw["wide_memory_registers"] = kw.pop("memory_registers")
         cfg = W4A4MatmulConfig(**kw)
@@ -815,7 +842,7 @@ def run_grouped_ablations(tokens: int = 128, variants: tuple[str, ...] | None = 
         for v, kw in GROUPED_VARIANTS:
             if variants is not None and v not in variants:
                 continue
-            layout, rows, keep, kw = variant_fields(kw, block_m)
+            layout, rows, keep, narrow_frac, kw = variant_fields(kw, block_m)
             if rows not in b_by_rows:
                 b_by_rows[rows] = (
                     [bk.rand(910 + a, (t_max, rows, ww.k_pad), jnp.float16) for a in range(2)],
@@ -838,11 +865,15 @@ def run_grouped_ablations(tokens: int = 128, variants: tuple[str, ...] | None = 
                                 nvfp4_tile_gemm(bt, w, te, nt, config=cfg, col_scales=sc,
                                                 out_dtype=jnp.bfloat16 if ks == 1
                                                 else jnp.float32, residual_blocks=rb))
-                    us, count, busy = traced(f, tuple(b[:a]), ww, tag=f"{name}_{a}")
+                    bt, narrow_note = tuple(b[:a]), ""
+                    if narrow_frac is not None:
+                        bt, share = narrow_windows(bt, narrow_frac, seed=960 + n)
+                        narrow_note = f" narrow {share:.2f} of the tiles"
+                    us, count, busy = traced(f, bt, ww, tag=f"{name}_{a}")
                     # vs fp8: the format's bytes at our FP8 kernel's rate over this time.
                     vs = "" if rate is None else f" vs fp8 rate {nbytes / rate / (us * 1e-6):.2f}"
                     bk.record(label, us * 1e-6, count, bytes_=nbytes,
-                              note=f"busy {busy:.2f}{vs}")
+                              note=f"busy {busy:.2f}{vs}{narrow_note}")
                 except Exception as err:  # noqa: BLE001
                     bk.log(f"  {label} FAILED: {type(err).__name__}: {str(err)[:300]}")
         del ww, by_bits, b

@@ -125,7 +125,8 @@ def kernel_modules(variant: str, shape: str, operands: int) -> list[bytes]:
     known = dict(kernel_probe.GROUPED_VARIANTS)
     if variant not in known:
         raise ValueError(f"unknown variant {variant!r}; one of {sorted(known)}")
-    (bits, scales), rows, keep, kw = kernel_probe.variant_fields(known[variant], TILE_ROWS)
+    # (narrow_frac lays out the probe's windows: the kernel compiled is the same)
+    (bits, scales), rows, keep, _, kw = kernel_probe.variant_fields(known[variant], TILE_ROWS)
     if keep is not None:
         raise ValueError(f"variant {variant!r}: residual_blocks variants are not compiled here")
     experts, tiles, n, k = SHAPES[shape]

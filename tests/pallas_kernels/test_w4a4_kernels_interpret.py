@@ -133,6 +133,32 @@ def test_grouped_w4a4_zero_and_uneven_groups(sizes, extra, rac, n, ng, stack):
 
 
 @pytest.mark.parametrize("rac", [False, True])
+def test_grouped_narrow_tiles_give_the_wide_result(rac):
+    """``W4A4MatmulConfig.narrow_tiles``: groups of at most 8 rows (and a large group's last
+    tile of at most 8) multiplied at N = 8 in tiles of 16 give the wide call's rows."""
+    e, k, n = 5, 256, 256
+    gs = jnp.asarray([5, 0, 21, 8, 12], jnp.int32)  # tiles of 5, 16 + 5, 8, 12 rows
+    m = int(gs.sum())
+    x = jax.random.normal(jax.random.key(81), (m, k))
+    wq = _weights(jax.random.key(82), (e, n, k), "expert")
+    racc = aq.RACConfig() if rac else None
+    cfg = W4A4MatmulConfig(block_m=16, n_group=1, **CFG)
+    y = jit_call(w4a4_grouped_matmul, x, wq, gs, rac=racc, interpret=True,
+                 config=dataclasses.replace(cfg, narrow_tiles=True))
+    wide = jit_call(w4a4_grouped_matmul, x, wq, gs, rac=racc, interpret=True, config=cfg)
+    rexp = jnp.minimum(row_experts(gs, m), e - 1)
+    acts = jit_call(aq.nvfp4_quantize, x, rac_config=racc, row_expert=rexp, num_experts=e)
+    assert _rel(y, _f64_product(acts, wq, rexp)) < 1e-5
+    assert _rel(y, wide) < 1e-6
+
+    def wgmmas(c):  # the narrow pipeline's wgmmas are in the traced kernel (the flag reached it)
+        return str(jax.make_jaxpr(lambda x: w4a4_grouped_matmul(
+            x, wq, gs, rac=racc, config=c, interpret=True))(x)).count("wgmma")
+
+    assert wgmmas(dataclasses.replace(cfg, narrow_tiles=True)) > wgmmas(cfg)
+
+
+@pytest.mark.parametrize("rac", [False, True])
 def test_grouped_source_rows_equal_the_gathered_rows(rac):
     """A MoE token's k slots share one row: quantized once per distinct row and gathered into
     the tiles, the result is bit-identical to passing the gathered rows."""
@@ -659,3 +685,66 @@ def test_e4m3_scales_give_the_float16_scales_results():
     w = jit_call(prepare_w4a4_weights, wq, scale_dtype="float8_e4m3fn")
     y = jit_call(w4a4_matmul, x, w, config=W4A4MatmulConfig(**CFG), interpret=True)
     assert _rel(y, _f64_product(jit_call(aq.nvfp4_quantize, x), wq)) < 1e-5
+
+
+@pytest.mark.parametrize("num_ops,stack,wgs", [(1, False, 2), (2, True, 4), (2, False, 2)])
+def test_tile_gemm_narrow_tiles_multiply_half_the_rows(num_ops, stack, wgs):
+    """``narrow_tiles``: a window of at most ``block_m / 2`` live rows (the next live tile's
+    window starts within ``block_m / 2`` rows) is multiplied at N = ``block_m / 2`` and its
+    other slots stored as zeros; the result is the reference's where the empty slots' scales
+    are 0 (as the grouped plan makes them), and the wide kernel's."""
+    from pallas_kernels.nvfp4_tiles_mgpu import TileGemmConfig, nvfp4_tile_gemm, tile_gemm_reference
+    from pallas_kernels.token_tiles import TokenTiles
+
+    bm, k, n_group = 16, 256, 2
+    n = 128 * n_group
+    wq = _weights(jax.random.key(61), (2, n, k), "expert")
+    w = jit_call(prepare_w4a4_weights, wq, bits="signs_high", scale_dtype="float8_e4m3fn")
+    # Tiles 0 and 2 hold 16 and 12 rows, tile 1 holds 8 (the next starts 8 rows on): narrow;
+    # tile 3 is the last live one (wide), tile 4 is past num_tiles.
+    row0 = jnp.array([0, 16, 24, 40, 0], jnp.int32)
+    rows = tuple(_on_grid(jax.random.key(62 + a), (64, k)) for a in range(num_ops))
+    tiles = TokenTiles(rows, row0, bm)
+    te = jnp.array([1, 0, 1, 0, 0], jnp.int32)
+    # Scales on every slot, so that a slot the kernel left out shows: the narrow tile's
+    # upper half is zero in its result but not in the wide kernel's or the reference's.
+    cs = jax.random.uniform(jax.random.key(66), (5, num_ops, bm)) + 0.5
+    num_tiles = jnp.array([4], jnp.int32)
+
+    def run(narrow):
+        cfg = TileGemmConfig(a_via_smem=True, num_sms=2, n_group=n_group, mma_k=128,
+                             stack_operands=stack, compute_wgs=wgs, narrow_tiles=narrow)
+        return jit_call(nvfp4_tile_gemm, tiles, w, te, num_tiles, config=cfg, interpret=True,
+                        col_scales=cs, out_dtype=jnp.float32)
+
+    y, wide = np.asarray(run(True)), np.asarray(run(False))
+    want = np.asarray(jit_call(tile_gemm_reference, tiles, w, te, cs, jnp.float32))
+    assert y.shape == want.shape == (5, 1, 1, bm, n)
+    computed = np.ones((5, bm), bool)
+    computed[1, bm // 2:] = False
+    computed[4] = False  # past num_tiles
+    assert _rel(y[computed[:, None, None]], want[computed[:, None, None]]) < 1e-5
+    assert _rel(y[computed[:, None, None]], wide[computed[:, None, None]]) < 1e-6
+    np.testing.assert_array_equal(y[1, :, :, bm // 2:], 0.0)  # the narrow tile's other slots
+    assert np.abs(wide[1, :, :, bm // 2:]).min() > 0
+
+
+def test_tile_gemm_narrow_tiles_refusals():
+    from pallas_kernels.nvfp4_tiles_mgpu import TileGemmConfig, nvfp4_tile_gemm
+    from pallas_kernels.token_tiles import TokenTiles
+
+    wq = _weights(jax.random.key(71), (1, 128, 256))
+    w = jit_call(prepare_w4a4_weights, wq, mma_dtype="float16")
+    cfg = TileGemmConfig(a_via_smem=True, num_sms=1, narrow_tiles=True)
+    te, nt = jnp.zeros((2,), jnp.int32), jnp.array([2], jnp.int32)
+    rows = (jnp.zeros((48, 256), jnp.float16),)
+    cs = jnp.ones((2, 1, 16), jnp.float32)
+    with pytest.raises(ValueError, match="block_m=8 must be a multiple of 16"):
+        nvfp4_tile_gemm(TokenTiles(rows, jnp.array([0, 8], jnp.int32), 8), w, te, nt,
+                        config=cfg, interpret=True, col_scales=jnp.ones((2, 1, 8)))
+    with pytest.raises(ValueError, match="needs col_scales"):
+        nvfp4_tile_gemm(TokenTiles(rows, jnp.array([0, 16], jnp.int32), 16), w, te, nt,
+                        config=cfg, interpret=True)
+    with pytest.raises(ValueError, match="must be nondecreasing"):
+        nvfp4_tile_gemm(TokenTiles(rows, jnp.array([16, 0], jnp.int32), 16), w, te, nt,
+                        config=cfg, interpret=True, col_scales=cs)

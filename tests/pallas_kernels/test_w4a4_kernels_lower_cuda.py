@@ -121,6 +121,26 @@ def test_tile_kernel_32_row_tiles_on_two_pairs_lower_for_cuda(operands):
             b, w, jnp.ones((2, operands, 32), jnp.float32))
 
 
+@pytest.mark.parametrize("operands,stack,wgs", [(1, False, 4), (2, True, 4), (2, True, 2),
+                                                (2, False, 2)])
+def test_tile_kernel_narrow_tiles_lower_for_cuda(operands, stack, wgs):
+    """``narrow_tiles``: both accumulator sets' pipelines, the narrow one's wgmmas on the first
+    8 rows of each B tile (stacked: sliced from the folded tile)."""
+    from pallas_kernels.nvfp4_tiles_mgpu import TileGemmConfig, nvfp4_tile_gemm
+    from pallas_kernels.token_tiles import TokenTiles
+
+    wq = _weights(jax.random.key(6), (2, 256, 256), "expert")
+    w = jit_call(prepare_w4a4_weights, wq, bits="signs_high", scale_dtype="float8_e4m3fn")
+    rows = tuple(jnp.ones((32, 256), jnp.float16) for _ in range(operands))
+    te, nt = jnp.array([1, 0], jnp.int32), jnp.array([2], jnp.int32)
+    cfg = TileGemmConfig(n_group=2, compute_wgs=wgs, stack_operands=stack,
+                         memory_registers=24 if wgs == 4 else 40, narrow_tiles=True)
+    _export(lambda rows, row0, w, cs: nvfp4_tile_gemm(
+        TokenTiles(rows, row0, 16), w, te, nt, config=cfg, col_scales=cs,
+        out_dtype=jnp.bfloat16), rows, jnp.array([0, 8], jnp.int32), w,
+        jnp.ones((2, operands, 16), jnp.float32))
+
+
 @pytest.mark.parametrize("wgs,mma_k", [(2, 256), (4, 128)])
 def test_tile_kernel_residual_blocks_lower_for_cuda(wgs, mma_k):
     """The second operand's wgmmas per selected 16-column block (``residual_blocks``: A
