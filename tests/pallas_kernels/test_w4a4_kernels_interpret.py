@@ -687,16 +687,17 @@ def test_e4m3_scales_give_the_float16_scales_results():
     assert _rel(y, _f64_product(jit_call(aq.nvfp4_quantize, x), wq)) < 1e-5
 
 
-@pytest.mark.parametrize("num_ops,stack,wgs", [(1, False, 2), (2, True, 4), (2, False, 2)])
-def test_tile_gemm_narrow_tiles_multiply_half_the_rows(num_ops, stack, wgs):
+@pytest.mark.parametrize("num_ops,stack,wgs,ks", [(1, False, 2, 2), (2, True, 4, 1),
+                                                  (2, False, 2, 1)])
+def test_tile_gemm_narrow_tiles_multiply_half_the_rows(num_ops, stack, wgs, ks):
     """``narrow_tiles``: a window of at most ``block_m / 2`` live rows (the next live tile's
     window starts within ``block_m / 2`` rows) is multiplied at N = ``block_m / 2`` and its
-    other slots stored as zeros; the result is the reference's where the empty slots' scales
-    are 0 (as the grouped plan makes them), and the wide kernel's."""
+    other slots stored as zeros, in each K split; its items chain with wide ones on an SM. The
+    result is the reference's on the computed slots, and the wide kernel's."""
     from pallas_kernels.nvfp4_tiles_mgpu import TileGemmConfig, nvfp4_tile_gemm, tile_gemm_reference
     from pallas_kernels.token_tiles import TokenTiles
 
-    bm, k, n_group = 16, 256, 2
+    bm, k, n_group = 16, 256 * ks, 2
     n = 128 * n_group
     wq = _weights(jax.random.key(61), (2, n, k), "expert")
     w = jit_call(prepare_w4a4_weights, wq, bits="signs_high", scale_dtype="float8_e4m3fn")
@@ -713,11 +714,13 @@ def test_tile_gemm_narrow_tiles_multiply_half_the_rows(num_ops, stack, wgs):
 
     def run(narrow):
         cfg = TileGemmConfig(a_via_smem=True, num_sms=2, n_group=n_group, mma_k=128,
-                             stack_operands=stack, compute_wgs=wgs, narrow_tiles=narrow)
+                             stack_operands=stack, compute_wgs=wgs, narrow_tiles=narrow,
+                             k_splits=ks)
         return jit_call(nvfp4_tile_gemm, tiles, w, te, num_tiles, config=cfg, interpret=True,
                         col_scales=cs, out_dtype=jnp.float32)
 
-    y, wide = np.asarray(run(True)), np.asarray(run(False))
+    # K splits: float32 partial sums [T, ks, 1, bm, n], summed here
+    y, wide = (np.asarray(run(v)).sum(axis=1, keepdims=True) for v in (True, False))
     want = np.asarray(jit_call(tile_gemm_reference, tiles, w, te, cs, jnp.float32))
     assert y.shape == want.shape == (5, 1, 1, bm, n)
     computed = np.ones((5, bm), bool)
