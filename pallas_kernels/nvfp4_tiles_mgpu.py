@@ -779,6 +779,19 @@ def nvfp4_tile_gemm(
                                out_gmem.at[t, split, a, :, pl.ds(row0, WG_ROWS)], seq,
                                config.store_buffers)
 
+                def slot_scales(pieces):
+                    """The token slots' scales ``col_scales[t, a, cols]`` for each ``(a,
+                    cols)`` (times the tile's expert scale: slot_scales' product, in its
+                    order), broadcast over rows later; loaded before the K loop so that the
+                    load's latency hides behind it."""
+                    col = plgpu.Layout.WGMMA.reduce(0)
+                    scales = [plgpu.load(cs_gmem.at[t, a, cols], layout=col, optimized=False)
+                              for a, cols in pieces]
+                    if expert_scales is not None:
+                        w_t = es_gmem[expert] * jnp.float32(expert_factor)
+                        scales = [s * w_t for s in scales]
+                    return scales
+
                 def wide_context(eval_pipeline):
                     def acc_scope(*acc_refs):  # acc_refs[j * num_acc + a]
                         if col_scales is None:
@@ -788,14 +801,7 @@ def nvfp4_tile_gemm(
                                 for h, part in enumerate(column_halves(acc_ref[...])):
                                     store(part, j, a * halves + h)
                             return
-                        # The token slots' scales, loaded before the K loop so that the load's
-                        # latency hides behind it; [block_m] per operand, broadcast over rows.
-                        col = plgpu.Layout.WGMMA.reduce(0)
-                        scales = [plgpu.load(cs_gmem.at[t, a], layout=col, optimized=False)
-                                  for a in range(num_acc)]
-                        if expert_scales is not None:  # slot_scales' product, in its order
-                            w_t = es_gmem[expert] * jnp.float32(expert_factor)
-                            scales = [s * w_t for s in scales]
+                        scales = slot_scales([(a, slice(None)) for a in range(num_acc)])
                         eval_pipeline(acc_refs)
                         for j in range(tiles_per_wg):
                             y = None
@@ -819,16 +825,10 @@ def nvfp4_tile_gemm(
 
                 def narrow_context(eval_pipeline):
                     def narrow_scope(*acc_refs):  # acc_refs[j * num_ops + op], [64, half_m]
-                        col = plgpu.Layout.WGMMA.reduce(0)
-                        # operand op's first half_m slot scales (stacked: [T, 1, 2 block_m])
-                        scales = [plgpu.load(cs_gmem.at[t, 0 if halves == 2 else op,
-                                                        pl.ds(op * block_m if halves == 2
-                                                              else 0, half_m)],
-                                             layout=col, optimized=False)
-                                  for op in range(num_ops)]
-                        if expert_scales is not None:
-                            w_t = es_gmem[expert] * jnp.float32(expert_factor)
-                            scales = [sc * w_t for sc in scales]
+                        # operand op's first half_m slots (stacked: [T, 1, 2 block_m])
+                        scales = slot_scales([(0, pl.ds(op * block_m, half_m)) if halves == 2
+                                              else (op, pl.ds(0, half_m))
+                                              for op in range(num_ops)])
                         eval_pipeline(acc_refs)
                         zeros = plgpu.layout_cast(
                             jnp.zeros((WG_ROWS, block_m - half_m), jnp.float32),
