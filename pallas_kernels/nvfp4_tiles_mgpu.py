@@ -304,12 +304,13 @@ def run_work_items(make_pipeline, allocations, num_live_work, chain: bool, work_
 
     ``work_body(idx, local) -> (gmem refs, body, compute_context)`` for item ``idx``, the
     ``local``-th (int32, from 0) of its SM's items, where ``compute_context`` may be a triple
-    ``(flag, if_true, if_false)``: two pipelines over the same copies, the item's flag picks one
-    (``narrow_tiles``); ``make_pipeline(body, compute_context, state)`` emits the pipeline. With ``chain`` an SM's
-    pipelines are chained (``pipeline_state`` START / STEADY / STOP): the copy warpgroup runs
-    on into the next item's first K steps while the compute warpgroups finish the current one,
-    so an item does not start with an empty pipeline (an HBM round trip per item, with 3 to 8
-    K steps per item in decode). An SM with one item runs it unchained.
+    ``(flag, if_true, if_false)``: two pipelines over the same copies, the item's flag picks
+    one (``narrow_tiles``); ``make_pipeline(body, compute_context, state)`` emits the
+    pipeline. With ``chain`` an SM's pipelines are chained (``pipeline_state`` START / STEADY
+    / STOP): the copy warpgroup runs on into the next item's first K steps while the compute
+    warpgroups finish the current one, so an item does not start with an empty pipeline (an
+    HBM round trip per item, with 3 to 8 K steps per item in decode). An SM with one item runs
+    it unchained.
     """
 
     @plgpu.nd_loop((num_live_work,), collective_axes="sm")
