@@ -114,10 +114,10 @@
 #   nrows  the grouped decode kernel alone with 32 token rows per tile instead of 16 (same tiles
 #          and weight bytes; wgmma N 32, 64 with RAC's stacked operand), on one pair and on two
 #          pairs at 112 registers, ptxas lines: does the plain call at N = 32 cost what RAC's
-#          at 16 + 16 does (the tensor cores' time for N)? Two pairs at 104 registers and mma_k
-#          128 as well; the PTX comes back in nrows_dump.tgz for `scripts/sass_stats.py`; and with 8
-#          rows per tile (N 8, RAC's stacked 16: would narrow tiles for experts with <= 8 tokens
-#          make RAC's two-pair calls cost what the plain ones do?) (~5 min)
+#          at 16 + 16 does (the tensor cores' time for N)? And with 8 rows per tile (N 8, RAC's
+#          stacked 16: would narrow tiles for experts with <= 8 tokens make RAC's two-pair
+#          calls cost what the plain ones do?), two pairs at 104 as well; the PTX comes back in
+#          nrows_dump.tgz for `scripts/sass_stats.py` (~5 min)
 #   narrow TileGemmConfig.narrow_tiles (session 49: a tile of <= 8 rows multiplied at wgmma N 8,
 #          RAC's stacked 8 + 8): the grouped matmul's GPU check with it, then the kernel alone on
 #          windows ~60 % narrow, one and two pairs, against the defaults and rows8 (~5 min);

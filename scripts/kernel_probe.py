@@ -717,10 +717,11 @@ def variant_fields(kw: dict, block_m: int) -> tuple[tuple[str, str | None], int,
             kw.pop("narrow_frac", None), kw)
 
 
-def narrow_windows(operands, frac: float, seed: int):
+def narrow_windows(operands, frac: float, seed: int, live: int):
     """Gathered tiles ``[T, rows, Kp]`` as ``TokenTiles`` windows whose tiles hold ``rows / 2``
     live rows with probability ``frac`` (the next window starts ``rows / 2`` on: what
-    ``TileGemmConfig.narrow_tiles`` multiplies at N = ``rows / 2``), else ``rows``."""
+    ``TileGemmConfig.narrow_tiles`` multiplies at N = ``rows / 2``), else ``rows``; and the
+    share of the ``live`` tiles the kernel multiplies narrow (the last live one never is)."""
     from pallas_kernels.token_tiles import TokenTiles
 
     t, rows, k = operands[0].shape
@@ -729,7 +730,7 @@ def narrow_windows(operands, frac: float, seed: int):
     row0 = np.concatenate([[0], np.cumsum(stride)[:-1]]).astype(np.int32)
     length = int(row0[-1]) + rows
     flat = tuple(b.reshape(t * rows, k)[:length] for b in operands)
-    return TokenTiles(flat, jnp.asarray(row0), rows), float(narrow[:-1].mean())
+    return TokenTiles(flat, jnp.asarray(row0), rows), float(narrow[:live - 1].sum() / live)
 
 
 def residual_block_bits(experts: int, k_pad: int, fraction: float, seed: int) -> jax.Array:
@@ -783,7 +784,7 @@ def run_grouped_ablations(tokens: int = 128, variants: tuple[str, ...] | None = 
            f"tiles={int(nt[0])} of {t_max}")
 
     for v in checks:
-        # (tile_rows / rac_keep variants were refused above)
+        # (tile_rows / rac_keep / narrow_frac variants were refused above)
         (bits, scales), _, _, _, kw = variant_fields(dict(GROUPED_VARIANTS)[v], block_m)
         if "memory_registers" in kw:  # the grouped matmul's field for two-pair calls
             kw["wide_memory_registers"] = kw.pop("memory_registers")
@@ -867,7 +868,8 @@ def run_grouped_ablations(tokens: int = 128, variants: tuple[str, ...] | None = 
                                                 else jnp.float32, residual_blocks=rb))
                     bt, narrow_note = tuple(b[:a]), ""
                     if narrow_frac is not None:
-                        bt, share = narrow_windows(bt, narrow_frac, seed=960 + n)
+                        bt, share = narrow_windows(bt, narrow_frac, seed=960 + n,
+                                                   live=int(nt[0]))
                         narrow_note = f" narrow {share:.2f} of the tiles"
                     us, count, busy = traced(f, bt, ww, tag=f"{name}_{a}")
                     # vs fp8: the format's bytes at our FP8 kernel's rate over this time.

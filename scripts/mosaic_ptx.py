@@ -13,8 +13,8 @@ no device time:
 
 Per kernel (``kernel_probe``'s ``GROUPED_VARIANTS`` names at the decode step's shapes: 128
 experts, 192 token tiles of 16 rows, gate_up 1536 x 2048 / down 2048 x 768, or issue 4's
-dense decode, 16 tokens through 4096 -> 14336; with and without RAC's second operand) it prints ``sass_stats``'s line: registers a thread, spill bytes, ptxas's
-C75xx notes (C7512: wgmmas serialized for want of registers), HGMMA shapes and counts, wgmma
+dense decode, 16 tokens through 4096 -> 14336; with and without RAC's second operand) it
+prints ``sass_stats``'s line: registers a thread, spill bytes, ptxas's C75xx notes (C7512: wgmmas serialized for want of registers), HGMMA shapes and counts, wgmma
 waits, local loads / stores. The numbers are compile-time facts, not timings.
 """
 
@@ -163,7 +163,7 @@ def compile_and_report(variants: list[str], shapes: list[str], rac: list[int], t
     compile_fn = lib.MosaicGpuCompile
     compile_fn.argtypes = [ctypes.c_char_p, ctypes.c_int]
     compile_fn.restype = ctypes.POINTER(ctypes.c_void_p)
-    sass = _has_cuobjdump()
+    cuobjdump = _cuobjdump()
     rows = []
     for variant in variants:
         for shape in shapes:
@@ -176,18 +176,18 @@ def compile_and_report(variants: list[str], shapes: list[str], rac: list[int], t
                 if len(new) != 1:
                     raise RuntimeError(f"{label}: expected one new PTX dump in {dump_dir}, "
                                        f"got {new}")
-                rows.append((label, sass_stats.analyse(new[0], None, None, "ptxas", sass)))
+                rows.append((label, sass_stats.analyse(new[0], None, None, "ptxas", cuobjdump)))
     return rows
 
 
-def _has_cuobjdump() -> bool:
+def _cuobjdump() -> str | None:
+    """cuobjdump's path, or None (ptxas's notes only, no SASS counts)."""
     import sass_stats
 
     try:
-        sass_stats.find_cuobjdump()
-        return True
+        return sass_stats.find_cuobjdump()
     except FileNotFoundError:
-        return False
+        return None
 
 
 def main(argv=None) -> int:

@@ -96,7 +96,9 @@ def find_cuobjdump() -> str:
 
 
 def analyse(ptx_path: str, compute: int | None, memory: int | None, ptxas: str,
-            sass: bool) -> dict:
+            cuobjdump: str | None) -> dict:
+    """ptxas's notes on ``ptx_path`` (its setmaxnreg counts rewritten first), and the SASS
+    counts where ``cuobjdump`` (its path; None: ptxas notes only) disassembles the result."""
     with open(ptx_path) as f:
         ptx = rewrite_registers(f.read(), compute, memory)
     with tempfile.TemporaryDirectory() as tmp:
@@ -108,8 +110,8 @@ def analyse(ptx_path: str, compute: int | None, memory: int | None, ptxas: str,
         if run.returncode:
             raise RuntimeError(f"ptxas failed on {ptx_path}: {run.stderr.strip()[:500]}")
         out = ptxas_notes(run.stdout + run.stderr)
-        if sass:
-            dis = subprocess.run([find_cuobjdump(), "-sass", cubin], capture_output=True,
+        if cuobjdump is not None:
+            dis = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True,
                                  text=True, check=True)
             out.update(sass_counts(dis.stdout))
     out["setmaxnreg"] = [f"{a} {n}" for a, n in SETMAXNREG.findall(ptx)][:4]
@@ -126,9 +128,9 @@ def main(argv=None) -> int:
     p.add_argument("--ptxas", default=shutil.which("ptxas") or "ptxas")
     p.add_argument("--no-sass", action="store_true", help="ptxas notes only (no cuobjdump)")
     args = p.parse_args(argv)
+    cuobjdump = None if args.no_sass else find_cuobjdump()
     for path in args.ptx:
-        r = analyse(path, args.compute_registers, args.memory_registers, args.ptxas,
-                    not args.no_sass)
+        r = analyse(path, args.compute_registers, args.memory_registers, args.ptxas, cuobjdump)
         print(f"{path}: " + " ".join(f"{k}={v}" for k, v in r.items()))
     return 0
 

@@ -81,6 +81,6 @@ def test_parsers_read_ptxas_and_sass_text():
 def test_ptxas_round_trip(tmp_path):
     path = tmp_path / "k.ptx"
     path.write_text(PTX)
-    r = sass_stats.analyse(str(path), 112, 24, shutil.which("ptxas"), sass=False)
+    r = sass_stats.analyse(str(path), 112, 24, shutil.which("ptxas"), cuobjdump=None)
     assert isinstance(r["registers"], int) and r["spill_stores"] == 0
     assert r["setmaxnreg"] == ["inc 112", "dec 24"]
